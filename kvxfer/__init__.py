@@ -1,0 +1,58 @@
+"""kvxfer: paged KV-cache transfer for disaggregated prefill/decode serving.
+
+Pipeline (one stage a module): describe (:mod:`kvxfer.layout`) -> pack/unpack
+(:mod:`kvxfer.kernels`) -> register (:mod:`kvxfer.memory`, ``kvxfer._C``) ->
+move (:mod:`kvxfer.transport`) -> agent API (:mod:`kvxfer.agent`) -> serving/CLI.
+
+Heavy dependencies (torch, triton, UCX) are imported lazily: ``import kvxfer``
+alone loads only the error hierarchy.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .errors import (
+    AuthenticationError,
+    InvalidDescriptor,
+    KVXferError,
+    LayoutMismatch,
+    PeerDisconnected,
+    ProtocolError,
+    RegistrationError,
+    TransferCancelled,
+    TransferTimeout,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "KVLayout": "kvxfer.layout",
+    "pack": "kvxfer.kernels",
+    "unpack": "kvxfer.kernels",
+    "Agent": "kvxfer.agent",
+    "Peer": "kvxfer.agent",
+    "TransferHandle": "kvxfer.handle",
+}
+
+__all__ = [
+    "KVXferError",
+    "TransferTimeout",
+    "PeerDisconnected",
+    "LayoutMismatch",
+    "AuthenticationError",
+    "RegistrationError",
+    "InvalidDescriptor",
+    "TransferCancelled",
+    "ProtocolError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,56 @@
+"""The one error hierarchy of kvxfer.
+
+Every failure a caller can act on has its own subclass of :class:`KVXferError`.
+Argument mistakes (wrong shape, wrong dtype, out-of-range ids) raise the
+built-in :class:`ValueError` / :class:`TypeError` instead, before any memory is
+touched. The C++ extension maps its statuses onto these classes.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "KVXferError",
+    "TransferTimeout",
+    "PeerDisconnected",
+    "LayoutMismatch",
+    "AuthenticationError",
+    "RegistrationError",
+    "InvalidDescriptor",
+    "TransferCancelled",
+    "ProtocolError",
+]
+
+
+class KVXferError(Exception):
+    """Base class of every kvxfer failure."""
+
+
+class TransferTimeout(KVXferError, TimeoutError):
+    """A wait ran past its timeout; nothing incomplete was reported as done."""
+
+
+class PeerDisconnected(KVXferError, ConnectionError):
+    """The remote agent went away (process died, connection dropped)."""
+
+
+class LayoutMismatch(KVXferError):
+    """Two KV pools cannot be converted into each other (model dims, dtype, block size)."""
+
+
+class AuthenticationError(KVXferError):
+    """The peer failed the shared-secret challenge; it learned no memory keys."""
+
+
+class RegistrationError(KVXferError):
+    """Memory could not be registered, or a registration is no longer valid."""
+
+
+class InvalidDescriptor(KVXferError, ValueError):
+    """A transfer descriptor falls outside the memory the peer advertised."""
+
+
+class TransferCancelled(KVXferError):
+    """The transfer was cancelled before it completed."""
+
+
+class ProtocolError(KVXferError):
+    """A control message was malformed or of an unsupported protocol version."""

@@ -1,0 +1,93 @@
+"""The backend interface every data mover implements.
+
+A backend moves bytes between *registered regions*: a region is registered once
+(the whole KV pool, the staging ring) and named by a small integer id. A
+transfer is a batch of descriptors, an ``int64`` array of shape ``[n, 5]``::
+
+    (local_region_id, local_offset, remote_region_id, remote_offset, length)
+
+Offsets are bytes from the start of the region. Every descriptor is checked
+against the local registrations and the regions the peer advertised before
+anything is posted (:class:`~kvxfer.errors.InvalidDescriptor` otherwise).
+
+Completion promised by :meth:`Backend.test` / :meth:`Backend.wait` returning
+True: for a write, the bytes are visible in the remote region (the backend
+flushed); for a read, the bytes are in the local region. Notifications are not
+part of the data path: the agent sends them after completion, so a peer that
+sees a notification also sees the data.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+DESC_FIELDS = ("local_region", "local_offset", "remote_region", "remote_offset", "length")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; used by the agent's cost model."""
+
+    name: str
+    one_sided_read: bool = True
+    cuda: bool = False
+    same_host_only: bool = False
+    # rough per-descriptor cost and per-byte rate, for choosing zero-copy vs pack
+    per_desc_overhead_us: float = 1.0
+
+
+@dataclass
+class Connection:
+    """A backend's handle to one remote agent's memory (after authentication)."""
+
+    peer_id: int
+    transport: str  # what actually carries the bytes, e.g. "vm", "ucx:cma", "ucx:tcp"
+    remote_regions: dict = field(default_factory=dict)  # region_id -> (addr, length)
+
+
+class Backend(ABC):
+    """Registration and one-sided data movement. One instance per agent."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def register(self, addr: int, length: int, *, device: str = "cpu", device_id: int = 0) -> int:
+        """Register ``[addr, addr+length)`` once; return its region id."""
+
+    @abstractmethod
+    def deregister(self, region_id: int) -> None:
+        """Invalidate a region and every key made from it."""
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """Opaque bytes a peer needs to reach this backend's regions (keys included).
+
+        Only ever sent to a peer after it authenticated.
+        """
+
+    @abstractmethod
+    def connect(self, peer_metadata: bytes) -> Connection:
+        """Build a connection from a peer's :meth:`metadata` bytes."""
+
+    @abstractmethod
+    def disconnect(self, conn: Connection) -> None: ...
+
+    @abstractmethod
+    def post(self, conn: Connection, op: str, descs) -> int:
+        """Validate and post a batch (``op`` is ``"write"`` or ``"read"``); return a request id."""
+
+    @abstractmethod
+    def test(self, request_id: int) -> bool:
+        """Make progress; True once the request completed (data visible, see module doc).
+
+        Raises :class:`~kvxfer.errors.PeerDisconnected` if the peer went away.
+        """
+
+    @abstractmethod
+    def wait(self, request_id: int, timeout: float) -> None:
+        """Block until complete, or raise :class:`~kvxfer.errors.TransferTimeout`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every registration and endpoint; idempotent."""

@@ -1,0 +1,146 @@
+"""Output of a benchmark run: a rich table, a progress bar, ``--json`` and ``--plot``.
+
+A result is a list of *rows* (plain dicts, one per sweep point) plus the
+environment from :mod:`kvxfer.bench.envinfo`. Each row keeps every steady-state
+sample under ``"samples"`` so a JSON file can be re-analysed later; the table
+shows only the summary columns the caller names.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Sequence
+
+SCHEMA_VERSION = 1
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def fmt(value, digits: int = 2) -> str:
+    """Table cell text: NaN/None as '-', floats rounded, ints and strings as they are."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if math.isinf(value):
+            return "inf"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def human_bytes(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size} {unit}"
+    return f"{nbytes} B"
+
+
+def print_table(title: str, columns: Sequence[tuple[str, str]], rows: Iterable[dict],
+                *, out=None, caption: str | None = None) -> None:
+    """Print ``rows`` with ``columns`` given as ``(header, row_key)`` pairs."""
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, show_lines=False)
+    for header, _ in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(fmt(row.get(key)) for _, key in columns))
+    (out or console()).print(table)
+
+
+def warn(message: str, *, out=None) -> None:
+    (out or console(stderr=True)).print(f"[bold yellow]warning:[/] {message}")
+
+
+@contextlib.contextmanager
+def progress(total: int, description: str, *, enabled: bool = True):
+    """A progress bar on stderr; yields ``advance()`` (a no-op when disabled or not a TTY-less run)."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+def _jsonable(obj):
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None  # strict JSON has no NaN/inf
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "as_dict"):
+        return _jsonable(obj.as_dict())
+    if hasattr(obj, "item"):  # numpy scalars
+        return obj.item()
+    return obj
+
+
+def write_json(path: str | Path, *, benchmark: str, args: dict, environment: dict,
+               rows: list[dict], extra: dict | None = None) -> None:
+    """Write one run: schema version, benchmark name, arguments, environment, rows (with samples)."""
+    doc = {"schema": SCHEMA_VERSION, "benchmark": benchmark, "args": args,
+           "environment": environment, "rows": rows}
+    if extra:
+        doc.update(extra)
+    Path(path).write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
+
+
+def plot_bandwidth(path: str | Path, series: dict[str, tuple[list[float], list[float]]],
+                   *, title: str, xlabel: str = "block size (bytes)") -> None:
+    """GB/s vs block size, one line per series (``name -> (x, y)``), log2 x axis, PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (xs, ys) in series.items():
+        style = "--" if "limit" in name else "-"
+        ax.plot(xs, ys, style, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cdfs(path: str | Path, panels: dict[str, dict[str, list[float]]], *, title: str) -> None:
+    """One panel per metric (``metric -> {run label -> values}``), empirical CDFs, PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (metric, runs) in zip(axes[0], panels.items()):
+        for label, values in runs.items():
+            data = sorted(v for v in values if v is not None)
+            if not data:
+                continue
+            ys = [(i + 1) / len(data) for i in range(len(data))]
+            ax.step(data, ys, where="post", label=label)
+        ax.set_xlabel(metric)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

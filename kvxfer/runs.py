@@ -1,0 +1,176 @@
+"""Where the bytes of blocks live: copy plans, memory regions, byte runs.
+
+A :class:`CopyPlan` turns (layout, block ids, layers, heads) into the numbers
+every copy path uses: per wire plane (a selected (layer, kv) pair, in wire
+order) the address of its head-range origin, its block stride, and a tile of
+``S0 x S1 x S2`` rows of ``row_bytes`` contiguous bytes. Rows are the largest
+pieces contiguous both in engine memory and in the wire format (dims are
+merged only where every plane allows it), so one kernel launch covers all
+planes. Validation happens here, before anything touches memory.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def normalize_ids(block_ids, num_blocks: int, *, unique: bool) -> np.ndarray:
+    """Validate block ids -> int64 numpy ``[n]`` (an int, sequence, numpy array or int tensor)."""
+    if isinstance(block_ids, bool):
+        raise TypeError("block_ids must be integers, got a bool")
+    if isinstance(block_ids, (int, np.integer)):
+        arr = np.array([int(block_ids)], dtype=np.int64) if abs(int(block_ids)) < 2**63 else None
+        if arr is None:
+            raise ValueError(f"block id {block_ids} out of range [0, {num_blocks})")
+    elif type(block_ids).__module__.startswith("torch"):
+        import torch
+
+        if not isinstance(block_ids, torch.Tensor):
+            raise TypeError(f"block_ids must be ints or an integer tensor, got {type(block_ids).__name__}")
+        if block_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"block_ids tensor must have an integer dtype (int64/int32), got {block_ids.dtype}")
+        arr = block_ids.detach().to("cpu", torch.int64).numpy()
+    elif isinstance(block_ids, np.ndarray):
+        if block_ids.dtype.kind not in "iu":
+            raise TypeError(f"block_ids array must have an integer dtype, got {block_ids.dtype}")
+        if block_ids.dtype == np.uint64 and block_ids.size and block_ids.max() >= 2**63:
+            raise ValueError(f"block id {block_ids.max()} out of range [0, {num_blocks})")
+        arr = block_ids.astype(np.int64)
+    elif isinstance(block_ids, (list, tuple, range)):
+        for x in block_ids:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                raise TypeError(f"block_ids must hold ints, got {type(x).__name__} ({x!r})")
+            if not -(2**63) <= int(x) < 2**63:
+                raise ValueError(f"block id {x} out of range [0, {num_blocks})")
+        arr = np.array(block_ids, dtype=np.int64).reshape(-1)
+    else:
+        raise TypeError(f"block_ids must be ints, a sequence, a numpy array or a tensor, got {type(block_ids).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"block_ids must be 1-d, got shape {arr.shape}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise ValueError(f"negative block id {lo}")
+        if hi >= num_blocks:
+            raise ValueError(f"block id {hi} out of range [0, {num_blocks})")
+        if unique and np.unique(arr).size != arr.size:
+            raise ValueError("block_ids has duplicates; unpack would write one block twice")
+    return np.ascontiguousarray(arr)
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Numbers for one pack/unpack; wire layout ``[layers][kv][ids][S0][S1][S2][row_bytes]``."""
+
+    ids: np.ndarray  # int64 [n]
+    layers: tuple
+    heads: tuple  # global (start, stop)
+    plane_addrs: np.ndarray  # int64 [P]: address of block 0's tile origin per wire plane
+    block_strides: np.ndarray  # int64 [P]
+    outer_strides: np.ndarray  # int64 [P, 3]
+    outer_sizes: tuple  # (S0, S1, S2)
+    row_bytes: int
+    tile_bytes: int  # = S0 * S1 * S2 * row_bytes = B * heads * D * itemsize
+    nbytes: int  # = P * n * tile_bytes
+
+    @property
+    def num_planes(self) -> int:
+        return len(self.plane_addrs)
+
+
+def make_plan(layout, block_ids, *, layers=None, heads=None, unique: bool = False) -> CopyPlan:
+    ids = normalize_ids(block_ids, layout.num_blocks, unique=unique)
+    layers = layout.resolve_layers(layers)
+    heads = layout.resolve_heads(heads)
+    h0, num_h = heads[0] - layout.head_range[0], heads[1] - heads[0]
+    item = layout.itemsize
+    planes = [layout.planes[l][kv] for l in layers for kv in range(layout.num_kv)]
+    ptrs = [t.data_ptr() for t in layout.tensors]
+    addrs = np.array([ptrs[p.tensor_index] + p.offset + h0 * p.strides[2] for p in planes], dtype=np.int64)
+    block_strides = np.array([p.strides[0] for p in planes], dtype=np.int64)
+    # wire tile dims, outer to inner: token (B), head, dim; merge from the inside
+    dims = [(layout.block_size, [p.strides[1] for p in planes]), (num_h, [p.strides[2] for p in planes])]
+    if all(p.strides[3] == item for p in planes):
+        row = layout.head_dim * item
+    else:
+        row = item
+        dims.append((layout.head_dim, [p.strides[3] for p in planes]))
+    while dims and (dims[-1][0] == 1 or all(s == row for s in dims[-1][1])):
+        row *= dims.pop()[0]
+    dims = [d for d in dims if d[0] != 1]
+    dims = [(1, [0] * len(planes))] * (3 - len(dims)) + dims
+    outer = np.array([d[1] for d in dims], dtype=np.int64).T.reshape(len(planes), 3)
+    tile = layout.block_size * num_h * layout.head_dim * item
+    return CopyPlan(ids, layers, heads, addrs, block_strides, np.ascontiguousarray(outer),
+                    tuple(d[0] for d in dims), row, tile, len(planes) * ids.size * tile)
+
+
+def regions(layout) -> tuple:
+    """``((address, nbytes), ...)`` sorted, non-overlapping: one hull per storage, overlaps merged."""
+    hulls = {}
+    for t in layout.tensors:
+        lo = t.data_ptr()
+        hi = lo + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        key = t.untyped_storage().data_ptr()
+        a, b = hulls.get(key, (lo, hi))
+        hulls[key] = (min(a, lo), max(b, hi))
+    merged = []
+    for lo, hi in sorted(hulls.values()):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return tuple((lo, hi - lo) for lo, hi in merged)
+
+
+def block_runs(layout, block_ids, *, layers=None, heads=None) -> np.ndarray:
+    """int64 ``[num_runs, 4]``: region, offset in region, wire offset, length (coalesced)."""
+    plan = make_plan(layout, block_ids, layers=layers, heads=heads)
+    if plan.nbytes == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    spans = regions(layout)
+    starts = [lo for lo, _ in spans]
+    region = np.array([bisect.bisect_right(starts, int(a)) - 1 for a in plan.plane_addrs], dtype=np.int64)
+    base = plan.plane_addrs - np.array([starts[r] for r in region], dtype=np.int64)
+    s0, s1, s2 = (np.arange(s, dtype=np.int64) for s in plan.outer_sizes)
+    o = plan.outer_strides
+    inner = (s0[None, :, None, None] * o[:, None, None, None, 0] + s1[None, None, :, None] * o[:, None, None, None, 1]
+             + s2[None, None, None, :] * o[:, None, None, None, 2])  # [P, S0, S1, S2]
+    offs = (base[:, None] + plan.ids[None, :] * plan.block_strides[:, None])[:, :, None] + inner.reshape(len(base), 1, -1)
+    offs = offs.reshape(-1)
+    regs = np.broadcast_to(region[:, None], (len(base), offs.size // len(base))).reshape(-1)
+    row = plan.row_bytes
+    brk = np.ones(offs.size, dtype=bool)
+    brk[1:] = (regs[1:] != regs[:-1]) | (offs[1:] != offs[:-1] + row)
+    first = np.flatnonzero(brk)
+    lengths = np.diff(np.append(first, offs.size)) * row
+    return np.stack([regs[first], offs[first], first * row, lengths], axis=1).astype(np.int64)
+
+
+def pair_runs(src_runs: np.ndarray, dst_runs: np.ndarray) -> np.ndarray:
+    """Match two sides' :func:`block_runs` of the same wire bytes into transfer descriptors.
+
+    Returns int64 ``[m, 5]``: src region, src offset, dst region, dst offset,
+    length, one per piece contiguous on both sides, coalesced in source order.
+    """
+    src, dst = np.asarray(src_runs, dtype=np.int64), np.asarray(dst_runs, dtype=np.int64)
+    total_s, total_d = int(src[:, 3].sum()) if len(src) else 0, int(dst[:, 3].sum()) if len(dst) else 0
+    if total_s != total_d:
+        raise ValueError(f"the two sides cover different wire sizes: {total_s} vs {total_d} bytes")
+    if total_s == 0:
+        return np.zeros((0, 5), dtype=np.int64)
+    cuts = np.union1d(src[:, 2], dst[:, 2])
+    lens = np.diff(np.append(cuts, total_s))
+    si = np.searchsorted(src[:, 2], cuts, side="right") - 1
+    di = np.searchsorted(dst[:, 2], cuts, side="right") - 1
+    desc = np.stack([src[si, 0], src[si, 1] + cuts - src[si, 2], dst[di, 0], dst[di, 1] + cuts - dst[di, 2], lens], 1)
+    desc = desc[np.lexsort((desc[:, 1], desc[:, 0]))]
+    brk = np.ones(len(desc), dtype=bool)
+    brk[1:] = ((desc[1:, 0] != desc[:-1, 0]) | (desc[1:, 1] != desc[:-1, 1] + desc[:-1, 4])
+               | (desc[1:, 2] != desc[:-1, 2]) | (desc[1:, 3] != desc[:-1, 3] + desc[:-1, 4]))
+    first = np.flatnonzero(brk)
+    out = desc[first].copy()
+    out[:, 4] = np.add.reduceat(desc[:, 4], first)
+    return out

@@ -1,0 +1,144 @@
+"""Paged attention over :class:`~kvxfer.serving.kv_cache.KVCache`.
+
+A step runs a list of :class:`Chunk` s (one per sequence): a prefill chunk is
+many tokens of one prompt (``start_pos > 0`` when a prefix is already in the
+cache), a decode chunk is one token. New K/V are written into their slots,
+then each sequence attends over its own blocks, gathered through its block
+table. Attention runs per sequence, so a sequence's result does not depend on
+which other sequences share the step, nor on which physical blocks hold its KV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# Row-invariance of CPU GEMM: with torch's CPU BLAS, a row of ``x @ w.T`` has the
+# same bits for every row count that is a multiple of 8 (1 or 2 threads), while
+# small/odd counts take other kernels. Steps are padded to a multiple of ROW_PAD
+# rows so a token's result never depends on the batch it ran in.
+ROW_PAD = 8
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one sequence to run in one step.
+
+    ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``;
+    positions ``< start_pos`` must already be in the cache. ``block_table`` lists
+    the physical blocks holding positions ``0..``, and must cover the chunk's end.
+    """
+
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        object.__setattr__(self, "block_table", tuple(int(b) for b in self.block_table))
+        if not self.token_ids:
+            raise ValueError("a chunk needs at least one token")
+        if not isinstance(self.start_pos, int) or self.start_pos < 0:
+            raise ValueError(f"start_pos must be an int >= 0, got {self.start_pos!r}")
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last position (the context length after this chunk)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class _SeqSlice:
+    row: int  # first row of this chunk in the step's token rows
+    num_tokens: int
+    start_pos: int
+    block_ids: torch.Tensor  # [nb] long
+
+
+class StepBatch:
+    """Tensors for one step, built from chunks.
+
+    ``input_ids``/``positions``: ``[T_pad]`` (``T`` real rows padded to a multiple
+    of ``ROW_PAD``); ``slot_blocks``/``slot_offsets``: ``[T]`` where each new
+    token's K/V goes; ``last_rows``: ``[S]`` the row of each chunk's last token.
+    """
+
+    def __init__(self, chunks: Sequence[Chunk], *, block_size: int, num_blocks: int,
+                 max_position: int) -> None:
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        ids: list[int] = []
+        positions: list[int] = []
+        self.seqs: list[_SeqSlice] = []
+        last_rows: list[int] = []
+        for chunk in chunks:
+            if not isinstance(chunk, Chunk):
+                raise TypeError(f"expected Chunk, got {type(chunk).__name__}")
+            if chunk.end_pos > max_position:
+                raise ValueError(f"position {chunk.end_pos - 1} exceeds the model's "
+                                 f"context length {max_position}")
+            needed = -(-chunk.end_pos // block_size)
+            if len(chunk.block_table) < needed:
+                raise ValueError(f"block table of {len(chunk.block_table)} blocks cannot hold "
+                                 f"{chunk.end_pos} tokens (block size {block_size})")
+            table = chunk.block_table[:needed]
+            if min(table) < 0 or max(table) >= num_blocks:
+                raise ValueError(f"block ids must lie in [0, {num_blocks}), got {list(table)}")
+            self.seqs.append(_SeqSlice(len(ids), len(chunk.token_ids), chunk.start_pos,
+                                       torch.tensor(table, dtype=torch.long)))
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.end_pos))
+            last_rows.append(len(ids) - 1)
+        self.num_tokens = len(ids)
+        pos = torch.tensor(positions, dtype=torch.long)
+        blocks = torch.cat([s.block_ids for s in self.seqs])
+        starts = torch.tensor([0] + [len(s.block_ids) for s in self.seqs[:-1]]).cumsum(0)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(self.seqs)),
+                                             torch.tensor([s.num_tokens for s in self.seqs]))
+        self.slot_blocks = blocks[starts[seq_of_row] + pos // block_size]
+        self.slot_offsets = pos % block_size
+        pad = -len(ids) % ROW_PAD
+        self.input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long)
+        self.positions = torch.cat([pos, torch.zeros(pad, dtype=torch.long)])
+        self.last_rows = torch.tensor(last_rows, dtype=torch.long)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+            scale: float) -> torch.Tensor:
+    """Causal GQA attention of ``q`` ``[n, Hq, D]`` (positions ``start_pos..``) over
+    ``k``/``v`` ``[ctx, Hkv, D]`` (positions ``0..ctx-1``); returns ``[n, Hq, D]``."""
+    n, num_heads, head_dim = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # query head h reads kv head h // group; rows ordered (token, head-in-group)
+    qh = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
+    scores = torch.matmul(qh, k.permute(1, 2, 0)) * scale  # [Hkv, n*group, ctx]
+    if n > 1:
+        query_pos = torch.arange(start_pos, start_pos + n).repeat_interleave(group)
+        future = torch.arange(ctx).unsqueeze(0) > query_pos.unsqueeze(1)  # [n*group, ctx]
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.transpose(0, 1))  # [Hkv, n*group, D]
+    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                    cache_v: torch.Tensor, batch: StepBatch, scale: float) -> torch.Tensor:
+    """Write new K/V into the cache, then attend per sequence through its block table.
+
+    ``q`` ``[T_pad, Hq, D]``, ``k``/``v`` ``[T_pad, Hkv, D]`` (rotary applied);
+    ``cache_k``/``cache_v`` ``[N, B, Hkv, D]`` views of one layer. Returns
+    ``[T_pad, Hq, D]`` (padding rows are zero).
+    """
+    t = batch.num_tokens
+    cache_k[batch.slot_blocks, batch.slot_offsets] = k[:t]
+    cache_v[batch.slot_blocks, batch.slot_offsets] = v[:t]
+    out = torch.zeros_like(q)
+    for s in batch.seqs:
+        ctx = s.start_pos + s.num_tokens
+        keys = cache_k[s.block_ids].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        values = cache_v[s.block_ids].flatten(0, 1)[:ctx]
+        out[s.row:s.row + s.num_tokens] = _attend(q[s.row:s.row + s.num_tokens], keys, values,
+                                                  s.start_pos, scale)
+    return out

@@ -1,0 +1,126 @@
+"""A plain-torch Llama decoder (GQA, RMSNorm, SwiGLU, RoPE) with paged attention.
+
+Weights are fp32, dequantized from GGUF. The model reads and writes K/V only
+through its :class:`~kvxfer.serving.kv_cache.KVCache`; :meth:`LlamaModel.forward`
+runs one step (prefill chunks or decode tokens) and returns last-token logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import ROW_PAD, Chunk, StepBatch, paged_attention
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` ``[T, hidden]`` normalized by its root mean square, times ``weight`` ``[hidden]``."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer; linear weights are ``[out, in]``."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [Hq*D + 2*Hkv*D, hidden]  (q, k, v stacked)
+    o: torch.Tensor  # [hidden, Hq*D]
+    ffn_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2*inter, hidden]  (gate, up stacked)
+    down: torch.Tensor  # [hidden, inter]
+
+
+class LlamaModel:
+    """Example::
+
+        model = LlamaModel.from_gguf(None, num_blocks=64)        # embedded SmolLM2
+        logits = model.forward([Chunk(prompt_ids, 0, (0, 1))])   # [1, vocab]
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 kv_cache: KVCache) -> None:
+        if kv_cache.num_layers != config.num_layers:
+            raise ValueError(f"cache has {kv_cache.num_layers} layers, model {config.num_layers}")
+        if tuple(kv_cache.tensor.shape[-2:]) != (config.num_kv_heads, config.head_dim):
+            raise ValueError("cache (H, D) does not match the model's kv heads and head dim")
+        self.config = config
+        self.kv_cache = kv_cache
+        self.embed = weights["token_embd.weight"]  # [vocab, hidden]
+        self.lm_head = self.embed if config.tied_embeddings else weights["output.weight"]
+        self.final_norm = weights["output_norm.weight"]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            self.layers.append(LayerWeights(
+                attn_norm=weights[p + "attn_norm.weight"],
+                qkv=torch.cat([weights[p + n] for n in ("attn_q.weight", "attn_k.weight",
+                                                        "attn_v.weight")]),
+                o=weights[p + "attn_output.weight"],
+                ffn_norm=weights[p + "ffn_norm.weight"],
+                gate_up=torch.cat([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]]),
+                down=weights[p + "ffn_down.weight"],
+            ))
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position)
+        self.scale = config.head_dim ** -0.5
+
+    @classmethod
+    def from_gguf(cls, path: str | None, *, num_blocks: int, block_size: int = 16) -> "LlamaModel":
+        """Load ``path`` (None: the embedded model) and allocate its KV pool."""
+        from .gguf_loader import load_weights, open_gguf, read_model_config
+
+        reader = open_gguf(path)
+        config = read_model_config(reader)
+        cache = KVCache(num_blocks, config.num_layers, block_size, config.num_kv_heads,
+                        config.head_dim)
+        return cls(config, load_weights(reader, config), cache)
+
+    def attention_block(self, layer: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Pre-norm attention of one layer with residual; ``x`` ``[T_pad, hidden]``."""
+        cfg, w = self.config, self.layers[layer]
+        qkv = F.linear(rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = self.rope(q.unflatten(-1, (cfg.num_heads, cfg.head_dim)), batch.positions)
+        k = self.rope(k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim)), batch.positions)
+        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        cache_k, cache_v = self.kv_cache.layer(layer)
+        attn = paged_attention(q, k, v, cache_k, cache_v, batch, self.scale)
+        return x + F.linear(attn.flatten(1), w.o)
+
+    def mlp_block(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Pre-norm SwiGLU MLP of one layer with residual; ``x`` ``[T_pad, hidden]``."""
+        w = self.layers[layer]
+        gate, up = F.linear(rms_norm(x, w.ffn_norm, self.config.rms_eps), w.gate_up).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, w.down)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of ``hidden`` ``[S, hidden]`` -> ``[S, vocab]``."""
+        rows = hidden.shape[0]
+        pad = -rows % ROW_PAD  # row-invariant GEMM, see attention.ROW_PAD
+        hidden = F.pad(hidden, (0, 0, 0, pad))
+        return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_eps), self.lm_head)[:rows]
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk], *,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run one step; returns logits ``[S, vocab]`` of each chunk's last token.
+
+        Writes K/V of every chunk token into the pool (positions
+        ``start_pos .. end_pos-1`` of each block table) and reads earlier
+        positions from it. ``on_layer_done(layer)`` is called once layer
+        ``layer``'s K/V are in the pool (for layer-wise sending).
+        """
+        cache = self.kv_cache
+        batch = StepBatch(chunks, block_size=cache.block_size, num_blocks=cache.num_blocks,
+                          max_position=self.config.max_position)
+        x = self.embed[batch.input_ids]  # [T_pad, hidden]
+        for layer in range(self.config.num_layers):
+            x = self.attention_block(layer, x, batch)
+            if on_layer_done is not None:
+                on_layer_done(layer)
+            x = self.mlp_block(layer, x)
+        return self.logits(x[batch.last_rows])

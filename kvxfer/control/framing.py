@@ -1,0 +1,88 @@
+"""Length-prefixed frames on a TCP stream.
+
+A frame is an 8-byte header ``!2sBBI`` -- magic ``b"KX"``, protocol version,
+message type, payload length -- followed by ``length`` payload bytes. The
+payload is a UTF-8 JSON object validated by :mod:`kvxfer.control.messages`.
+
+:class:`FrameReader` is fed whatever the socket returned and yields whole
+frames; a bad magic, version, or a length over :data:`MAX_PAYLOAD` raises
+:class:`~kvxfer.errors.ProtocolError` before any payload is buffered, so a
+peer cannot make us allocate more than one maximum frame.
+"""
+from __future__ import annotations
+
+import struct
+
+from ..errors import ProtocolError
+
+MAGIC = b"KX"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!2sBBI")
+MAX_PAYLOAD = 4 << 20  # 4 MiB: block-id lists of thousands of blocks fit easily
+
+
+def encode_frame(msg_type: int, payload: bytes) -> bytes:
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(f"control payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, len(payload)) + payload
+
+
+def parse_header(header: bytes) -> tuple[int, int]:
+    """Return ``(msg_type, length)`` or raise :class:`ProtocolError`."""
+    if len(header) != HEADER.size:
+        raise ProtocolError("truncated frame header")
+    magic, version, msg_type, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (speaking {PROTOCOL_VERSION})")
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
+    return msg_type, length
+
+
+class FrameReader:
+    """Reassembles frames from arbitrary stream chunks."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._need: tuple[int, int] | None = None  # header parsed, waiting for payload
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Append ``data``; return every complete ``(msg_type, payload)``."""
+        self._buf += data
+        frames = []
+        while True:
+            if self._need is None:
+                if len(self._buf) < HEADER.size:
+                    break
+                self._need = parse_header(bytes(self._buf[: HEADER.size]))
+                del self._buf[: HEADER.size]
+            msg_type, length = self._need
+            if len(self._buf) < length:
+                break
+            frames.append((msg_type, bytes(self._buf[:length])))
+            del self._buf[:length]
+            self._need = None
+        return frames
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
+
+
+def recv_frame(sock, timeout: float) -> tuple[int, bytes]:
+    """Blocking read of exactly one frame (used by the connecting side's handshake)."""
+    sock.settimeout(timeout)
+    msg_type, length = parse_header(_recv_exact(sock, HEADER.size))
+    return msg_type, _recv_exact(sock, length)
+
+
+def _recv_exact(sock, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks += chunk
+    return bytes(chunks)

@@ -1,0 +1,203 @@
+"""The agent's I/O thread: one selector over the listening socket and every peer.
+
+It blocks in ``select`` with the time to the next timer as timeout, so an idle
+agent burns no CPU. Frames are decoded here and handed to the connection's
+handler; a connection whose bytes do not parse is closed alone, the others keep
+running. Any thread may *send* (``Conn.send`` takes the connection's lock and
+writes the whole frame); only this thread reads.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import selectors
+import socket
+import threading
+import time
+
+from ..errors import KVXferError, ProtocolError
+from .framing import FrameReader
+from .messages import decode
+
+SEND_TIMEOUT_S = 30.0
+
+
+class Conn:
+    """One TCP control connection; ``handler`` gets ``on_frame``/``on_close`` callbacks."""
+
+    def __init__(self, sock: socket.socket, handler, loop: "IOLoop") -> None:
+        self.sock = sock
+        self.handler = handler
+        self.loop = loop
+        self.reader = FrameReader()
+        self.closed = False
+        self.peer = None  # set by the agent once the handshake completed
+        self._send_lock = threading.Lock()
+        sock.settimeout(SEND_TIMEOUT_S)
+
+    def send(self, frame: bytes) -> bool:
+        """Write one whole frame; False (and the connection closes) if the peer is gone."""
+        with self._send_lock:
+            if self.closed:
+                return False
+            try:
+                self.sock.sendall(frame)
+                return True
+            except OSError as exc:
+                err = exc
+        self.loop.close_conn(self, err)
+        return False
+
+    def __repr__(self) -> str:
+        return f"<Conn fd={self.sock.fileno() if not self.closed else -1} peer={self.peer!r}>"
+
+
+class IOLoop:
+    def __init__(self, listen_sock: socket.socket, on_accept, name: str) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._listen = listen_sock
+        self._on_accept = on_accept  # (sock) -> handler or None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._lock = threading.Lock()
+        self._pending: list = []  # callables from other threads
+        self._timers: list = []  # heap of (deadline, seq, fn)
+        self._seq = itertools.count()
+        self._conns: set[Conn] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-io-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- thread-safe API ------------------------------------------------------
+    def call_soon(self, fn) -> None:
+        with self._lock:
+            self._pending.append(fn)
+        self._wake()
+
+    def call_later(self, delay_s: float, fn) -> None:
+        deadline = time.monotonic() + max(0.0, delay_s)
+        self.call_soon(lambda: heapq.heappush(self._timers, (deadline, next(self._seq), fn)))
+
+    def add_conn(self, sock: socket.socket, handler) -> Conn:
+        conn = Conn(sock, handler, self)
+        self.call_soon(lambda: self._register(conn))
+        return conn
+
+    def close_conn(self, conn: Conn, exc: BaseException | None = None) -> None:
+        self.call_soon(lambda: self._close(conn, exc))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    # ---- loop thread ----------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken, or shutting down
+
+    def _register(self, conn: Conn) -> None:
+        if self._stopping or conn.closed:
+            self._close(conn, None)
+            return
+        self._conns.add(conn)
+        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _close(self, conn: Conn, exc) -> None:
+        with conn._send_lock:
+            if conn.closed:
+                return
+            conn.closed = True
+        if conn in self._conns:
+            self._conns.discard(conn)
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        try:
+            conn.handler.on_close(conn, exc)
+        except Exception:  # noqa: BLE001 - a handler bug must not kill the loop
+            pass
+
+    def _timeout(self) -> float | None:
+        if self._pending:
+            return 0.0
+        if not self._timers:
+            return None
+        return max(0.0, self._timers[0][0] - time.monotonic())
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                for key, _ in self._sel.select(self._timeout()):
+                    if key.data == "wake":
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except (BlockingIOError, OSError):
+                            pass
+                    elif key.data is None:
+                        self._accept()
+                    else:
+                        self._read(key.data)
+                with self._lock:
+                    pending, self._pending = self._pending, []
+                for fn in pending:
+                    fn()
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    heapq.heappop(self._timers)[2]()
+        finally:
+            for conn in list(self._conns):
+                self._close(conn, KVXferError("agent closed"))
+            for sock in (self._listen, self._wake_r, self._wake_w):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            self._sel.close()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listen.accept()
+        except OSError:
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        handler = self._on_accept(sock)
+        if handler is None:
+            sock.close()
+            return
+        self._register(Conn(sock, handler, self))
+
+    def _read(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError as exc:
+            self._close(conn, exc)
+            return
+        if not data:
+            self._close(conn, ConnectionError("connection closed by peer"))
+            return
+        try:
+            for msg_type, payload in conn.reader.feed(data):
+                kind, fields = decode(msg_type, payload)
+                conn.handler.on_frame(conn, kind, fields)
+                if conn.closed:
+                    return
+        except Exception as exc:  # noqa: BLE001 - ProtocolError, or a typed error from the handler
+            self._close(conn, exc if isinstance(exc, KVXferError) else ProtocolError(repr(exc)))

@@ -1,0 +1,140 @@
+"""Control message types and their strict schemas.
+
+Every message is a JSON object whose keys are exactly the schema's keys, each
+of the declared kind. :func:`decode` is the only way bytes from a peer become a
+message; anything else -- unknown type, invalid UTF-8/JSON, a missing, extra or
+mistyped field, a negative id -- raises :class:`~kvxfer.errors.ProtocolError`.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import json
+
+from ..errors import ProtocolError
+from .framing import encode_frame
+
+MAX_STR = 256
+MAX_LIST = 1 << 20
+
+
+class Msg(enum.IntEnum):
+    # handshake (connecting side C, accepting side S), in order
+    HELLO = 1        # C->S: nonce_c
+    CHALLENGE = 2    # S->C: nonce_s
+    AUTH = 3         # C->S: HMAC(secret, "C" | nonce_s | nonce_c)
+    AUTH_OK = 4      # S->C: HMAC(secret, "S" | nonce_c | nonce_s)
+    AUTH_FAIL = 5    # S->C, then close
+    INFO = 6         # both ways, only after AUTH_OK: name, layout, backend metadata
+    REJECT = 7       # either way, then close: layout mismatch etc.
+    # transfers
+    RECV_POST = 10   # D->P: where request `req` goes (blocks, layers, global head range)
+    MATCHED = 11     # P->D: P will write `req` (D now fails it if P dies)
+    STAGE_REQ = 12   # P->D: reserve `nbytes` of D's staging ring for chunk `tag`
+    STAGE_GRANT = 13 # D->P: chunk `tag` may write at `offset` of region `region`
+    DATA_DONE = 14   # P->D: chunk written and flushed (pack: unpack it now)
+    ACK = 15         # D->P: pack chunk `tag` unpacked, staging freed
+    CANCEL = 16      # either way: stop request `req`
+    CANCEL_ACK = 17  # P->D: nothing more will be written for `req`
+    NOTIFY = 18      # P->D: engine payload, sent after the data it refers to is visible
+
+
+_NONCE = "hex32"
+SCHEMAS: dict[Msg, dict[str, str]] = {
+    Msg.HELLO: {"nonce": _NONCE},
+    Msg.CHALLENGE: {"nonce": _NONCE},
+    Msg.AUTH: {"mac": _NONCE},
+    Msg.AUTH_OK: {"mac": _NONCE},
+    Msg.AUTH_FAIL: {},
+    Msg.INFO: {"name": "str", "agent_id": "str", "layout": "obj", "backend": "b64",
+               "staging": "int"},
+    Msg.REJECT: {"code": "str", "reason": "str"},
+    Msg.RECV_POST: {"req": "str", "xid": "int", "blocks": "ints", "layers": "ints",
+                    "heads": "range"},
+    Msg.MATCHED: {"req": "str", "xid": "int"},
+    Msg.STAGE_REQ: {"tag": "int", "nbytes": "int"},
+    Msg.STAGE_GRANT: {"tag": "int", "region": "int", "offset": "int"},
+    Msg.DATA_DONE: {"req": "str", "xid": "int", "tag": "int", "pack": "bool",
+                    "blocks": "ints", "layers": "ints", "heads": "range",
+                    "offset": "int", "nbytes": "int"},
+    Msg.ACK: {"tag": "int"},
+    Msg.CANCEL: {"req": "str", "xid": "int"},
+    Msg.CANCEL_ACK: {"req": "str", "xid": "int"},
+    Msg.NOTIFY: {"data": "b64"},
+}
+
+
+def _check(kind: str, value):
+    """Return the validated (and for b64, decoded) value or raise ProtocolError."""
+    if kind == "int":
+        if type(value) is int and 0 <= value < (1 << 63):
+            return value
+    elif kind == "bool":
+        if type(value) is bool:
+            return value
+    elif kind == "str":
+        if type(value) is str and len(value) <= MAX_STR:
+            return value
+    elif kind == "hex32":
+        if type(value) is str and len(value) == 64:
+            try:
+                return bytes.fromhex(value)
+            except ValueError:
+                pass
+    elif kind == "b64":
+        if type(value) is str:
+            try:
+                return base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                pass
+    elif kind == "ints":
+        if type(value) is list and len(value) <= MAX_LIST and all(
+            type(v) is int and 0 <= v < (1 << 62) for v in value
+        ):
+            return value
+    elif kind == "range":
+        if (type(value) is list and len(value) == 2 and all(type(v) is int for v in value)
+                and 0 <= value[0] <= value[1] < (1 << 31)):
+            return (value[0], value[1])
+    elif kind == "obj":
+        if type(value) is dict:
+            return value
+    raise ProtocolError(f"field of kind {kind} has an invalid value")
+
+
+def _wire(kind: str, value):
+    if kind == "hex32":
+        return bytes(value).hex()
+    if kind == "b64":
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if kind == "ints":
+        return [int(v) for v in value]
+    if kind == "range":
+        return [int(value[0]), int(value[1])]
+    return value
+
+
+def encode(msg_type: Msg, **fields) -> bytes:
+    """One framed message; ``fields`` must match the schema exactly (else ValueError)."""
+    schema = SCHEMAS[msg_type]
+    if set(fields) != set(schema):
+        raise ValueError(f"{msg_type.name} takes fields {sorted(schema)}, got {sorted(fields)}")
+    body = {k: _wire(schema[k], v) for k, v in fields.items()}
+    return encode_frame(int(msg_type), json.dumps(body, separators=(",", ":")).encode())
+
+
+def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
+    """Validate one received frame; return ``(type, fields)`` with decoded values."""
+    try:
+        kind = Msg(msg_type)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {msg_type}") from None
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ProtocolError(f"{kind.name}: payload is not JSON") from None
+    schema = SCHEMAS[kind]
+    if type(body) is not dict or set(body) != set(schema):
+        raise ProtocolError(f"{kind.name}: fields do not match the schema")
+    return kind, {k: _check(schema[k], body[k]) for k in schema}

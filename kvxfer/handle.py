@@ -1,0 +1,131 @@
+"""``TransferHandle``: the caller's view of one asynchronous transfer.
+
+States: ``pending`` -> ``done`` | ``failed`` | ``cancelled`` (final, set once).
+``done`` promises what the operation promised: for ``send``/``recv``/``write``,
+the bytes are visible in the destination blocks (flushed, and for the pack path
+unpacked); for ``read``, the bytes are in the local blocks. A handle that
+streams layers also records each layer as it lands, so ``wait(layer=l)`` can
+return before the whole request has arrived.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from .errors import KVXferError, TransferCancelled, TransferTimeout
+
+PENDING, DONE, FAILED, CANCELLED = "pending", "done", "failed", "cancelled"
+
+
+class TransferHandle:
+    """Returned by :meth:`Agent.send`, :meth:`~Agent.recv`, :meth:`~Agent.write`, :meth:`~Agent.read`.
+
+    Use as a context manager to cancel on early exit::
+
+        with agent.recv("req-1", block_ids, timeout=10.0) as h:
+            h.wait(timeout=10.0)
+    """
+
+    def __init__(self, kind: str, request_id: str, peer: str | None, *, layers=(), on_cancel=None) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.peer = peer
+        self.path: str | None = None  # "zero_copy" | "pack" once chosen
+        self.nbytes = 0
+        self.created = time.monotonic()
+        self.finished: float | None = None
+        self._layers = frozenset(layers)
+        self._layers_done: set[int] = set()
+        self._state = PENDING
+        self._error: BaseException | None = None
+        self._on_cancel = on_cancel
+        self._cond = threading.Condition()
+
+    # ---- caller API -------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def layers_done(self) -> frozenset:
+        with self._cond:
+            return frozenset(self._layers_done)
+
+    def done(self) -> bool:
+        """True once final (done, failed or cancelled); never blocks."""
+        return self._state != PENDING
+
+    def wait(self, timeout: float | None = None, *, layer: int | None = None) -> None:
+        """Block until complete (or until ``layer`` landed); raise the transfer's error.
+
+        :class:`TransferTimeout` if ``timeout`` passes first (the transfer itself
+        goes on; cancel it if you give up), :class:`TransferCancelled` if
+        cancelled, the typed failure (``PeerDisconnected``, ...) if it failed.
+        """
+        if layer is not None and self._layers and layer not in self._layers:
+            raise ValueError(f"layer {layer} is not part of this transfer")
+
+        def ready() -> bool:
+            return self._state != PENDING or (layer is not None and layer in self._layers_done)
+
+        with self._cond:
+            if not self._cond.wait_for(ready, timeout):
+                raise TransferTimeout(f"{self!r} still pending after {timeout} s")
+            if layer is not None and layer in self._layers_done:
+                return
+            state, error = self._state, self._error
+        if state == CANCELLED:
+            raise TransferCancelled(f"{self.kind} {self.request_id!r} was cancelled")
+        if state == FAILED:
+            raise error
+        return
+
+    def cancel(self) -> bool:
+        """Cancel if still pending (frees its leases, tells the peer); True if it did."""
+        if not self._finish(CANCELLED, None):
+            return False
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+        return True
+
+    def __enter__(self) -> "TransferHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+    def __repr__(self) -> str:
+        extra = f" path={self.path}" if self.path else ""
+        if self._layers:
+            extra += f" layers={len(self._layers_done)}/{len(self._layers)}"
+        if self._error is not None:
+            extra += f" error={type(self._error).__name__}"
+        return (f"<TransferHandle {self.kind} {self.request_id!r} peer={self.peer} "
+                f"{self._state} {self.nbytes} B{extra}>")
+
+    # ---- agent side -------------------------------------------------------------
+    def _finish(self, state: str, error: BaseException | None) -> bool:
+        with self._cond:
+            if self._state != PENDING:
+                return False
+            self._state, self._error = state, error
+            self.finished = time.monotonic()
+            self._cond.notify_all()
+            return True
+
+    def _succeed(self) -> bool:
+        with self._cond:
+            self._layers_done |= self._layers
+        return self._finish(DONE, None)
+
+    def _fail(self, error: KVXferError) -> bool:
+        return self._finish(FAILED, error)
+
+    def _mark_layers(self, layers) -> None:
+        with self._cond:
+            self._layers_done.update(layers)
+            self._cond.notify_all()

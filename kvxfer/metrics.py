@@ -1,0 +1,116 @@
+"""Per-agent counters and histograms, readable as a dict or Prometheus text.
+
+Durations are split the way transfer engines report them: ``prepare`` (plan,
+descriptors, pack), ``post`` (handing descriptors to the backend) and
+``transfer`` (request matched -> data visible in the destination).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+
+# seconds: 10 us .. 10 s
+BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+           2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+COUNTERS = {
+    "bytes_sent": "bytes written (or read) into a peer's pool by this agent",
+    "bytes_received": "bytes that landed in this agent's pool from peers",
+    "transfers": "completed transfers by kind and path",
+    "failures": "failed transfers by kind and error",
+    "notifications": "notifications received",
+}
+HISTOGRAMS = {
+    "prepare_seconds": "plan + descriptors (+ pack) per chunk",
+    "post_seconds": "backend post + completion per chunk",
+    "transfer_seconds": "match to data visible, per transfer",
+}
+
+
+class Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "sum": self.sum,
+                "buckets": dict(zip([*map(str, BUCKETS), "+Inf"], self.counts))}
+
+
+class Metrics:
+    def __init__(self, agent: str) -> None:
+        self.agent = agent
+        self._lock = threading.Lock()
+        self._counters: dict[tuple, float] = {}
+        self._hists: dict[tuple, Histogram] = {}
+        self.info: dict[str, str] = {}  # e.g. backend, transport per peer
+
+    def inc(self, name: str, value: float = 1, **labels) -> None:
+        assert name in COUNTERS, name
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0) + value
+
+    def observe(self, name: str, seconds: float, **labels) -> None:
+        assert name in HISTOGRAMS, name
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            hist = self._hists.get(key)
+            if hist is None:
+                hist = self._hists[key] = Histogram()
+            hist.observe(seconds)
+
+    def counter(self, name: str, **labels) -> float:
+        """Sum of ``name`` over every label set matching ``labels``."""
+        want = set(labels.items())
+        with self._lock:
+            return sum(v for (n, lab), v in self._counters.items() if n == name and want <= set(lab))
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            counters: dict = {}
+            for (name, labels), value in sorted(self._counters.items()):
+                counters.setdefault(name, []).append({"labels": dict(labels), "value": value})
+            hists: dict = {}
+            for (name, labels), h in sorted(self._hists.items(), key=lambda kv: kv[0]):
+                hists.setdefault(name, []).append({"labels": dict(labels), **h.to_dict()})
+            return {"agent": self.agent, "info": dict(self.info), "counters": counters,
+                    "histograms": hists}
+
+    def prometheus(self, prefix: str = "kvxfer") -> str:
+        """Prometheus text exposition (version 0.0.4)."""
+
+        def fmt(labels) -> str:
+            items = [("agent", self.agent), *labels]
+            return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in items) + "}"
+
+        lines = []
+        with self._lock:
+            for key, value in sorted(self.info.items()):
+                lines.append(f'{prefix}_info{fmt([("key", key), ("value", value)])} 1')
+            for name, help_text in COUNTERS.items():
+                rows = [(lab, v) for (n, lab), v in self._counters.items() if n == name]
+                lines += [f"# HELP {prefix}_{name}_total {help_text}", f"# TYPE {prefix}_{name}_total counter"]
+                lines += [f"{prefix}_{name}_total{fmt(lab)} {v:g}" for lab, v in sorted(rows)]
+            for name, help_text in HISTOGRAMS.items():
+                lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} histogram"]
+                for (n, lab), h in sorted(self._hists.items(), key=lambda kv: kv[0]):
+                    if n != name:
+                        continue
+                    cum = 0
+                    for le, c in zip([*map(str, BUCKETS), "+Inf"], h.counts):
+                        cum += c
+                        lines.append(f"{prefix}_{name}_bucket{fmt([*lab, ('le', le)])} {cum}")
+                    lines.append(f"{prefix}_{name}_sum{fmt(lab)} {h.sum:.9g}")
+                    lines.append(f"{prefix}_{name}_count{fmt(lab)} {h.count}")
+        return "\n".join(lines) + "\n"
+
+
+def _escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,208 @@
+"""From two pools and two lists of block ids to what the backend must do.
+
+:class:`Geometry` is the part of a :class:`~kvxfer.KVLayout` a *peer* needs:
+sizes, this rank's global head range, and for each (layer, kv) plane its
+region, byte offset and byte strides ``(N, B, H, D)``. It crosses the control
+channel (after authentication) so that P can compute byte addresses in D's pool.
+
+:func:`plan_transfer` picks a path:
+
+* **zero-copy** -- one descriptor per contiguous run, straight from P's pool
+  into D's pool. Runs are found per block "tile" ``[B, heads, D]`` by walking
+  both tiles in the same element order (memory order when both planes have the
+  same inner strides, the wire order ``B, H, D`` otherwise) and cutting wherever
+  either side stops being contiguous; runs adjacent across blocks, K/V and
+  layers are then coalesced.
+* **pack** -- gather on P into wire format, one write into D's staging ring,
+  scatter on D; chosen when runs are short (e.g. NHD <-> HND: ``D`` elements).
+
+:class:`CostModel` compares ``descs * per_desc_us`` with the pack/unpack time
+plus the staging round trip. Both paths move identical bytes to identical places.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import LayoutMismatch, ProtocolError
+
+
+@dataclass(frozen=True)
+class Geometry:
+    fingerprint: str
+    num_layers: int
+    num_kv: int
+    num_blocks: int
+    block_size: int
+    num_heads: int  # local heads
+    head_dim: int
+    itemsize: int
+    head_lo: int  # first global head held
+    planes: tuple  # [layer * num_kv + kv] -> (region_index, offset, sN, sB, sH, sD)
+    region_sizes: tuple
+
+    @property
+    def head_range(self) -> tuple:
+        return (self.head_lo, self.head_lo + self.num_heads)
+
+    def plane(self, layer: int, kv: int) -> tuple:
+        return self.planes[layer * self.num_kv + kv]
+
+    @classmethod
+    def from_layout(cls, layout) -> "Geometry":
+        spans = layout.regions()
+        planes = []
+        for layer in range(layout.num_layers):
+            for kv in range(layout.num_kv):
+                p = layout.planes[layer][kv]
+                addr = layout.tensors[p.tensor_index].data_ptr() + p.offset
+                idx = next(i for i, (a, n) in enumerate(spans) if a <= addr < a + n)
+                planes.append((idx, addr - spans[idx][0], *p.strides))
+        return cls(layout.fingerprint(), layout.num_layers, layout.num_kv, layout.num_blocks,
+                   layout.block_size, layout.num_heads, layout.head_dim, layout.itemsize,
+                   layout.head_range[0], tuple(planes), tuple(n for _, n in spans))
+
+    def to_wire(self) -> dict:
+        return {k: (list(map(list, v)) if k == "planes" else list(v) if k == "region_sizes" else v)
+                for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_wire(cls, d) -> "Geometry":
+        """Validate a peer's geometry; every byte it can name lies inside its regions."""
+        try:
+            ints = {k: d[k] for k in ("num_layers", "num_kv", "num_blocks", "block_size",
+                                      "num_heads", "head_dim", "itemsize", "head_lo")}
+            if set(d) != set(ints) | {"fingerprint", "planes", "region_sizes"}:
+                raise ValueError("fields")
+            if not all(type(v) is int and 0 <= v < (1 << 40) for v in ints.values()):
+                raise ValueError("ints")
+            if min(v for k, v in ints.items() if k != "head_lo") < 1 or ints["num_kv"] > 2:
+                raise ValueError("sizes")
+            sizes = tuple(d["region_sizes"])
+            planes = tuple(tuple(p) for p in d["planes"])
+            if type(d["fingerprint"]) is not str or len(planes) != ints["num_layers"] * ints["num_kv"]:
+                raise ValueError("planes")
+            if not all(type(n) is int and n > 0 for n in sizes):
+                raise ValueError("regions")
+            dims = (ints["num_blocks"], ints["block_size"], ints["num_heads"], ints["head_dim"])
+            for p in planes:
+                if len(p) != 6 or not all(type(v) is int and v >= 0 for v in p) or p[0] >= len(sizes):
+                    raise ValueError("plane")
+                last = p[1] + sum((n - 1) * s for n, s in zip(dims, p[2:])) + ints["itemsize"]
+                if last > sizes[p[0]]:
+                    raise ValueError("plane outside its region")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"invalid layout geometry from peer ({exc})") from None
+        return cls(d["fingerprint"], planes=planes, region_sizes=sizes, **ints)
+
+    def check_compatible(self, other: "Geometry") -> None:
+        if self.fingerprint != other.fingerprint:
+            raise LayoutMismatch(f"pools cannot be converted: {self.fingerprint} vs {other.fingerprint}")
+
+
+def overlap(a: tuple, b: tuple) -> tuple | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+@lru_cache(maxsize=256)
+def _tile_runs(item: int, B: int, nh: int, D: int, s_str: tuple, d_str: tuple, s0: int, d0: int):
+    """Runs ``(src_rel, dst_rel, nbytes)`` covering one block tile ``[B, nh, D]``."""
+    sizes = (B, nh, D)
+    order = (0, 1, 2)
+    if s_str == d_str:  # same inner layout: walk in memory order for the longest runs
+        order = tuple(sorted(range(3), key=lambda i: -s_str[i]))
+    idx = np.indices([sizes[i] for i in order]).reshape(3, -1)
+    src = s0 + sum(idx[j] * s_str[order[j]] for j in range(3))
+    dst = d0 + sum(idx[j] * d_str[order[j]] for j in range(3))
+    brk = np.flatnonzero((np.diff(src) != item) | (np.diff(dst) != item)) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.concatenate((starts, [src.size]))) * item
+    return src[starts], dst[starts], lens
+
+
+def tile_runs(src: Geometry, sp: tuple, dst: Geometry, dp: tuple, heads: tuple):
+    s0 = (heads[0] - src.head_lo) * sp[4]  # relative to the block's first byte
+    d0 = (heads[0] - dst.head_lo) * dp[4]
+    return _tile_runs(src.itemsize, src.block_size, heads[1] - heads[0], src.head_dim,
+                      tuple(sp[3:]), tuple(dp[3:]), s0, d0)
+
+
+def count_runs(src: Geometry, dst: Geometry, num_ids: int, layers, heads) -> int:
+    """Upper bound of zero-copy descriptors (before coalescing across tiles)."""
+    return sum(len(tile_runs(src, src.plane(l, kv), dst, dst.plane(l, kv), heads)[2]) * num_ids
+               for l in layers for kv in range(src.num_kv))
+
+
+def zero_copy_descs(src: Geometry, src_ids, dst: Geometry, dst_ids, layers, heads,
+                    src_regions, dst_regions) -> np.ndarray:
+    """Coalesced ``int64 [n, 5]`` descriptors (local_region, local_off, remote_region, remote_off, len).
+
+    ``src_regions``/``dst_regions`` map region index -> backend region id.
+    """
+    sids = np.asarray(src_ids, dtype=np.int64)
+    dids = np.asarray(dst_ids, dtype=np.int64)
+    parts = []
+    for layer in layers:
+        for kv in range(src.num_kv):
+            sp, dp = src.plane(layer, kv), dst.plane(layer, kv)
+            s_rel, d_rel, lens = tile_runs(src, sp, dst, dp, heads)
+            k = lens.size
+            out = np.empty((sids.size * k, 5), dtype=np.int64)
+            out[:, 0] = src_regions[sp[0]]
+            out[:, 1] = (sp[1] + sids[:, None] * sp[2] + s_rel[None, :]).ravel()
+            out[:, 2] = dst_regions[dp[0]]
+            out[:, 3] = (dp[1] + dids[:, None] * dp[2] + d_rel[None, :]).ravel()
+            out[:, 4] = np.tile(lens, sids.size)
+            parts.append(out)
+    descs = np.concatenate(parts) if parts else np.empty((0, 5), dtype=np.int64)
+    return coalesce(descs)
+
+
+def coalesce(descs: np.ndarray) -> np.ndarray:
+    """Merge neighbours contiguous on both sides (same regions, touching offsets)."""
+    if len(descs) < 2:
+        return descs
+    a, b = descs[:-1], descs[1:]
+    joins = ((a[:, 0] == b[:, 0]) & (a[:, 2] == b[:, 2])
+             & (a[:, 1] + a[:, 4] == b[:, 1]) & (a[:, 3] + a[:, 4] == b[:, 3]))
+    starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
+    out = descs[starts].copy()
+    out[:, 4] = np.add.reduceat(descs[:, 4], starts)
+    return out
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Microseconds per path; zero-copy wins unless its runs are short."""
+
+    per_desc_us: float = 1.0  # backend's per-descriptor cost (Capabilities)
+    pack_gbps: float = 4.0  # gather (and again scatter) rate on this host
+    stage_rtt_us: float = 150.0  # the staging grant round trip
+
+    def zero_copy_us(self, num_descs: int) -> float:
+        return num_descs * self.per_desc_us
+
+    def pack_us(self, nbytes: int) -> float:
+        return 2 * nbytes / (self.pack_gbps * 1e3) + self.stage_rtt_us
+
+    def choose(self, num_descs: int, nbytes: int) -> str:
+        return "zero_copy" if self.zero_copy_us(num_descs) <= self.pack_us(nbytes) else "pack"
+
+
+def chunks(num_ids: int, layers: tuple, tile_nbytes: int, max_nbytes: int) -> list:
+    """Split a pack transfer into ``(layers, id_slice)`` pieces of at most ``max_nbytes``.
+
+    ``tile_nbytes`` is the wire size of one block of one layer (K and V).
+    """
+    if tile_nbytes > max_nbytes:
+        raise ValueError(f"one block-layer ({tile_nbytes} B) exceeds the staging chunk ({max_nbytes} B)")
+    per_layer = num_ids * tile_nbytes
+    if per_layer <= max_nbytes:
+        step = max(1, max_nbytes // per_layer)
+        return [(layers[i:i + step], slice(0, num_ids)) for i in range(0, len(layers), step)]
+    step = max_nbytes // tile_nbytes
+    return [((layer,), slice(i, min(i + step, num_ids)))
+            for layer in layers for i in range(0, num_ids, step)]

@@ -139,7 +139,8 @@ def plot_cdfs(path: str | Path, panels: dict[str, dict[str, list[float]]], *, ti
         ax.set_xlabel(metric)
         ax.set_ylabel("fraction of requests")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -109,7 +109,8 @@ def test_explicit_kv_forms_agree():
 
 
 @pytest.mark.parametrize("tensors,dims,exc,match", [
-    (lambda: torch.zeros(2, N, B, H, D), "2 N B H", ValueError, "names 4 dimensions"),
+    (lambda: (torch.zeros(2, N, B, H, D),) * 2, "N B H D", ValueError, "names 4 dimensions"),
+    (lambda: torch.zeros(2, N, B, H, D), "2 N B H", ValueError, "need 'H' and 'D'"),
     (lambda: torch.zeros(2, N, B, H, D), "2 N B H X", ValueError, "unknown dim"),
     (lambda: torch.zeros(2, N, B, H, D), "2 N N H D", ValueError, "repeated"),
     (lambda: torch.zeros(N, B, H, D), "N B H D", TypeError, r"\(k, v\) pair"),

@@ -1,0 +1,161 @@
+"""KV block allocation: ref-counted blocks, an LRU free list, prefix hashing.
+
+A full block is identified by a hash chained over the token ids of every
+block up to and including it, so equal hashes mean equal prefixes (token ids
+are also compared, so a collision is never a wrong hit). Blocks are hashed
+only once their KV is in the pool (:meth:`BlockManager.cache_full_blocks`), so
+a hit never returns a block whose KV is still being computed or received.
+A freed block keeps its hash until it is reused: freed blocks are revived by a
+later hit, and the least recently freed are reused first.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence as Seq
+
+from kvxfer.errors import KVXferError
+
+from .sequence import Sequence
+
+
+class OutOfBlocks(KVXferError, MemoryError):
+    """Not enough free KV blocks; check ``can_allocate``/``can_append`` first."""
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def block_hash(token_ids: Seq[int], prefix_hash: int | None) -> int:
+    """Chained 64-bit hash of one full block; stable across processes."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((prefix_hash if prefix_hash is not None else 0).to_bytes(8, "little"))
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
+        self._hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def match_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks holding a prefix of ``token_ids``: ``(block_ids, hashes)``.
+
+        The last token is never covered, so a prefill always has a token to run.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        ids, hashes, prev = [], [], None
+        size = self.block_size
+        for i in range((len(token_ids) - 1) // size):
+            tokens = tuple(token_ids[i * size:(i + 1) * size])
+            h = block_hash(tokens, prev)
+            bid = self._hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tokens:
+                break
+            ids.append(bid)
+            hashes.append(h)
+            prev = h
+        return ids, hashes
+
+    def _blocks_needed(self, seq: Sequence) -> tuple[list[int], list[int], int]:
+        hits, hashes = self.match_prefix(seq.token_ids)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return hits, hashes, seq.num_blocks(self.block_size) - len(hits) + revived
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self._blocks_needed(seq)[2] <= len(self._free)
+
+    def _take_free(self, block_id: int | None = None) -> int:
+        if block_id is None:
+            block_id = next(iter(self._free))
+        del self._free[block_id]
+        return block_id
+
+    def _fresh_block(self) -> int:
+        block = self.blocks[self._take_free()]
+        if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
+            del self._hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block.block_id
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
+
+        Sets ``block_table``, ``block_hashes`` and ``num_cached_tokens`` =
+        ``num_computed_tokens`` (the reused prefix). Raises :class:`OutOfBlocks`.
+        """
+        if seq.block_table:
+            raise ValueError(f"{seq!r} already has blocks")
+        hits, hashes, needed = self._blocks_needed(seq)
+        if needed > len(self._free):
+            raise OutOfBlocks(f"{seq.request_id}: needs {needed} free blocks, {len(self._free)} free")
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                self._take_free(bid)
+            block.ref_count += 1
+        fresh = [self._fresh_block() for _ in range(seq.num_blocks(self.block_size) - len(hits))]
+        seq.block_table = hits + fresh
+        seq.block_hashes = hashes
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; unreferenced blocks become free (hash kept)."""
+        for bid in reversed(seq.block_table):  # tail first: evicted before the shared head
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[bid] = None
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the next decode step of ``seq`` fits (a new block if its last is full)."""
+        return len(seq.block_table) >= seq.num_blocks(self.block_size) or len(self._free) > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Grow ``seq``'s block table to hold all its tokens (at most one new block)."""
+        while len(seq.block_table) < seq.num_blocks(self.block_size):
+            if not self._free:
+                raise OutOfBlocks(f"{seq.request_id}: no free block to grow into")
+            seq.block_table.append(self._fresh_block())
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of ``seq``'s full blocks whose KV is now in the pool."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            tokens = tuple(seq.block_token_ids(i, size))
+            h = block_hash(tokens, seq.block_hashes[-1] if seq.block_hashes else None)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self._hash_to_block.setdefault(h, block.block_id)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if internal bookkeeping is inconsistent (for tests)."""
+        for block in self.blocks:
+            assert block.ref_count >= 0, block.block_id
+            assert (block.ref_count == 0) == (block.block_id in self._free), block.block_id
+        for h, bid in self._hash_to_block.items():
+            assert self.blocks[bid].hash == h, (h, bid)

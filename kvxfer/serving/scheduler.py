@@ -1,0 +1,123 @@
+"""Step scheduling: chunked prefill by token budget, decode by continuous batching.
+
+Each step is either a prefill step (prompt chunks of several sequences, at most
+``max_num_batched_tokens`` tokens) or a decode step (one token for each of up
+to ``max_num_seqs`` decoding sequences). Prefill goes first, so new requests
+join the running batch as soon as blocks allow. When a decode step cannot grow
+a sequence, the most recently admitted sequence is preempted: its blocks are
+freed and it waits to be recomputed (cached prefix blocks may survive).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run ``seq.token_ids[start:start + num_tokens]`` this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def completes_prefill(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # PREFILLING or DECODING, in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"only waiting sequences can be added, got {seq!r}")
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Add a sequence whose prompt KV is already in its blocks (prefilled elsewhere)."""
+        if seq.status is not SequenceStatus.DECODING or not seq.block_table:
+            raise ValueError(f"only decoding sequences with blocks can run, got {seq!r}")
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[ScheduledChunk], bool]:
+        """The next step's chunks and whether it is a prefill step (empty if idle)."""
+        chunks = self._schedule_prefill()
+        if chunks:
+            return chunks, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks = []
+        for seq in self.running:
+            if seq.status is SequenceStatus.PREFILLING and budget > 0:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.PREFILLING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return chunks
+
+    def _schedule_decode(self) -> list[ScheduledChunk]:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if len(scheduled) == self.config.max_num_seqs:
+                break
+            if seq.status is not SequenceStatus.DECODING:
+                continue
+            while not self.block_manager.can_append(seq):
+                victim = self._newest_decoding(exclude=scheduled)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                scheduled.append(seq)
+        return [ScheduledChunk(s, s.num_tokens - 1, 1) for s in scheduled]
+
+    def _newest_decoding(self, exclude: list[Sequence]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.status is SequenceStatus.DECODING and seq not in exclude:
+                return seq
+        raise AssertionError("a sequence being scheduled is always a candidate")
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it first in line for recomputation."""
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and free its blocks (it may be running or waiting)."""
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include "copy.h"
+#include "errors.h"      // registration and transfer engine
+#include "ucx_engine.h"  // registration and transfer engine
 
 namespace py = pybind11;
 
@@ -47,4 +49,105 @@ PYBIND11_MODULE(_C, m) {
     }
 
     // ---- registration and transfer engine (owner: memory/transport) ----
+    {
+        // Native failures -> the kvxfer.errors classes of the same name.
+        py::register_local_exception_translator([](std::exception_ptr p) {
+            auto raise = [](const char* name, const char* what) {
+                py::object cls = py::module_::import("kvxfer.errors").attr(name);
+                PyErr_SetString(cls.ptr(), what);
+            };
+            try {
+                if (p) std::rethrow_exception(p);
+            } catch (const kvxfer::RegistrationError& e) {
+                raise("RegistrationError", e.what());
+            } catch (const kvxfer::InvalidDescriptor& e) {
+                raise("InvalidDescriptor", e.what());
+            } catch (const kvxfer::PeerDisconnected& e) {
+                raise("PeerDisconnected", e.what());
+            } catch (const kvxfer::TransferTimeout& e) {
+                raise("TransferTimeout", e.what());
+            } catch (const kvxfer::ProtocolError& e) {
+                raise("ProtocolError", e.what());
+            } catch (const kvxfer::Error& e) {
+                raise("KVXferError", e.what());
+            }
+        });
+        using kvxfer::Engine;
+        using Descs = py::array_t<int64_t, py::array::c_style>;
+        auto rows = [](const Descs& d) -> size_t {
+            if (d.ndim() != 2 || d.shape(1) != 5) throw py::value_error("descriptors must be int64 [n, 5]");
+            return static_cast<size_t>(d.shape(0));
+        };
+        auto region_tuple = [](const kvxfer::Region& r) {
+            return py::make_tuple(r.id, r.addr, r.length, static_cast<int>(r.mapping->kind),
+                                  r.mapping->device_id, r.mapping->is_pinned, r.is_cached);
+        };
+        py::class_<Engine>(m, "Engine", "UCP context+worker, memory registry and connections (see ucx_engine.h)")
+            .def(py::init<bool>(), py::arg("allow_vm") = true)
+            .def_property_readonly("uid", &Engine::uid)
+            .def_property_readonly("closed", &Engine::closed)
+            .def("register", [=](Engine& e, uintptr_t addr, size_t length, int kind, int device_id, bool pin) {
+                    if (kind != 0 && kind != 1) throw py::value_error("kind must be 0 (host) or 1 (cuda)");
+                    return region_tuple(e.register_region(addr, length, static_cast<kvxfer::MemKind>(kind), device_id, pin));
+                }, py::arg("addr"), py::arg("length"), py::arg("kind") = 0, py::arg("device_id") = 0, py::arg("pin") = true,
+                "-> (id, addr, length, kind, device_id, is_pinned, is_cached)")
+            .def("deregister", &Engine::deregister, py::arg("region_id"))
+            .def("regions", [=](Engine& e) {
+                    py::list out;
+                    for (const auto& r : e.regions()) out.append(region_tuple(r));
+                    return out;
+                })
+            .def("metadata", [](Engine& e) { return py::bytes(e.metadata()); })
+            .def("connect", [](Engine& e, py::bytes meta, bool allow_vm) {
+                    std::string s = meta;
+                    py::gil_scoped_release nogil;
+                    return e.connect(s, allow_vm);
+                }, py::arg("metadata"), py::arg("allow_vm") = true)
+            .def("conn_info", [](Engine& e, uint64_t id) {
+                    const kvxfer::PeerConn& c = e.conn(id);
+                    py::dict regions;
+                    for (const auto& kv : c.regions) regions[py::int_(kv.first)] = py::make_tuple(kv.second.addr, kv.second.length);
+                    py::dict d;
+                    d["transport"] = c.transport;
+                    d["peer_uid"] = c.peer.uid;
+                    d["peer_pid"] = c.peer.pid;
+                    d["peer_host"] = c.peer.hostname;
+                    d["ucx_info"] = c.ucx_info;
+                    d["failed"] = c.failed;
+                    d["regions"] = regions;
+                    return d;
+                }, py::arg("conn_id"))
+            .def("disconnect", &Engine::disconnect, py::arg("conn_id"), py::call_guard<py::gil_scoped_release>())
+            .def("post", [=](Engine& e, uint64_t conn, bool is_write, const Descs& d) {
+                    const size_t n = rows(d);
+                    const int64_t* p = d.data();
+                    py::gil_scoped_release nogil;
+                    return e.post(conn, is_write, p, n);
+                }, py::arg("conn_id"), py::arg("is_write"), py::arg("descs"))
+            .def("test", &Engine::test, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
+            .def("wait", &Engine::wait, py::arg("request_id"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+            .def("progress", &Engine::progress, py::call_guard<py::gil_scoped_release>())
+            .def("notify", [](Engine& e, uint64_t conn, py::bytes payload) {
+                    std::string s = payload;
+                    py::gil_scoped_release nogil;
+                    e.notify(conn, s);
+                }, py::arg("conn_id"), py::arg("payload"))
+            .def("poll_notifications", [](Engine& e) {
+                    std::vector<std::pair<uint64_t, std::string>> got;
+                    {
+                        py::gil_scoped_release nogil;
+                        got = e.poll_notifications();
+                    }
+                    py::list out;
+                    for (auto& kv : got) out.append(py::make_tuple(kv.first, py::bytes(kv.second)));
+                    return out;
+                })
+            .def("local_copy", [=](Engine& e, const Descs& d) {
+                    const size_t n = rows(d);
+                    const int64_t* p = d.data();
+                    py::gil_scoped_release nogil;
+                    e.local_copy_batch(p, n);
+                }, py::arg("descs"), "memcpy a batch between local regions (benchmark limit)")
+            .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+    }
 }

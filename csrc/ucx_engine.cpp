@@ -1,0 +1,532 @@
+#include "ucx_engine.h"
+
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "errors.h"
+
+namespace kvxfer {
+
+namespace {
+
+constexpr unsigned kNotifyAmId = 17;
+constexpr size_t kMaxNotifyBytes = 64 * 1024;
+constexpr size_t kMaxRetired = 4096;
+constexpr size_t kMaxInbox = 1 << 20;
+
+std::string ucs_error(const char* what, ucs_status_t st) {
+    return std::string(what) + ": " + ucs_status_string(st);
+}
+
+bool is_peer_failure(ucs_status_t st) {
+    return st == UCS_ERR_CONNECTION_RESET || st == UCS_ERR_ENDPOINT_TIMEOUT ||
+           st == UCS_ERR_UNREACHABLE || st == UCS_ERR_CANCELED || st == UCS_ERR_REJECTED ||
+           st == UCS_ERR_NOT_CONNECTED || st == UCS_ERR_IO_ERROR;
+}
+
+// The transport of the first rma_bw lane in ucp_ep_print_info's text, e.g.
+// "lane[0]:  2:cma/memory.0 md[2] -> md[2]/cma/sysdev[255] rma_bw#0" -> "cma";
+// "sysv+am-rma" when UCX has no RMA lane (peer error handling on one host).
+std::string rma_transport(const std::string& info) {
+    std::istringstream in(info);
+    std::string line, fallback;
+    while (std::getline(in, line)) {
+        auto lane = line.find("lane[");
+        if (lane == std::string::npos) continue;
+        auto colon = line.find(':', lane);
+        if (colon == std::string::npos) continue;
+        std::istringstream fields(line.substr(colon + 1));
+        std::string tok;
+        fields >> tok;  // "2:cma/memory.0"
+        auto c = tok.find(':');
+        if (c != std::string::npos) tok = tok.substr(c + 1);
+        auto slash = tok.find('/');
+        std::string tl = tok.substr(0, slash);
+        if (line.find("rma_bw") != std::string::npos) return tl;
+        if (fallback.empty() && line.find(" am") != std::string::npos) fallback = tl;
+    }
+    // No RMA lane: UCX emulates put/get with active messages on the am lane.
+    return fallback.empty() ? "unknown" : fallback + "+am-rma";
+}
+
+std::string ep_print_info(ucp_ep_h ep) {
+    char* buf = nullptr;
+    size_t size = 0;
+    FILE* f = open_memstream(&buf, &size);
+    if (!f) return {};
+    ucp_ep_print_info(ep, f);
+    fclose(f);
+    std::string out(buf ? buf : "", size);
+    free(buf);
+    return out;
+}
+
+void on_notify_sent(void* request, ucs_status_t, void* user_data) {
+    delete static_cast<std::string*>(user_data);
+    ucp_request_free(request);
+}
+
+void brief_pause() {
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, nullptr);
+}
+
+}  // namespace
+
+void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* c = static_cast<PeerConn*>(arg);
+    c->failed = true;
+    c->failure = ucs_error("peer endpoint failed", status);
+}
+
+ucs_status_t on_notification(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param) {
+    auto* e = static_cast<Engine*>(arg);
+    // Senders force eager protocol; anything else is not ours and is dropped.
+    if (header_length != sizeof(uint64_t) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+        length > kMaxNotifyBytes || e->inbox_.size() >= kMaxInbox)
+        return UCS_OK;
+    uint64_t sender;
+    std::memcpy(&sender, header, sizeof(sender));
+    e->inbox_.emplace_back(sender, std::string(static_cast<const char*>(data), length));
+    return UCS_OK;
+}
+
+Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
+    ucp_params_t params;
+    std::memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    params.mt_workers_shared = 0;
+    st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) throw Error(ucs_error("ucp_init", st));
+
+    ucp_worker_params_t wp;
+    std::memset(&wp, 0, sizeof(wp));
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the engine lock serializes callers
+    st = ucp_worker_create(context_, &wp, &worker_);
+    if (st != UCS_OK) {
+        ucp_cleanup(context_);
+        throw Error(ucs_error("ucp_worker_create", st));
+    }
+
+    ucp_am_handler_param_t ap;
+    std::memset(&ap, 0, sizeof(ap));
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    ap.id = kNotifyAmId;
+    ap.cb = on_notification;
+    ap.arg = this;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) {
+        ucp_worker_destroy(worker_);
+        ucp_cleanup(context_);
+        throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
+    }
+
+    ucp_address_t* addr = nullptr;
+    size_t addr_len = 0;
+    st = ucp_worker_get_address(worker_, &addr, &addr_len);
+    if (st != UCS_OK) {
+        ucp_worker_destroy(worker_);
+        ucp_cleanup(context_);
+        throw Error(ucs_error("ucp_worker_get_address", st));
+    }
+    self_.worker_address.assign(reinterpret_cast<const char*>(addr), addr_len);
+    ucp_worker_release_address(worker_, addr);
+
+    std::random_device rd;
+    self_.uid = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    for (size_t i = 0; i < kProbeTokenBytes; ++i) probe_[i] = static_cast<char>(rd());
+    fill_host_identity(self_);
+    self_.probe_addr = reinterpret_cast<uint64_t>(probe_);
+    self_.probe_length = kProbeBytes;
+    self_.probe_token.assign(probe_, kProbeTokenBytes);
+    registry_ = std::make_unique<Registry>(context_);
+}
+
+Engine::~Engine() {
+    try {
+        close();
+    } catch (...) {
+    }
+}
+
+void Engine::require_open() const {
+    if (!worker_) throw Error("the engine is closed");
+}
+
+Region Engine::register_region(uintptr_t addr, size_t length, MemKind kind, int device_id, bool pin) {
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    return registry_->add(addr, length, kind, device_id, pin);
+}
+
+void Engine::deregister(uint64_t region_id) {
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    // In-flight UCX operations may still read the mapping; refuse rather than race.
+    if (num_pending_ > 0)
+        throw RegistrationError("cannot deregister while " + std::to_string(num_pending_) +
+                                " transfer(s) are in flight; wait for them first");
+    registry_->remove(region_id);
+}
+
+std::vector<Region> Engine::regions() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<Region> out;
+    if (!registry_) return out;
+    for (const Region* r : registry_->all()) out.push_back(*r);
+    return out;
+}
+
+std::string Engine::metadata() {
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    PeerInfo info = self_;
+    for (const Region* r : registry_->all()) {
+        info.regions.push_back({r->id, r->addr, r->length, static_cast<uint32_t>(r->mapping->kind), r->mapping->rkey});
+    }
+    return encode_metadata(info);
+}
+
+uint64_t Engine::connect(const std::string& peer_metadata, bool allow_vm) {
+    PeerInfo info = decode_metadata(peer_metadata);  // ProtocolError before touching UCX
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    auto c = std::make_unique<PeerConn>();
+    c->id = next_conn_++;
+
+    ucp_ep_params_t ep;
+    std::memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(info.worker_address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = on_ep_error;
+    ep.err_handler.arg = c.get();
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &c->ep);
+    if (st != UCS_OK) throw PeerDisconnected(ucs_error("ucp_ep_create", st));
+
+    for (RegionAd& ad : info.regions) {
+        RemoteRegion rr{ad.id, ad.addr, ad.length, nullptr, ad.kind == 0};
+        st = ucp_ep_rkey_unpack(c->ep, ad.rkey.data(), &rr.rkey);
+        if (st != UCS_OK) {
+            close_ep(*c);
+            throw ProtocolError("peer region " + std::to_string(ad.id) + ": " + ucs_error("ucp_ep_rkey_unpack", st));
+        }
+        c->regions[ad.id] = rr;
+        ad.rkey.clear();
+    }
+
+    if (allow_vm && allow_vm_ && same_host(self_, info)) {
+        auto proc = std::make_unique<PeerProcess>(static_cast<pid_t>(info.pid));
+        if (proc->alive() && vm_probe(proc->pid(), info.probe_addr, info.probe_length, info.probe_token)) {
+            c->process = std::move(proc);
+            c->use_vm = true;
+        }
+    }
+    if (!c->use_vm && same_host(self_, info))  // for liveness checks on the UCX path
+        c->process = std::make_unique<PeerProcess>(static_cast<pid_t>(info.pid));
+    c->ucx_info = ep_print_info(c->ep);
+    c->transport = c->use_vm ? "vm" : "ucx:" + rma_transport(c->ucx_info);
+    c->peer = std::move(info);
+    const uint64_t id = c->id;
+    conns_[id] = std::move(c);
+    return id;
+}
+
+PeerConn& Engine::conn_locked(uint64_t conn_id) {
+    auto it = conns_.find(conn_id);
+    if (it == conns_.end()) throw std::invalid_argument("unknown connection " + std::to_string(conn_id));
+    return *it->second;
+}
+
+const PeerConn& Engine::conn(uint64_t conn_id) {
+    std::lock_guard<std::mutex> g(mu_);
+    return conn_locked(conn_id);
+}
+
+void Engine::close_ep(PeerConn& c) {
+    for (auto& kv : c.regions)
+        if (kv.second.rkey) ucp_rkey_destroy(kv.second.rkey);
+    c.regions.clear();
+    if (!c.ep) return;
+    // Force close: transfers were waited for by the caller; a dead peer must not hang us.
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* req = ucp_ep_close_nbx(c.ep, &p);
+    c.ep = nullptr;
+    if (UCS_PTR_IS_PTR(req)) {
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+        while (ucp_request_check_status(req) == UCS_INPROGRESS &&
+               std::chrono::steady_clock::now() < deadline)
+            ucp_worker_progress(worker_);
+        ucp_request_free(req);
+    }
+}
+
+void Engine::disconnect(uint64_t conn_id) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = conns_.find(conn_id);
+    if (it == conns_.end()) return;  // idempotent
+    for (auto& kv : requests_) {
+        XferRequest& r = kv.second;
+        if (r.conn_id == conn_id && !r.done && r.error.empty()) r.error = "connection closed";
+    }
+    close_ep(*it->second);
+    conns_.erase(it);
+}
+
+uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, size_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    PeerConn& c = conn_locked(conn_id);
+    if (c.failed) throw PeerDisconnected(c.failure);
+    std::vector<Op> ops = validate_batch(descs, n, *registry_, c.regions);
+    if (c.process && !c.process->alive()) {
+        c.failed = true;
+        c.failure = "peer process " + std::to_string(c.process->pid()) + " exited";
+        throw PeerDisconnected(c.failure);
+    }
+    const uint64_t id = next_req_++;
+    XferRequest r;
+    r.conn_id = conn_id;
+    bool all_host = true;
+    for (const Op& op : ops) all_host = all_host && op.is_host;
+    if (c.use_vm && all_host) {  // device memory goes through UCX (cuda_ipc on one host)
+        vm_transfer(c.process->pid(), ops, is_write);
+        r.done = true;  // the copy finished inside post()
+        requests_[id] = std::move(r);
+        retire(id);
+        return id;
+    }
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    for (const Op& op : ops) {
+        p.memh = op.memh;
+        void* req = is_write ? ucp_put_nbx(c.ep, reinterpret_cast<void*>(op.laddr), op.length, op.raddr, op.rkey, &p)
+                             : ucp_get_nbx(c.ep, reinterpret_cast<void*>(op.laddr), op.length, op.raddr, op.rkey, &p);
+        if (UCS_PTR_IS_ERR(req)) {
+            ucs_status_t st = UCS_PTR_STATUS(req);
+            if (c.failed || is_peer_failure(st)) throw PeerDisconnected(ucs_error(is_write ? "ucp_put_nbx" : "ucp_get_nbx", st));
+            throw Error(ucs_error(is_write ? "ucp_put_nbx" : "ucp_get_nbx", st));
+        }
+        if (req) ucp_request_free(req);  // released by UCX on completion; the flush below covers it
+    }
+    ucp_request_param_t fp;
+    std::memset(&fp, 0, sizeof(fp));
+    void* flush = ucp_ep_flush_nbx(c.ep, &fp);
+    if (UCS_PTR_IS_ERR(flush)) {
+        r.done = true;
+        r.status = UCS_PTR_STATUS(flush);
+    } else if (flush == nullptr) {
+        r.done = true;
+    } else {
+        r.ucx_req = flush;
+        ++num_pending_;
+    }
+    requests_[id] = std::move(r);
+    if (requests_[id].done) retire(id);
+    return id;
+}
+
+void Engine::retire(uint64_t id) {
+    retired_.push_back(id);
+    while (retired_.size() > kMaxRetired) {
+        requests_.erase(retired_.front());
+        retired_.pop_front();
+    }
+}
+
+// Updates r from UCX and the peer's liveness; true once r is finished.
+bool Engine::poll_request(XferRequest& r, uint64_t id) {
+    if (r.done) return true;
+    if (r.ucx_req) {
+        ucs_status_t st = ucp_request_check_status(r.ucx_req);
+        if (st != UCS_INPROGRESS) {
+            ucp_request_free(r.ucx_req);
+            r.ucx_req = nullptr;
+            --num_pending_;
+            r.status = st;
+            r.done = true;
+            retire(id);
+            return true;
+        }
+    }
+    if (r.error.empty()) {
+        auto it = conns_.find(r.conn_id);
+        if (it == conns_.end()) {
+            r.error = "connection closed";
+        } else if (it->second->failed) {
+            r.error = it->second->failure;
+        } else if (it->second->process && !it->second->process->alive()) {
+            it->second->failed = true;
+            it->second->failure = "peer process " + std::to_string(it->second->process->pid()) + " exited";
+            r.error = it->second->failure;
+        }
+    }
+    // A failed peer: the flush request completes (canceled) once the endpoint
+    // is closed; report the failure now and let close() reap the request.
+    return !r.error.empty();
+}
+
+// A request of a failed peer: force-close its endpoint so UCX cancels the
+// flush, then free it (keeps num_pending_ honest for deregister()).
+void Engine::reap(XferRequest& r) {
+    if (!r.ucx_req) return;
+    auto it = conns_.find(r.conn_id);
+    if (it != conns_.end()) close_ep(*it->second);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
+        ucp_worker_progress(worker_);
+    if (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS) return;  // close() reaps it
+    ucp_request_free(r.ucx_req);
+    r.ucx_req = nullptr;
+    --num_pending_;
+}
+
+bool Engine::test(uint64_t request_id) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = requests_.find(request_id);
+    if (it == requests_.end()) {
+        if (request_id == 0 || request_id >= next_req_)
+            throw std::invalid_argument("unknown request " + std::to_string(request_id));
+        throw std::invalid_argument("request " + std::to_string(request_id) + " is too old to report");
+    }
+    if (worker_) ucp_worker_progress(worker_);
+    XferRequest& r = it->second;
+    if (!poll_request(r, request_id)) return false;
+    if (!r.error.empty()) {
+        if (!r.done) {
+            reap(r);
+            r.done = r.ucx_req == nullptr;
+            if (r.done) retire(request_id);
+        }
+        throw PeerDisconnected(r.error);
+    }
+    if (r.status != UCS_OK) {
+        if (is_peer_failure(r.status)) throw PeerDisconnected(ucs_error("transfer failed", r.status));
+        throw Error(ucs_error("transfer failed", r.status));
+    }
+    return true;
+}
+
+void Engine::wait(uint64_t request_id, double timeout) {
+    if (!(timeout >= 0)) throw std::invalid_argument("timeout must be >= 0");
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(std::min(timeout, 1e7)));
+    unsigned idle = 0;
+    for (;;) {
+        if (test(request_id)) return;
+        if (std::chrono::steady_clock::now() >= deadline)
+            throw TransferTimeout("request " + std::to_string(request_id) + " did not complete within " +
+                                  std::to_string(timeout) + " s");
+        // Spin briefly (cma/shm complete in the caller's progress), then back
+        // off so a wait for a slow peer does not steal a core.
+        if (++idle > 256) brief_pause();
+    }
+}
+
+unsigned Engine::progress() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!worker_) return 0;
+    unsigned n = 0, k;
+    while ((k = ucp_worker_progress(worker_)) != 0 && n < 1024) n += k;
+    return n;
+}
+
+void Engine::notify(uint64_t conn_id, const std::string& payload) {
+    if (payload.size() > kMaxNotifyBytes)
+        throw std::invalid_argument("notification larger than " + std::to_string(kMaxNotifyBytes) + " bytes");
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    PeerConn& c = conn_locked(conn_id);
+    if (c.failed) throw PeerDisconnected(c.failure);
+    if (c.process && !c.process->alive()) {
+        c.failed = true;
+        c.failure = "peer process " + std::to_string(c.process->pid()) + " exited";
+        throw PeerDisconnected(c.failure);
+    }
+    auto* buf = new std::string(payload);
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+    p.cb.send = on_notify_sent;
+    p.user_data = buf;
+    const uint64_t header = self_.uid;
+    void* req = ucp_am_send_nbx(c.ep, kNotifyAmId, &header, sizeof(header), buf->data(), buf->size(), &p);
+    if (UCS_PTR_IS_PTR(req)) return;  // on_notify_sent frees the copy
+    delete buf;
+    if (UCS_PTR_IS_ERR(req)) {
+        ucs_status_t st = UCS_PTR_STATUS(req);
+        if (c.failed || is_peer_failure(st)) throw PeerDisconnected(ucs_error("ucp_am_send_nbx", st));
+        throw Error(ucs_error("ucp_am_send_nbx", st));
+    }
+}
+
+std::vector<std::pair<uint64_t, std::string>> Engine::poll_notifications() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::pair<uint64_t, std::string>> out;
+    if (worker_)
+        for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
+        }
+    out.reserve(inbox_.size());
+    while (!inbox_.empty()) {
+        out.push_back(std::move(inbox_.front()));
+        inbox_.pop_front();
+    }
+    return out;
+}
+
+void Engine::local_copy_batch(const int64_t* descs, size_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    require_open();
+    // Present the local regions as a "remote" table so the same validation applies.
+    std::unordered_map<uint64_t, RemoteRegion> self_table;
+    for (const Region* r : registry_->all()) self_table[r->id] = {r->id, r->addr, r->length, nullptr, r->mapping->kind == MemKind::Host};
+    kvxfer::local_copy(validate_batch(descs, n, *registry_, self_table));
+}
+
+void Engine::close() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!worker_) return;
+    for (auto& kv : conns_) close_ep(*kv.second);
+    for (auto& kv : requests_) {
+        XferRequest& r = kv.second;
+        if (!r.ucx_req) continue;
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+        while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
+            ucp_worker_progress(worker_);
+        ucp_request_free(r.ucx_req);
+        r.ucx_req = nullptr;
+    }
+    num_pending_ = 0;
+    conns_.clear();
+    requests_.clear();
+    retired_.clear();
+    inbox_.clear();
+    registry_->clear();
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+    ucp_cleanup(context_);
+    context_ = nullptr;
+}
+
+}  // namespace kvxfer

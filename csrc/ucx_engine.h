@@ -1,0 +1,111 @@
+// The transfer engine: one UCP context + worker per agent, the memory registry,
+// connections to peers, batched one-sided writes/reads and small notifications.
+//
+// Progress is explicit (polling): nothing runs unless the owner calls test(),
+// wait(), progress() or poll_notifications(); no background thread. Every
+// public method takes the engine lock, so the engine may be shared by threads.
+//
+// Completion: a request is complete when test() returns true / wait() returns.
+// For a write the bytes are then visible in the peer's memory (UCX path: after
+// ucp_ep_flush_nbx completed; vm path: process_vm_writev returned in post()).
+// For a read the bytes are in local memory.
+#pragma once
+#include <ucp/api/ucp.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "metadata.h"
+#include "registry.h"
+#include "validate.h"
+#include "vm_copy.h"
+
+namespace kvxfer {
+
+struct PeerConn {
+    uint64_t id = 0;
+    PeerInfo peer;  // regions' rkey bytes dropped after unpacking
+    ucp_ep_h ep = nullptr;
+    std::unordered_map<uint64_t, RemoteRegion> regions;
+    std::unique_ptr<PeerProcess> process;  // same host only
+    bool use_vm = false;
+    std::string transport;  // "vm", "ucx:cma", "ucx:tcp", ...
+    std::string ucx_info;   // ucp_ep_print_info text
+    bool failed = false;
+    std::string failure;
+};
+
+struct XferRequest {
+    uint64_t conn_id = 0;
+    void* ucx_req = nullptr;  // flush request still in flight
+    bool done = false;
+    ucs_status_t status = UCS_OK;
+    std::string error;  // set when a failure was decided outside UCX
+};
+
+class Engine {
+public:
+    explicit Engine(bool allow_vm);
+    ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    uint64_t uid() const { return self_.uid; }
+    Region register_region(uintptr_t addr, size_t length, MemKind kind, int device_id, bool pin);
+    void deregister(uint64_t region_id);
+    std::vector<Region> regions();
+    std::string metadata();
+
+    uint64_t connect(const std::string& peer_metadata, bool allow_vm);
+    const PeerConn& conn(uint64_t conn_id);  // throws std::invalid_argument
+    void disconnect(uint64_t conn_id);
+
+    // descs: int64 [n, 5], see validate.h. Returns a request id.
+    uint64_t post(uint64_t conn_id, bool is_write, const int64_t* descs, size_t n);
+    bool test(uint64_t request_id);                  // throws on failure
+    void wait(uint64_t request_id, double timeout);  // throws TransferTimeout
+    unsigned progress();
+
+    void notify(uint64_t conn_id, const std::string& payload);
+    std::vector<std::pair<uint64_t, std::string>> poll_notifications();
+
+    // Benchmark limit: memcpy the same batch inside this process, both sides
+    // named by local regions (the remote region column names a local region).
+    void local_copy_batch(const int64_t* descs, size_t n);
+
+    void close();
+    bool closed() const { return worker_ == nullptr; }
+
+private:
+    friend void on_ep_error(void*, ucp_ep_h, ucs_status_t);
+    friend ucs_status_t on_notification(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+
+    void require_open() const;
+    PeerConn& conn_locked(uint64_t conn_id);
+    bool poll_request(XferRequest& r, uint64_t id);
+    void retire(uint64_t id);
+    void reap(XferRequest& r);
+    void close_ep(PeerConn& c);
+
+    std::mutex mu_;
+    bool allow_vm_;
+    ucp_context_h context_ = nullptr;
+    ucp_worker_h worker_ = nullptr;
+    std::unique_ptr<Registry> registry_;
+    PeerInfo self_;
+    alignas(64) char probe_[kProbeBytes] = {0};
+    uint64_t next_conn_ = 1, next_req_ = 1;
+    std::unordered_map<uint64_t, std::unique_ptr<PeerConn>> conns_;
+    std::unordered_map<uint64_t, XferRequest> requests_;
+    std::deque<uint64_t> retired_;
+    std::deque<std::pair<uint64_t, std::string>> inbox_;
+    size_t num_pending_ = 0;
+};
+
+}  // namespace kvxfer

@@ -1,0 +1,50 @@
+// Same-host fast path: one copy between two processes with process_vm_writev /
+// process_vm_readv, up to IOV_MAX ranges per system call, no staging buffer.
+//
+// A peer is identified by pid *and* a random token it advertises in a probe
+// area: vm_probe reads the token back (proving the pid is that very process,
+// not a namesake in another container) and writes one scratch byte (proving
+// the kernel permits writes). PeerProcess holds a pidfd so a dead peer is
+// noticed before a reused pid could be written to.
+#pragma once
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "validate.h"
+
+namespace kvxfer {
+
+constexpr size_t kProbeTokenBytes = 16;
+constexpr size_t kProbeBytes = 64;  // token, then scratch
+
+class PeerProcess {
+public:
+    PeerProcess() = default;
+    explicit PeerProcess(pid_t pid);
+    ~PeerProcess();
+    PeerProcess(const PeerProcess&) = delete;
+    PeerProcess& operator=(const PeerProcess&) = delete;
+    pid_t pid() const { return pid_; }
+    bool alive() const;  // false once the process exited
+
+private:
+    pid_t pid_ = 0;
+    int pidfd_ = -1;
+};
+
+// True when this process may read the token at probe_addr and write a scratch byte after it.
+bool vm_probe(pid_t pid, uint64_t probe_addr, uint64_t probe_length, const std::string& token);
+
+// Copies every op (local laddr <-> remote raddr). Throws PeerDisconnected
+// (ESRCH, EPERM: the process is gone or no longer ours), InvalidDescriptor
+// (EFAULT: the peer unmapped the memory it advertised).
+void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write);
+
+// Single-thread memcpy of the same ops inside one process: the limit the
+// benchmark compares with (ops' raddr is treated as a local address).
+void local_copy(const std::vector<Op>& ops);
+
+}  // namespace kvxfer

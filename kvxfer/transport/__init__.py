@@ -1,0 +1,30 @@
+"""Move: backends that carry bytes between registered regions (see :mod:`.base`).
+
+``make_backend(name)`` builds one; UCX is imported only then.
+"""
+from __future__ import annotations
+
+from .base import Backend, Capabilities, Connection
+
+__all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "ucx", "vm")
+
+
+def make_backend(name: str = "auto", **options) -> Backend:
+    """Return a backend by name.
+
+    ``"auto"``: UCX with the same-host ``process_vm_writev`` fast path where the
+    kernel permits it; ``"ucx"``: UCX only (even on one host); ``"vm"``: require
+    the same-host path (connect raises otherwise). ``options`` go to
+    :class:`~kvxfer.transport.ucx.UcxBackend` (e.g. ``pin=False``).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    from .ucx import UcxBackend
+
+    if name == "ucx":
+        return UcxBackend(allow_vm=False, **options)
+    if name == "vm":
+        return UcxBackend(require_vm=True, **options)
+    return UcxBackend(**options)

@@ -51,7 +51,7 @@ def torch_copy(layout, plan: CopyPlan, wire, *, to_wire: bool) -> None:
     n = plan.ids.size
     wire = wire.view(int_dtype).view(len(plan.layers), layout.num_kv, n, layout.block_size, h1 - h0,
                                      layout.head_dim)
-    ids = torch.from_numpy(plan.ids)
+    ids = torch.from_numpy(plan.ids).to(layout.device)
     for j, layer in enumerate(plan.layers):
         for kv in range(layout.num_kv):
             view = layout.kv_view(layer, kv).view(int_dtype)[:, :, h0:h1]

@@ -6,6 +6,7 @@ runs one step (prefill chunks or decode tokens) and returns last-token logits.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -78,6 +79,15 @@ class LlamaModel:
         cache = KVCache(num_blocks, config.num_layers, block_size, config.num_kv_heads,
                         config.head_dim)
         return cls(config, load_weights(reader, config), cache)
+
+    def with_cache(self, kv_cache: KVCache) -> "LlamaModel":
+        """A model sharing these weights over another KV pool (e.g. a second worker's)."""
+        if (kv_cache.num_layers, *kv_cache.tensor.shape[-2:]) != \
+                (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim):
+            raise ValueError("cache shape does not match the model")
+        other = copy.copy(self)
+        other.kv_cache = kv_cache
+        return other
 
     def attention_block(self, layer: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Pre-norm attention of one layer with residual; ``x`` ``[T_pad, hidden]``."""

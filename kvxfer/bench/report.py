@@ -17,9 +17,15 @@ SCHEMA_VERSION = 1
 
 
 def console(stderr: bool = False):
+    """A rich console; when output is not a terminal (logs, CI, pipes) tables get 200
+    columns instead of rich's 80, so wide benchmark tables are not folded."""
+    import sys
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 200
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def fmt(value, digits: int = 2) -> str:

@@ -82,7 +82,7 @@ class LoopbackBackend(Backend):
         span = regions.get(int(rid))
         if span is None or off < 0 or n < 0 or off + n > span[1]:
             raise InvalidDescriptor(f"{side} region {rid} [{off}, +{n}) is not registered")
-        return span[0] + off
+        return int(span[0] + off)  # numpy ints are not ctypes pointers
 
     def post(self, conn: Connection, op: str, descs) -> int:
         if op not in ("write", "read"):

@@ -8,7 +8,7 @@ from .base import Backend, Capabilities, Connection
 
 __all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "ucx", "vm")
+BACKENDS = ("auto", "ucx", "vm", "loopback")
 
 
 def make_backend(name: str = "auto", **options) -> Backend:
@@ -16,11 +16,16 @@ def make_backend(name: str = "auto", **options) -> Backend:
 
     ``"auto"``: UCX with the same-host ``process_vm_writev`` fast path where the
     kernel permits it; ``"ucx"``: UCX only (even on one host); ``"vm"``: require
-    the same-host path (connect raises otherwise). ``options`` go to
+    the same-host path (connect raises otherwise); ``"loopback"``: in-process,
+    for unit tests. ``options`` go to
     :class:`~kvxfer.transport.ucx.UcxBackend` (e.g. ``pin=False``).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "loopback":
+        from .loopback import LoopbackBackend
+
+        return LoopbackBackend(**options)
     from .ucx import UcxBackend
 
     if name == "ucx":

@@ -80,8 +80,9 @@ class IOLoop:
         deadline = time.monotonic() + max(0.0, delay_s)
         self.call_soon(lambda: heapq.heappush(self._timers, (deadline, next(self._seq), fn)))
 
-    def add_conn(self, sock: socket.socket, handler) -> Conn:
+    def add_conn(self, sock: socket.socket, handler, peer=None) -> Conn:
         conn = Conn(sock, handler, self)
+        conn.peer = peer
         self.call_soon(lambda: self._register(conn))
         return conn
 
@@ -93,6 +94,10 @@ class IOLoop:
         self._wake()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    @property
+    def num_conns(self) -> int:
+        return len(self._conns)
 
     @property
     def thread(self) -> threading.Thread:
@@ -180,7 +185,11 @@ class IOLoop:
         if handler is None:
             sock.close()
             return
-        self._register(Conn(sock, handler, self))
+        conn = Conn(sock, handler, self)
+        self._register(conn)
+        on_open = getattr(handler, "on_open", None)
+        if on_open is not None:
+            on_open(conn)
 
     def _read(self, conn: Conn) -> None:
         try:

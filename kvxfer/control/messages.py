@@ -38,6 +38,7 @@ class Msg(enum.IntEnum):
     CANCEL = 16      # either way: stop request `req`
     CANCEL_ACK = 17  # P->D: nothing more will be written for `req`
     NOTIFY = 18      # P->D: engine payload, sent after the data it refers to is visible
+    STAGE_RELEASE = 19  # P->D: chunk `tag` gave up; free its grant
 
 
 _NONCE = "hex32"
@@ -59,9 +60,10 @@ SCHEMAS: dict[Msg, dict[str, str]] = {
                     "blocks": "ints", "layers": "ints", "heads": "range",
                     "offset": "int", "nbytes": "int"},
     Msg.ACK: {"tag": "int"},
-    Msg.CANCEL: {"req": "str", "xid": "int"},
+    Msg.CANCEL: {"req": "str", "xid": "int", "to_sender": "bool"},
     Msg.CANCEL_ACK: {"req": "str", "xid": "int"},
     Msg.NOTIFY: {"data": "b64"},
+    Msg.STAGE_RELEASE: {"tag": "int"},
 }
 
 

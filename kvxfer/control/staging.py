@@ -40,11 +40,17 @@ class StagingRing:
         """Block until ``nbytes`` fit (None after ``timeout``); ValueError if they never can."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} B exceeds the staging capacity of {self.capacity} B")
+        got: list = []
+
+        def attempt() -> bool:
+            off = None if self._waiting else self._try_alloc(nbytes)
+            if off is not None:
+                got.append(off)
+            return off is not None
+
         with self._cond:
-            off = None
-            self._cond.wait_for(lambda: not self._waiting and
-                                (off := self._try_alloc(nbytes)) is not None, timeout)
-            return off
+            self._cond.wait_for(attempt, timeout)
+            return got[0] if got else None
 
     def alloc_async(self, nbytes: int, callback) -> None:
         """Call ``callback(offset)`` now or once space frees (FIFO); may run on the freeing thread."""

@@ -1,0 +1,412 @@
+"""``kvxfer.Agent``: one per process; register a pool once, connect, move blocks.
+
+P (prefill) and D (decode) each run an agent. D's :meth:`Agent.recv` tells every
+connected peer where request ``req`` goes (its block ids, layers and heads); P's
+:meth:`Agent.send` writes there as soon as both sides are known, either first.
+Completion on both sides means the data is visible in D's blocks.
+
+Threads per agent: one I/O thread (control sockets, timers; blocks in
+``select``), one send worker (plan, pack, post, wait) and one receive worker
+(unpack). None spins; an idle agent uses no CPU.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import socket
+import threading
+import time
+import uuid
+
+from .control.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake, client_handshake
+from .control.loop import IOLoop
+from .control.messages import Msg
+from .control.receiver import ReceiverSide
+from .control.sender import SenderSide
+from .control import auth
+from .errors import KVXferError, PeerDisconnected, ProtocolError, RegistrationError, TransferTimeout
+from .lease import LeaseTable
+from .metrics import Metrics
+from .plan import CostModel, Geometry
+
+MAX_PENDING_HANDSHAKES = 32
+
+
+class Peer:
+    """A connected, authenticated remote agent (returned by :meth:`Agent.connect`)."""
+
+    _serials = itertools.count(1)
+
+    def __init__(self, name: str, agent_id: str, address: str | None, info: dict) -> None:
+        self.serial = next(Peer._serials)
+        self.name = name
+        self.agent_id = agent_id
+        self.address = address
+        self.geometry: Geometry | None = info["geometry"]
+        self.region_ids: list = info["regions"]
+        self.stage_region: int = info["stage_region"]
+        self.staging_bytes: int = info["staging"]
+        self.conn = None  # control connection
+        self.bconn = None  # backend connection
+        self.is_connected = True
+
+    @property
+    def transport(self) -> str:
+        """What actually carries the bytes (e.g. ``vm``, ``ucx:cma``, ``loopback``)."""
+        return self.bconn.transport if self.bconn is not None else "none"
+
+    def send(self, frame: bytes) -> bool:
+        return self.is_connected and self.conn.send(frame)
+
+    def __repr__(self) -> str:
+        state = "connected" if self.is_connected else "disconnected"
+        return f"<Peer {self.name!r} {state} transport={self.transport}>"
+
+
+def _make_backend(spec):
+    from .transport.base import Backend
+
+    if isinstance(spec, Backend):
+        return spec
+    if spec == "loopback":
+        from .transport.loopback import LoopbackBackend
+
+        return LoopbackBackend()
+    from .transport import make_backend  # the registry of real backends
+
+    return make_backend(spec)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class Agent(SenderSide, ReceiverSide):
+    """``Agent(name, listen="127.0.0.1:0", secret=..., backend="auto")``.
+
+    ``secret`` (bytes/str, required): shared by every agent of a deployment; it
+    never leaves the process. ``lease_timeout``: seconds P holds blocks for a
+    pending send (default 30). ``on_release(request_id, block_ids, reason)``:
+    called once per lease when blocks may be reused (``reason`` in done,
+    cancelled, failed, expired, closed). ``staging_bytes``: size of each of the
+    two registered staging buffers (pack path). ``path``: ``"auto"`` (cost
+    model), ``"zero_copy"`` or ``"pack"`` to force one.
+    """
+
+    def __init__(self, name: str, listen: str = "127.0.0.1:0", *, secret, backend="auto",
+                 lease_timeout: float = 30.0, on_release=None, staging_bytes: int = 32 << 20,
+                 path: str = "auto", cost_model: CostModel | None = None) -> None:
+        if path not in ("auto", "zero_copy", "pack"):
+            raise ValueError(f"path must be auto, zero_copy or pack, got {path!r}")
+        self.name = str(name)
+        self.agent_id = uuid.uuid4().hex
+        self._secret = auth.normalize_secret(secret)
+        self._path = path
+        self._staging_bytes = int(staging_bytes)
+        self.metrics = Metrics(self.name)
+        self.leases = LeaseTable(lease_timeout, on_release)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._layout = None
+        self._geometry: Geometry | None = None
+        self._region_ids: list = []
+        self._peers: dict[int, Peer] = {}
+        self._handshakes = 0
+        self._notifications: collections.deque = collections.deque()
+        self._backend = _make_backend(backend)
+        caps = self._backend.capabilities()
+        self._cost = cost_model or CostModel(per_desc_us=caps.per_desc_overhead_us)
+        self.metrics.info["backend"] = caps.name
+        host, port = _split_address(listen)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        lsock = socket.socket(family, socket.SOCK_STREAM)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            lsock.bind((host, port))
+            lsock.listen(128)
+        except OSError:
+            lsock.close()
+            self._backend.close()
+            raise
+        lsock.setblocking(False)
+        self.address = f"{host}:{lsock.getsockname()[1]}"
+        SenderSide.__init__(self)
+        ReceiverSide.__init__(self)
+        self._send_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._recv_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, args=(q,), name=f"kvxfer-{n}-{self.name}",
+                                          daemon=True) for q, n in ((self._send_q, "send"), (self._recv_q, "recv"))]
+        for t in self._workers:
+            t.start()
+        self._loop = IOLoop(lsock, self._on_accept, self.name)
+
+    # ---- registration ---------------------------------------------------------------
+    def register_kv(self, layout) -> None:
+        """Register the pool of ``layout`` (a :class:`~kvxfer.KVLayout`) and the staging
+        buffers, once, before :meth:`connect`. Raises :class:`RegistrationError` on failure."""
+        import torch
+
+        with self._lock:
+            self._check_open()
+            if self._layout is not None:
+                raise RegistrationError("register_kv was already called on this agent")
+            if self._peers:
+                raise RegistrationError("register_kv must come before connecting peers")
+            ids = []
+            try:
+                for addr, nbytes in layout.regions():
+                    ids.append(self._backend.register(addr, nbytes, device=layout.device.type,
+                                                      device_id=layout.device.index or 0))
+                self._stage_in_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                self._stage_out_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                for t in (self._stage_in_t, self._stage_out_t):
+                    ids.append(self._backend.register(t.data_ptr(), t.numel(), device=layout.device.type,
+                                                      device_id=layout.device.index or 0))
+            except Exception as exc:
+                for rid in ids:
+                    self._backend.deregister(rid)
+                if isinstance(exc, KVXferError):
+                    raise
+                raise RegistrationError(f"cannot register the KV pool: {exc}") from exc
+            self._region_ids = ids[:-2]
+            self._stage_in_region, self._stage_out_region = ids[-2:]
+            self._layout = layout
+            self._geometry = Geometry.from_layout(layout)
+            self._init_staging(self._staging_bytes)
+
+    def _info(self) -> dict:
+        layout = {}
+        if self._geometry is not None:
+            layout = {"geometry": self._geometry.to_wire(), "regions": self._region_ids,
+                      "stage_region": self._stage_in_region}
+        return {"name": self.name, "agent_id": self.agent_id, "layout": layout,
+                "backend": self._backend.metadata(), "staging": self._staging_bytes}
+
+    def _parse_info(self, fields: dict) -> dict:
+        layout = fields["layout"]
+        out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"]}
+        if layout:
+            try:
+                geometry = Geometry.from_wire(layout["geometry"])
+                regions, stage = layout["regions"], layout["stage_region"]
+                ok = (set(layout) == {"geometry", "regions", "stage_region"} and type(stage) is int
+                      and type(regions) is list and all(type(r) is int for r in regions)
+                      and len(regions) == len(geometry.region_sizes))
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise ProtocolError("invalid layout in INFO")
+            if self._geometry is not None:
+                self._geometry.check_compatible(geometry)
+            out.update(geometry=geometry, regions=regions, stage_region=stage)
+        return out
+
+    # ---- connections ----------------------------------------------------------------
+    def connect(self, address: str, *, timeout: float = HANDSHAKE_TIMEOUT_S) -> Peer:
+        """Connect and authenticate; raises AuthenticationError, LayoutMismatch,
+        ProtocolError, PeerDisconnected (unreachable) or TransferTimeout."""
+        self._check_open()
+        host, port = _split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except socket.timeout:
+            raise TransferTimeout(f"connecting to {address} timed out") from None
+        except OSError as exc:
+            raise PeerDisconnected(f"cannot reach {address}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            fields = client_handshake(sock, self._secret, self._info(), self._parse_info, timeout)
+            peer = self._make_peer(fields, address)
+        except socket.timeout:
+            sock.close()
+            raise TransferTimeout(f"handshake with {address} timed out") from None
+        except (ConnectionError, OSError) as exc:
+            sock.close()
+            raise PeerDisconnected(f"{address} closed the connection during the handshake: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        peer.conn = self._loop.add_conn(sock, _PeerHandler(self), peer)
+        self._peer_ready(peer)
+        return peer
+
+    def _make_peer(self, fields: dict, address: str | None) -> Peer:
+        peer = Peer(fields["name"], fields["agent_id"], address, self._parse_info(fields))
+        peer.bconn = self._backend.connect(fields["backend"])
+        self.metrics.info[f"transport:{peer.name}"] = peer.transport
+        return peer
+
+    def _peer_ready(self, peer: Peer) -> None:
+        with self._lock:
+            if self._closed:
+                peer.conn.loop.close_conn(peer.conn)
+                return
+            self._peers[peer.serial] = peer
+            self._post_pending_recvs(peer)
+
+    def _on_accept(self, sock):
+        if self._closed or self._handshakes >= MAX_PENDING_HANDSHAKES:
+            return None
+        self._handshakes += 1
+        return _InboundHandler(self)
+
+    def peers(self) -> list:
+        """Every connected peer (those we connected to and those that connected to us)."""
+        with self._lock:
+            return [p for p in self._peers.values() if p.is_connected]
+
+    def _on_conn_closed(self, peer: Peer, exc) -> None:
+        with self._lock:
+            if not peer.is_connected:
+                return
+            peer.is_connected = False
+            self._peers.pop(peer.serial, None)
+        err = PeerDisconnected(f"peer {peer.name!r} disconnected: {exc}")
+        self._sender_peer_lost(peer, err)
+        self._receiver_peer_lost(peer, err)
+        try:
+            self._backend.disconnect(peer.bconn)
+        except KVXferError:
+            pass
+
+    def disconnect(self, peer: Peer) -> None:
+        """Close the control connection; that peer's pending transfers fail with PeerDisconnected."""
+        if peer.conn is not None:
+            peer.conn.loop.close_conn(peer.conn, ConnectionError("disconnected locally"))
+
+    # ---- messages (I/O thread) --------------------------------------------------------
+    def _on_message(self, peer: Peer, kind: Msg, f: dict) -> None:
+        handler = self._dispatch.get(kind)
+        if handler is None:
+            raise ProtocolError(f"unexpected {kind.name} after the handshake")
+        handler(self, peer, f)
+
+    def _on_notify(self, peer: Peer, f: dict) -> None:
+        self.metrics.inc("notifications")
+        self._notifications.append((peer, f["data"]))
+
+    def notifications(self) -> list:
+        """Drain and return ``[(peer, bytes), ...]`` received since the last call, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self._notifications.popleft())
+            except IndexError:
+                return out
+
+    # ---- workers ----------------------------------------------------------------------
+    @staticmethod
+    def _work(q: queue.SimpleQueue) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            job()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVXferError(f"agent {self.name!r} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def held_blocks(self) -> dict:
+        """``{request_id: block_ids}`` still lent to in-flight transfers (see :mod:`kvxfer.lease`)."""
+        return self.leases.held()
+
+    def close(self) -> None:
+        """Fail pending handles, release every lease ("closed"), stop threads, deregister. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        err = KVXferError(f"agent {self.name!r} closed")
+        self._sender_close(err)
+        self._receiver_close(err)
+        self._loop.stop()
+        for q in (self._send_q, self._recv_q):
+            q.put(None)
+        for t in self._workers:
+            if t is not threading.current_thread():
+                t.join(10.0)
+        for key in self.leases.keys():
+            self.leases.release(key, "closed")
+        for rid in self._region_ids + ([self._stage_in_region, self._stage_out_region] if self._layout else []):
+            self._backend.deregister(rid)
+        self._backend.close()
+        self._layout = None
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._peers)} peers"
+        return f"<Agent {self.name!r} {self.address} {state} backend={self.metrics.info.get('backend')}>"
+
+
+Agent._dispatch = {**SenderSide._dispatch, **ReceiverSide._dispatch, Msg.NOTIFY: Agent._on_notify}
+
+
+class _PeerHandler:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def on_frame(self, conn, kind, fields) -> None:
+        self.agent._on_message(conn.peer, kind, fields)
+
+    def on_close(self, conn, exc) -> None:
+        self.agent._on_conn_closed(conn.peer, exc)
+
+
+class _InboundHandler(_PeerHandler):
+    """Runs the server handshake, then behaves as :class:`_PeerHandler`."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self.hs = ServerHandshake(agent._secret, agent._info, agent._parse_info)
+        self.counted = True
+
+    def on_open(self, conn) -> None:
+        def expire():
+            if conn.peer is None and not conn.closed:
+                conn.loop.close_conn(conn, TransferTimeout("handshake timed out"))
+
+        conn.loop.call_later(HANDSHAKE_TIMEOUT_S, expire)
+
+    def _uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.agent._handshakes -= 1
+
+    def on_frame(self, conn, kind, fields) -> None:
+        if conn.peer is not None:
+            return super().on_frame(conn, kind, fields)
+        try:
+            frames, ready = self.hs.on_frame(kind, fields)
+        except KVXferError:
+            if self.hs.reply_on_error is not None:
+                conn.send(self.hs.reply_on_error)
+            raise
+        if ready:
+            peer = self.agent._make_peer(self.hs.peer_info, None)
+            peer.conn = conn
+            conn.peer = peer
+            self._uncount()
+        for frame in frames:
+            conn.send(frame)
+        if ready:
+            self.agent._peer_ready(conn.peer)
+
+    def on_close(self, conn, exc) -> None:
+        self._uncount()
+        if conn.peer is not None:
+            super().on_close(conn, exc)

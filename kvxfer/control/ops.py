@@ -1,0 +1,61 @@
+"""Book-keeping records of in-flight transfers (guarded by the agent's lock)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Post:
+    """D's RECV_POST as P sees it: where request ``req`` goes."""
+
+    req: str
+    xid: int  # D's id of this recv, so stale messages for a re-used request id are ignored
+    blocks: tuple
+    layers: tuple
+    heads: tuple  # D's global (start, stop)
+
+
+@dataclass(eq=False)
+class SendOp:
+    """P side of a send, streaming send, or one-sided write."""
+
+    peer: object
+    key: tuple  # (peer serial, request id) in Agent._sends
+    wire_req: str  # request id on the wire ("" for one-sided writes)
+    ids: tuple  # P's block ids
+    handle: object
+    ready: list | None  # layers the caller released for shipping; None: all D asks for
+    streaming: bool = False
+    notify: bytes | None = None
+    post: Post | None = None
+    target: frozenset = frozenset()  # layers that must be visible on D for completion
+    shipped: set = field(default_factory=set)
+    pending: dict = field(default_factory=dict)  # layer -> chunks not yet visible
+    visible: set = field(default_factory=set)
+    inflight: int = 0  # worker jobs running for this op
+    ended: str | None = None  # lease reason once the op stopped early
+    ack_owed: bool = False  # D asked to cancel; answer once quiet
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class RecvOp:
+    """D side of a recv: which (layer, head) pieces have landed, who may still write."""
+
+    req: str
+    xid: int
+    blocks: tuple
+    layers: tuple
+    heads: tuple  # this rank's global (start, stop)
+    handle: object
+    covered: dict = field(default_factory=dict)  # layer -> bitmask of local heads landed
+    posted_to: set = field(default_factory=set)  # peers holding our RECV_POST
+    matched: set = field(default_factory=set)  # peers that said they will write
+    quiescing: set = field(default_factory=set)  # peers that must CANCEL_ACK before blocks are free
+    reason: str = "done"
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def full_mask(self) -> int:
+        return (1 << (self.heads[1] - self.heads[0])) - 1

@@ -1,0 +1,227 @@
+"""The D (decode) side of an agent: recv, staging grants, unpack, completion.
+
+``recv`` broadcasts a RECV_POST to every peer (and to peers that connect later);
+whichever peer holds the matching send writes. Completion is tracked per layer
+as a bitmask of this rank's kv heads, so several senders (P with tp=2 feeding
+D with tp=1) each deliver their head range and the request completes when
+every requested layer has all of this rank's heads.
+
+After a recv fails or is cancelled, its blocks stay leased until every peer
+that could still write into them confirmed (CANCEL_ACK) or disconnected: a
+block is never handed back while a late write may land in it.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from ..errors import KVXferError, PeerDisconnected, ProtocolError, TransferCancelled, TransferTimeout
+from ..handle import TransferHandle
+from .messages import Msg, encode
+from .ops import RecvOp
+
+
+class ReceiverSide:
+    def __init__(self) -> None:
+        self._recvs: dict[str, RecvOp] = {}
+        self._quiet_wait: dict[tuple, RecvOp] = {}  # (req, xid) -> op waiting for CANCEL_ACKs
+        self._grants: dict[tuple, tuple] = {}  # (peer serial, tag) -> (offset, nbytes)
+        self._xids = itertools.count(1)
+
+    # ---- public API -------------------------------------------------------------------
+    def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None):
+        """Receive ``request_id`` into ``block_ids`` of this pool (this rank's kv heads).
+
+        Async: returns a :class:`TransferHandle`; ``wait()`` returns once every
+        requested layer is visible in these blocks, ``wait(layer=l)`` once layer
+        ``l`` is. ``timeout`` (default: the lease timeout) fails the handle with
+        :class:`TransferTimeout`; the blocks are released (``on_release``) only
+        once no peer can still write into them.
+        """
+        ids = self._check_ids(block_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError("recv block_ids must be distinct")
+        req = str(request_id)
+        lay = tuple(self._layout.resolve_layers(layers))
+        handle = TransferHandle("recv", req, None, layers=lay)
+        with self._lock:
+            if req in self._recvs:
+                raise ValueError(f"request {req!r} is already being received")
+            op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle)
+            lease = self.leases.acquire(("recv", req, op.xid), req, ids, timeout)
+            self._recvs[req] = op
+            handle._on_cancel = lambda h: self._end_recv(op, None, "cancelled")
+            for peer in list(self._peers.values()):
+                self._post_to(peer, op)
+        self._loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
+            op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
+        return handle
+
+    # ---- posting ----------------------------------------------------------------------
+    def _post_to(self, peer, op: RecvOp) -> None:
+        if peer.geometry is None or not peer.is_connected:
+            return
+        op.posted_to.add(peer)
+        peer.send(encode(Msg.RECV_POST, req=op.req, xid=op.xid, blocks=list(op.blocks),
+                         layers=list(op.layers), heads=op.heads))
+
+    def _post_pending_recvs(self, peer) -> None:
+        for op in list(self._recvs.values()):
+            self._post_to(peer, op)
+
+    # ---- completion and failure ----------------------------------------------------------
+    def _delivered(self, req: str, xid: int, layers, heads: tuple, nbytes: int) -> None:
+        self.metrics.inc("bytes_received", nbytes)
+        if not req:
+            return  # a one-sided write; nothing to track
+        with self._lock:
+            op = self._recvs.get(req)
+            if op is None or op.xid != xid or op.handle.done():
+                return
+            lo = max(heads[0], op.heads[0]) - op.heads[0]
+            hi = min(heads[1], op.heads[1]) - op.heads[0]
+            if hi <= lo:
+                return
+            bits = ((1 << (hi - lo)) - 1) << lo
+            full, landed = op.full_mask, []
+            for layer in layers:
+                if layer in op.handle._layers and op.covered.get(layer, 0) != full:
+                    op.covered[layer] = op.covered.get(layer, 0) | bits
+                    if op.covered[layer] == full:
+                        landed.append(layer)
+            op.handle.nbytes += nbytes
+            op.handle._mark_layers(landed)
+            if all(op.covered.get(layer, 0) == full for layer in op.layers):
+                del self._recvs[req]
+                op.handle._succeed()
+                self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
+                self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
+                self.leases.release(("recv", req, xid), "done")
+
+    def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str) -> None:
+        """Fail (or, with ``error=None``, cancel) a recv, then quiesce its writers."""
+        with self._lock:
+            if self._recvs.get(op.req) is not op:
+                return
+            del self._recvs[op.req]
+            if error is not None and op.handle._fail(error):
+                self.metrics.inc("failures", kind="recv", error=type(error).__name__)
+            op.reason = reason
+            op.quiescing = {p for p in op.posted_to if p.is_connected}
+            for peer in op.quiescing:
+                peer.send(encode(Msg.CANCEL, req=op.req, xid=op.xid, to_sender=True))
+            self._quiet_wait[(op.req, op.xid)] = op
+            self._maybe_quiet(op)
+
+    def _maybe_quiet(self, op: RecvOp) -> None:
+        if not op.quiescing and self._quiet_wait.pop((op.req, op.xid), None) is op:
+            self.leases.release(("recv", op.req, op.xid), op.reason)
+
+    # ---- messages from P (I/O thread) -----------------------------------------------------
+    def _on_matched(self, peer, f) -> None:
+        with self._lock:
+            op = self._recvs.get(f["req"])
+            if op is not None and op.xid == f["xid"]:
+                op.matched.add(peer)
+                op.handle.peer = peer.name if op.handle.peer is None else op.handle.peer
+
+    def _on_stage_req(self, peer, f) -> None:
+        if self._layout is None or f["nbytes"] > self._staging_bytes // 2 or f["nbytes"] == 0:
+            raise ProtocolError(f"STAGE_REQ of {f['nbytes']} bytes cannot be granted")
+        tag = f["tag"]
+
+        def granted(offset: int) -> None:
+            with self._lock:
+                if not peer.is_connected or self._closed:
+                    self._stage_in.free(offset)
+                    return
+                self._grants[(peer.serial, tag)] = (offset, f["nbytes"])
+            peer.send(encode(Msg.STAGE_GRANT, tag=tag, region=self._stage_in_region, offset=offset))
+
+        self._stage_in.alloc_async(f["nbytes"], granted)
+
+    def _on_stage_release(self, peer, f) -> None:
+        with self._lock:
+            grant = self._grants.pop((peer.serial, f["tag"]), None)
+        if grant is not None:
+            self._stage_in.free(grant[0])
+
+    def _on_data_done(self, peer, f) -> None:
+        if not f["pack"]:
+            with self._lock:
+                op = self._recvs.get(f["req"])
+                if op is not None and op.xid == f["xid"]:
+                    op.handle.path = op.handle.path or "zero_copy"
+            return self._delivered(f["req"], f["xid"], f["layers"], f["heads"], f["nbytes"])
+        with self._lock:
+            grant = self._grants.pop((peer.serial, f["tag"]), None)
+        if grant is None or grant != (f["offset"], f["nbytes"]):
+            raise ProtocolError("DATA_DONE names staging space that was not granted")
+        if self._layout.wire_nbytes(len(f["blocks"]), f["layers"], f["heads"]) != f["nbytes"]:
+            self._stage_in.free(grant[0])
+            raise ProtocolError("DATA_DONE size does not match its blocks, layers and heads")
+        self._recv_q.put(lambda: self._unpack(peer, f))
+
+    def _unpack(self, peer, f) -> None:
+        """Receive worker: scatter one staged chunk, free the slice, ACK, account."""
+        from ..kernels import unpack
+
+        off, nbytes = f["offset"], f["nbytes"]
+        req, live = f["req"], True
+        if req:
+            with self._lock:
+                op = self._recvs.get(req)
+                live = op is not None and op.xid == f["xid"]
+                if live:
+                    op.handle.path = "pack"
+        try:
+            if live:
+                t0 = time.perf_counter()
+                unpack(self._layout, self._stage_in_t[off:off + nbytes], list(f["blocks"]),
+                       layers=list(f["layers"]), heads=f["heads"])
+                self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")
+        except (ValueError, TypeError, IndexError) as exc:
+            self._loop.close_conn(peer.conn, ProtocolError(f"bad pack chunk: {exc}"))
+            return
+        finally:
+            self._stage_in.free(off)
+        peer.send(encode(Msg.ACK, tag=f["tag"]))
+        if live:
+            self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes)
+
+    def _on_sender_cancelled(self, peer, f) -> None:
+        with self._lock:
+            op = self._recvs.get(f["req"])
+        if op is not None and op.xid == f["xid"]:
+            self._end_recv(op, TransferCancelled(f"sender {peer.name!r} cancelled {f['req']!r}"), "cancelled")
+
+    def _on_cancel_ack(self, peer, f) -> None:
+        with self._lock:
+            op = self._quiet_wait.get((f["req"], f["xid"]))
+            if op is not None:
+                op.quiescing.discard(peer)
+                self._maybe_quiet(op)
+
+    def _receiver_peer_lost(self, peer, err: PeerDisconnected) -> None:
+        with self._lock:
+            for key in [k for k in self._grants if k[0] == peer.serial]:
+                self._stage_in.free(self._grants.pop(key)[0])
+            failed = [op for op in self._recvs.values() if peer in op.matched]
+            for op in self._recvs.values():
+                op.posted_to.discard(peer)
+            for op in list(self._quiet_wait.values()):
+                op.quiescing.discard(peer)
+                self._maybe_quiet(op)
+        for op in failed:
+            self._end_recv(op, err, "failed")
+
+    def _receiver_close(self, err: KVXferError) -> None:
+        with self._lock:
+            ops = list(self._recvs.values())
+        for op in ops:
+            self._end_recv(op, err, "closed")
+        with self._lock:
+            self._quiet_wait.clear()
+
+    _dispatch = {Msg.MATCHED: _on_matched, Msg.STAGE_REQ: _on_stage_req, Msg.DATA_DONE: _on_data_done,
+                 Msg.STAGE_RELEASE: _on_stage_release, Msg.CANCEL_ACK: _on_cancel_ack}

@@ -1,0 +1,431 @@
+"""The P (prefill) side of an agent: send, send_layer, write, read.
+
+A send is matched with D's RECV_POST (either may come first), then shipped by
+the send worker in pieces (all layers, or one layer per :meth:`send_layer`).
+Each piece is planned (:mod:`kvxfer.plan`), moved zero-copy or packed through
+the staging buffers, and reported to D with DATA_DONE only after the backend
+completed (data visible). The op completes when every layer D asked for is
+visible: zero-copy at write completion, pack when D ACKs the unpack.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+
+from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolError,
+                      TransferCancelled, TransferTimeout)
+from ..handle import TransferHandle
+from .. import plan
+from .messages import Msg, encode
+from .ops import Post, SendOp
+from .staging import StagingRing
+
+MAX_CACHED_POSTS = 65536
+
+
+class _GrantWait:
+    def __init__(self, peer) -> None:
+        self.peer = peer
+        self.event = threading.Event()
+        self.region = self.offset = -1
+        self.error: KVXferError | None = None
+
+
+class SenderSide:
+    def __init__(self) -> None:
+        self._sends: dict[tuple, SendOp] = {}
+        self._posts: dict[tuple, Post] = {}
+        self._grant_waits: dict[int, _GrantWait] = {}
+        self._acks: dict[int, tuple] = {}  # tag -> (op, layers)
+        self._tags = itertools.count(1)
+        self._wids = itertools.count(1)
+
+    def _init_staging(self, nbytes: int) -> None:
+        self._stage_out = StagingRing(nbytes)
+        self._stage_in = StagingRing(nbytes)
+
+    # ---- public API -----------------------------------------------------------------
+    def send(self, peer, request_id: str, block_ids, *, layers=None, lease_timeout: float | None = None):
+        """Ship ``block_ids`` (this pool) of ``request_id`` to whichever blocks ``peer``'s
+        recv names. ``layers``: None = every layer the receiver asks for. Async: returns a
+        :class:`TransferHandle` done when the data is visible in the receiver's blocks.
+        The blocks stay leased until then (or cancel / failure / lease expiry)."""
+        ids = self._check_ids(block_ids)
+        ready = None if layers is None else list(self._layout.resolve_layers(layers))
+        return self._start_send(peer, str(request_id), ids, ready, False, lease_timeout)
+
+    def send_layer(self, peer, request_id: str, layer: int, block_ids, *, lease_timeout: float | None = None):
+        """Stream one finished layer; the first call opens the stream. Every call returns the
+        same handle, done once every layer the receiver asked for has landed."""
+        ids = self._check_ids(block_ids)
+        (layer,) = self._layout.resolve_layers(layer)
+        with self._lock:
+            op = self._sends.get((peer.serial, str(request_id)))
+            if op is not None and op.streaming:
+                if op.ids != ids:
+                    raise ValueError("send_layer: block_ids differ from the stream's first call")
+                if layer in op.shipped or layer in op.ready:
+                    raise ValueError(f"layer {layer} of {request_id!r} was already sent")
+                op.ready.append(layer)
+                if op.post is not None and not op.handle.done():
+                    self._enqueue_ship(op, [layer])
+                return op.handle
+        return self._start_send(peer, str(request_id), ids, [layer], True, lease_timeout)
+
+    def write(self, peer, local_ids, remote_ids, *, layers=None, notify: bytes | None = None):
+        """One-sided: copy local blocks into the peer's ``remote_ids`` (all heads both hold).
+        ``notify`` reaches ``peer.notifications()`` after the data is visible there."""
+        ids = self._check_ids(local_ids)
+        remote = tuple(int(b) for b in remote_ids)
+        self._check_remote(peer, remote, len(ids))
+        lay = tuple(self._layout.resolve_layers(layers))
+        post = Post("", 0, remote, lay, peer.geometry.head_range)
+        key = (peer.serial, f"#write-{next(self._wids)}")
+        op = self._new_op(peer, key, "", ids, list(lay), False, None, "write")
+        op.notify = None if notify is None else bytes(notify)
+        with self._lock:
+            self._match(op, post, send_matched=False)
+        return op.handle
+
+    def read(self, peer, local_ids, remote_ids, *, layers=None):
+        """One-sided: copy the peer's ``remote_ids`` into local blocks (zero-copy descriptors)."""
+        ids = self._check_ids(local_ids)
+        remote = tuple(int(b) for b in remote_ids)
+        self._check_remote(peer, remote, len(ids))
+        lay = tuple(self._layout.resolve_layers(layers))
+        handle = TransferHandle("read", "", peer.name, layers=lay)
+        self._send_q.put(lambda: self._do_read(peer, handle, ids, remote, lay))
+        return handle
+
+    # ---- validation -----------------------------------------------------------------
+    def _check_ids(self, block_ids) -> tuple:
+        self._check_open()
+        if self._layout is None:
+            raise KVXferError("call register_kv before moving blocks")
+        ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1))
+        if not ids:
+            raise ValueError("block_ids is empty")
+        bad = [b for b in ids if not 0 <= b < self._layout.num_blocks]
+        if bad:
+            raise ValueError(f"block id {bad[0]} out of range [0, {self._layout.num_blocks})")
+        return ids
+
+    @staticmethod
+    def _check_remote(peer, remote: tuple, n: int) -> None:
+        if peer.geometry is None:
+            raise LayoutMismatch(f"peer {peer.name!r} registered no KV pool")
+        if len(remote) != n or not all(0 <= b < peer.geometry.num_blocks for b in remote):
+            raise ValueError("remote_ids must be as many as local_ids and inside the peer's pool")
+
+    # ---- op lifecycle ---------------------------------------------------------------
+    def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind) -> SendOp:
+        if not peer.is_connected:
+            raise KVXferError(f"peer {peer.name!r} is disconnected")
+        handle = TransferHandle(kind, wire_req or key[1], peer.name,
+                                layers=ready if ready is not None and not streaming else ())
+        op = SendOp(peer, key, wire_req, ids, handle, ready, streaming)
+        handle._on_cancel = lambda h: self._cancel_send(op)
+        with self._lock:
+            if key in self._sends:
+                raise ValueError(f"request {key[1]!r} is already being sent to {peer.name!r}")
+            lease = self.leases.acquire(("send",) + key, key[1], ids, lease_timeout)
+            self._sends[key] = op
+        self._loop.call_later(lease.deadline - time.monotonic(), lambda: self._expire_send(op))
+        return op
+
+    def _start_send(self, peer, req, ids, ready, streaming, lease_timeout):
+        op = self._new_op(peer, (peer.serial, req), req, ids, ready, streaming, lease_timeout, "send")
+        with self._lock:
+            post = self._posts.pop(op.key, None)
+            if post is not None:
+                self._match(op, post)
+        return op.handle
+
+    def _match(self, op: SendOp, post: Post, send_matched: bool = True) -> None:
+        """Both halves known (lock held): validate, tell D, queue the pieces."""
+        geo = op.peer.geometry
+        if geo is None or len(post.blocks) != len(op.ids) or not all(
+                b < geo.num_blocks for b in post.blocks):
+            self._fail_send(op, InvalidDescriptor(
+                f"{op.key[1]!r}: receiver expects {len(post.blocks)} blocks, sender has {len(op.ids)}"), "failed")
+            return
+        op.post = post
+        if send_matched:
+            op.peer.send(encode(Msg.MATCHED, req=post.req, xid=post.xid))
+        wanted = set(post.layers)
+        op.target = frozenset(wanted if op.ready is None or op.streaming else wanted & set(op.ready))
+        if op.ready is None:
+            op.ready = list(post.layers)
+        if op.streaming:
+            op.handle._layers = op.target
+        ship = [l for l in op.ready if l in wanted]
+        if not op.target:
+            self._finish_send(op)
+        elif op.streaming:
+            for layer in ship:
+                self._enqueue_ship(op, [layer])
+        else:
+            self._enqueue_ship(op, ship)
+
+    def _enqueue_ship(self, op: SendOp, layers: list) -> None:
+        op.shipped.update(layers)
+        op.inflight += 1
+        self._send_q.put(lambda: self._ship(op, tuple(layers)))
+
+    def _finish_send(self, op: SendOp) -> None:
+        """Every target layer visible (lock held)."""
+        if op.notify is not None:
+            op.peer.send(encode(Msg.NOTIFY, data=op.notify))
+        if op.handle._succeed():
+            self.metrics.inc("transfers", kind=op.handle.kind, path=op.handle.path or "none")
+            self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind=op.handle.kind)
+        self._sends.pop(op.key, None)
+        self.leases.release(("send",) + op.key, "done")
+
+    def _fail_send(self, op: SendOp, error: KVXferError, reason: str) -> None:
+        with self._lock:
+            if op.ended is not None or op.handle.state == "done":
+                return
+            op.ended = reason
+            if op.handle._fail(error):
+                self.metrics.inc("failures", kind=op.handle.kind, error=type(error).__name__)
+            if op.post is not None and op.wire_req and op.peer.is_connected:
+                op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False))
+            self._quiesce(op)
+
+    def _cancel_send(self, op: SendOp) -> None:
+        with self._lock:
+            if op.ended is not None:
+                return
+            op.ended = "cancelled"
+            if op.post is not None and op.wire_req and op.peer.is_connected:
+                op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False))
+            self._quiesce(op)
+
+    def _quiesce(self, op: SendOp) -> None:
+        """Release the lease once no worker job still reads the blocks (lock held)."""
+        if op.inflight > 0 or op.ended is None:
+            return
+        if self._sends.get(op.key) is op:
+            del self._sends[op.key]
+        if op.ack_owed and op.post is not None:
+            op.peer.send(encode(Msg.CANCEL_ACK, req=op.post.req, xid=op.post.xid))
+            op.ack_owed = False
+        self.leases.release(("send",) + op.key, op.ended)
+
+    def _expire_send(self, op: SendOp) -> None:
+        if not op.handle.done():
+            self._fail_send(op, TransferTimeout(f"lease of {op.key[1]!r} expired before the receiver had it"),
+                            "expired")
+
+    # ---- the send worker --------------------------------------------------------------
+    def _remaining(self, op: SendOp) -> float:
+        lease = self.leases.get(("send",) + op.key)
+        if lease is None or op.ended is not None:
+            raise TransferCancelled(f"{op.key[1]!r} stopped")
+        return max(0.0, lease.deadline - time.monotonic())
+
+    def _ship(self, op: SendOp, layers: tuple) -> None:
+        try:
+            post = op.post
+            heads = plan.overlap(self._geometry.head_range, post.heads)
+            if heads is None:
+                raise LayoutMismatch(f"no kv heads in common: sender {self._geometry.head_range}, "
+                                     f"receiver {post.heads}")
+            geo = op.peer.geometry
+            num_descs = plan.count_runs(self._geometry, geo, len(op.ids), layers, heads)
+            nbytes = len(op.ids) * len(layers) * self._layout.block_nbytes(heads)
+            path = self._path if self._path != "auto" else self._cost.choose(num_descs, nbytes)
+            op.handle.path = path
+            op.handle.nbytes += nbytes
+            if path == "zero_copy":
+                self._ship_zero_copy(op, layers, heads, nbytes)
+            else:
+                self._ship_pack(op, layers, heads)
+        except KVXferError as exc:
+            self._fail_send(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
+        except (ValueError, TypeError) as exc:
+            self._fail_send(op, InvalidDescriptor(str(exc)), "failed")
+        finally:
+            with self._lock:
+                op.inflight -= 1
+                self._quiesce(op)
+
+    def _post_and_wait(self, op: SendOp, kind: str, descs) -> None:
+        t0 = time.perf_counter()
+        req = self._backend.post(op.peer.bconn, kind, descs)
+        self._backend.wait(req, self._remaining(op))
+        self.metrics.observe("post_seconds", time.perf_counter() - t0)
+
+    def _ship_zero_copy(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int) -> None:
+        t0 = time.perf_counter()
+        descs = plan.zero_copy_descs(self._geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
+                                     heads, self._region_ids, op.peer.region_ids)
+        self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
+        self._remaining(op)  # stop here if cancelled meanwhile
+        self._post_and_wait(op, "write", descs)
+        self.metrics.inc("bytes_sent", nbytes, path="zero_copy")
+        with self._lock:
+            for layer in layers:
+                op.pending[layer] = op.pending.get(layer, 0) + 1
+        op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
+                            blocks=[], layers=list(layers), heads=heads, offset=0, nbytes=nbytes))
+        self._pieces_visible(op, layers)
+
+    def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple) -> None:
+        from ..kernels import pack
+
+        tile = self._layout.block_nbytes(heads)
+        limit = min(self._staging_bytes, op.peer.staging_bytes) // 2
+        pieces = plan.chunks(len(op.ids), layers, tile, limit)
+        with self._lock:
+            for lay, _ in pieces:
+                for layer in lay:
+                    op.pending[layer] = op.pending.get(layer, 0) + 1
+        for lay, sl in pieces:
+            ids = op.ids[sl]
+            nbytes = len(ids) * len(lay) * tile
+            tag, wait = next(self._tags), _GrantWait(op.peer)
+            with self._lock:
+                self._grant_waits[tag] = wait
+            op.peer.send(encode(Msg.STAGE_REQ, tag=tag, nbytes=nbytes))
+            t0 = time.perf_counter()
+            off = self._stage_out.alloc(nbytes, self._remaining(op))
+            if off is None:
+                raise TransferTimeout("no room in the local staging buffer")
+            try:
+                pack(self._layout, list(ids), layers=list(lay), heads=heads,
+                     out=self._stage_out_t[off:off + nbytes])
+                self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
+                if not wait.event.wait(self._remaining(op)):
+                    raise TransferTimeout("the receiver granted no staging space in time")
+                if wait.error is not None:
+                    raise wait.error
+                self._remaining(op)
+                self._post_and_wait(op, "write", np.array(
+                    [[self._stage_out_region, off, wait.region, wait.offset, nbytes]], dtype=np.int64))
+            except BaseException:
+                with self._lock:
+                    self._grant_waits.pop(tag, None)
+                    if wait.offset >= 0:
+                        op.peer.send(encode(Msg.STAGE_RELEASE, tag=tag))
+                raise
+            finally:
+                self._stage_out.free(off)
+            with self._lock:
+                self._grant_waits.pop(tag, None)
+                self._acks[tag] = (op, lay)
+            self.metrics.inc("bytes_sent", nbytes, path="pack")
+            op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=tag, pack=True,
+                                blocks=list(op.post.blocks[sl]), layers=list(lay), heads=heads,
+                                offset=wait.offset, nbytes=nbytes))
+
+    def _pieces_visible(self, op: SendOp, layers) -> None:
+        with self._lock:
+            done = []
+            for layer in layers:
+                op.pending[layer] -= 1
+                if op.pending[layer] == 0:
+                    op.visible.add(layer)
+                    done.append(layer)
+            op.handle._mark_layers(done)
+            if op.ended is None and op.target <= op.visible:
+                self._finish_send(op)
+
+    def _do_read(self, peer, handle, ids, remote, layers) -> None:
+        try:
+            heads = plan.overlap(self._geometry.head_range, peer.geometry.head_range)
+            if heads is None:
+                raise LayoutMismatch("no kv heads in common")
+            t0 = time.perf_counter()
+            descs = plan.zero_copy_descs(peer.geometry, remote, self._geometry, ids, layers, heads,
+                                         peer.region_ids, self._region_ids)
+            descs = descs[:, [2, 3, 0, 1, 4]]  # (local, remote) columns for a read
+            self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
+            req = self._backend.post(peer.bconn, "read", descs)
+            self._backend.wait(req, self.leases.default_ttl_s)
+            handle.path, handle.nbytes = "zero_copy", int(descs[:, 4].sum())
+            self.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
+            if handle._succeed():
+                self.metrics.inc("transfers", kind="read", path="zero_copy")
+        except KVXferError as exc:
+            if handle._fail(exc):
+                self.metrics.inc("failures", kind="read", error=type(exc).__name__)
+
+    # ---- messages from D (I/O thread) ---------------------------------------------------
+    def _on_recv_post(self, peer, f) -> None:
+        post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"])
+        key = (peer.serial, post.req)
+        with self._lock:
+            op = self._sends.get(key)
+            if op is not None and op.post is None and op.ended is None:
+                self._match(op, post)
+                return
+            if len(self._posts) >= MAX_CACHED_POSTS:
+                raise ProtocolError("too many unmatched RECV_POSTs from one peer")
+            self._posts[key] = post
+
+    def _on_stage_grant(self, peer, f) -> None:
+        with self._lock:
+            wait = self._grant_waits.get(f["tag"])
+            if wait is None or wait.peer is not peer:
+                peer.send(encode(Msg.STAGE_RELEASE, tag=f["tag"]))  # we gave up on it
+                return
+            wait.region, wait.offset = f["region"], f["offset"]
+        wait.event.set()
+
+    def _on_ack(self, peer, f) -> None:
+        with self._lock:
+            entry = self._acks.pop(f["tag"], None)
+        if entry is None or entry[0].peer is not peer:
+            return
+        self._pieces_visible(*entry)
+
+    def _on_cancel(self, peer, f) -> None:
+        if not f["to_sender"]:
+            return self._on_sender_cancelled(peer, f)
+        key = (peer.serial, f["req"])
+        with self._lock:
+            post = self._posts.get(key)
+            if post is not None and post.xid == f["xid"]:
+                del self._posts[key]
+            op = self._sends.get(key)
+            if op is None or (op.post is not None and op.post.xid != f["xid"]):
+                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
+                return
+            op.ack_owed = op.post is not None
+            if op.post is None:
+                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
+        self._fail_send(op, TransferCancelled(f"receiver cancelled {f['req']!r}"), "cancelled")
+        with self._lock:
+            if op.ack_owed and op.ended is not None:
+                self._quiesce(op)
+
+    def _sender_peer_lost(self, peer, err) -> None:
+        with self._lock:
+            ops = [op for op in self._sends.values() if op.peer is peer]
+            for key in [k for k in self._posts if k[0] == peer.serial]:
+                del self._posts[key]
+            for tag, wait in list(self._grant_waits.items()):
+                if wait.peer is peer:
+                    wait.error = err
+                    wait.event.set()
+            for tag in [t for t, (op, _) in self._acks.items() if op.peer is peer]:
+                del self._acks[tag]
+        for op in ops:
+            self._fail_send(op, err, "failed")
+
+    def _sender_close(self, err) -> None:
+        with self._lock:
+            ops = list(self._sends.values())
+            for wait in self._grant_waits.values():
+                wait.error = err
+                wait.event.set()
+        for op in ops:
+            self._fail_send(op, err, "closed")
+
+    _dispatch = {Msg.RECV_POST: _on_recv_post, Msg.STAGE_GRANT: _on_stage_grant, Msg.ACK: _on_ack,
+                 Msg.CANCEL: _on_cancel}

@@ -1,0 +1,183 @@
+"""UcxBackend between real processes (multiprocessing spawn, one host).
+
+Modes: ``vm`` (process_vm_writev fast path), ``ucx`` (UCX forced, its default
+same-host transports) and ``tcp`` (UCX_TLS=tcp in both processes).
+"""
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.errors import InvalidDescriptor, PeerDisconnected
+from kvxfer.transport import make_backend
+
+import transport_peer
+
+POOL = 1 << 20
+BLOCK = 4096
+MODES = ["vm", "ucx", "tcp"]
+
+
+def _env(mode):
+    return {"UCX_TLS": "tcp"} if mode == "tcp" else {}
+
+
+@contextlib.contextmanager
+def peer(mode, pool_bytes=POOL):
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=transport_peer.serve, args=(theirs, pool_bytes, _env(mode)), daemon=True)
+    proc.start()
+    try:
+        if not ours.poll(60):
+            raise TimeoutError("peer did not start")
+        meta, rid = ours.recv()
+        yield proc, ours, meta, rid
+    finally:
+        with contextlib.suppress(Exception):
+            ours.send("exit")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+def _ask(pipe, cmd):
+    pipe.send(cmd)
+    assert pipe.poll(30), f"peer did not answer {cmd!r}"
+    return pipe.recv()
+
+
+@contextlib.contextmanager
+def initiator(mode):
+    saved = os.environ.get("UCX_TLS")
+    os.environ.update(_env(mode))  # UCX reads its config when the engine is created
+    try:
+        b = make_backend("vm" if mode == "vm" else "ucx")
+    finally:
+        if mode == "tcp":
+            os.environ.pop("UCX_TLS") if saved is None else os.environ.__setitem__("UCX_TLS", saved)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def _check_transport(mode, conn):
+    if mode == "vm":
+        assert conn.transport == "vm"
+    elif mode == "tcp":
+        assert conn.transport.startswith("ucx:tcp")
+    else:
+        assert conn.transport.startswith("ucx:") and "tcp" not in conn.transport
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scattered_write_then_read_back(mode):
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, 64 * BLOCK, dtype=np.uint8)
+    slots = rng.permutation(POOL // BLOCK)[:64]
+    with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        conn = b.connect(meta)
+        _check_transport(mode, conn)
+        rows = np.array([[ls, i * BLOCK, rid, s * BLOCK, BLOCK] for i, s in enumerate(slots)], np.int64)
+        b.wait(b.post(conn, "write", rows), timeout=30)
+        pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)
+        expect = np.zeros(POOL, np.uint8)
+        for i, s in enumerate(slots):
+            expect[s * BLOCK : (s + 1) * BLOCK] = src[i * BLOCK : (i + 1) * BLOCK]
+        assert np.array_equal(pool, expect)
+
+        dst = np.zeros_like(src)
+        ld = b.register(dst.ctypes.data, dst.nbytes)
+        rows[:, 0] = ld
+        b.wait(b.post(conn, "read", rows[::-1].copy()), timeout=30)
+        assert np.array_equal(dst, src)
+        b.disconnect(conn)
+        b.disconnect(conn)  # idempotent
+
+
+@pytest.mark.parametrize("mode", ["vm", "ucx"])
+def test_many_small_descriptors(mode):
+    n = 8192  # 64-byte runs at a 96-byte stride: nothing coalesces
+    src = np.random.default_rng(2).integers(0, 256, n * 64, dtype=np.uint8)
+    with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        conn = b.connect(meta)
+        i = np.arange(n, dtype=np.int64)
+        rows = np.stack([np.full(n, ls), i * 64, np.full(n, rid), i * 96, np.full(n, 64)], axis=1)
+        b.wait(b.post(conn, "write", rows), timeout=60)
+        pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)
+        got = pool[: n * 96].reshape(n, 96)[:, :64].reshape(-1)
+        assert np.array_equal(got, src)
+        assert not pool[: n * 96].reshape(n, 96)[:, 64:].any()
+
+
+@pytest.mark.parametrize("mode", ["vm", "tcp"])
+def test_notifications_reach_the_peer(mode):
+    with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
+        conn = b.connect(meta)
+        b.post_notify(conn, b"req-1 done")
+        b.post_notify(conn, b"")
+        deadline = time.monotonic() + 20
+        notes = []
+        while len(notes) < 2 and time.monotonic() < deadline:
+            b.progress()
+            notes += _ask(pipe, "notes")
+        assert (b.uid, b"req-1 done") in notes and (b.uid, b"") in notes
+        with pytest.raises(ValueError):
+            b.post_notify(conn, b"x" * (64 * 1024 + 1))
+
+
+@pytest.mark.parametrize("mode", ["vm", "ucx"])
+def test_remote_bounds_and_deregistration_enforced(mode):
+    src = np.full(3 * BLOCK, 7, np.uint8)
+    with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        conn = b.connect(meta)
+        rows = [[ls, 0, rid, 0, BLOCK], [ls, BLOCK, rid, BLOCK, BLOCK], [ls, 2 * BLOCK, rid, POOL - 10, BLOCK]]
+        with pytest.raises(InvalidDescriptor, match="past"):
+            b.post(conn, "write", rows)
+        assert not np.frombuffer(_ask(pipe, "bytes"), np.uint8).any()  # nothing was written
+        fresh = b.connect(_ask(pipe, "deregister"))  # the peer's new metadata lacks the region
+        with pytest.raises(InvalidDescriptor, match="not advertised"):
+            b.post(fresh, "write", rows[:1])
+
+
+@pytest.mark.parametrize("mode", ["vm", "ucx"])
+def test_peer_killed_mid_batch_then_survivor_moves_on(mode):
+    size = 8 << 20
+    src = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    with initiator(mode) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        n = size // BLOCK
+        i = np.arange(n, dtype=np.int64)[::-1].copy()  # reversed: no coalescing
+        with peer(mode, size) as (proc, pipe, meta, rid):
+            conn = b.connect(meta)
+            rows = np.stack([np.full(n, ls), i * BLOCK, np.full(n, rid), i[::-1] * BLOCK, np.full(n, BLOCK)], axis=1)
+            killer = threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL))
+            killer.start()
+            try:
+                deadline = time.monotonic() + 60
+                with pytest.raises(PeerDisconnected):
+                    while time.monotonic() < deadline:
+                        b.wait(b.post(conn, "write", rows), timeout=20)
+            finally:
+                killer.cancel()
+            with pytest.raises(PeerDisconnected):
+                b.post(conn, "write", rows[:1])
+            b.disconnect(conn)
+        # the survivor registers again and transfers to a new peer
+        extra = np.arange(BLOCK, dtype=np.uint8)
+        le = b.register(extra.ctypes.data, extra.nbytes)
+        with peer(mode) as (_, pipe, meta, rid):
+            conn = b.connect(meta)
+            b.wait(b.post(conn, "write", [[le, 0, rid, BLOCK, BLOCK]]), timeout=30)
+            pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)
+            assert np.array_equal(pool[BLOCK : 2 * BLOCK], extra)

@@ -1,0 +1,66 @@
+"""``kvxfer serve``: the reference prefill/decode server (OpenAI-compatible HTTP)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="reference disaggregated server (router + workers)",
+                       description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--colocated", type=int, default=0, metavar="N",
+                   help="N workers that prefill and decode themselves (the baseline)")
+    p.add_argument("--model", default=None, metavar="PATH.gguf",
+                   help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--cpus", nargs="+", default=(), metavar="LIST",
+                   help="CPU group per worker (prefill workers first), e.g. --cpus 0 1; "
+                        "one group is shared by all")
+    p.add_argument("--threads", type=int, default=None, metavar="T",
+                   help="torch threads per worker (default: its CPU group's size)")
+    p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvxfer.serving.serve_config import ServeConfig, parse_cpu_group
+
+    if args.colocated and (args.prefill or args.decode):
+        raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
+    return ServeConfig(
+        host=args.host, port=args.port,
+        num_prefill=0 if args.colocated else (args.prefill or 1),
+        num_decode=0 if args.colocated else (args.decode or 1),
+        num_colocated=args.colocated, model_path=args.model,
+        cpu_groups=tuple(parse_cpu_group(g) for g in args.cpus),
+        on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        transfer_timeout_s=args.transfer_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvxfer.serving.router import create_app
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvxfer serve: {exc}") from None
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s router %(levelname)s %(message)s")
+    # uvicorn's SIGTERM/SIGINT handling stops accepting, lets in-flight
+    # responses finish (bounded), then runs the lifespan exit: workers drain.
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout_s))
+    return 0

@@ -1,0 +1,108 @@
+"""OpenAI-compatible request schemas and response bodies.
+
+Only the fields the reference server implements are declared; unknown fields
+are ignored (clients send many), wrong types are a 422 from FastAPI.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 8
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    seed: int | None = None
+    stream: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        if value is None:
+            return []
+        stops = [value] if isinstance(value, str) else list(value)
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    def sampling(self, stop_token_ids: list[int]) -> dict:
+        """The sampling parameters as the worker messages carry them."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop_token_ids": stop_token_ids,
+        }
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _envelope(rid: str, kind: str, model: str, created: int) -> dict:
+    return {"id": rid, "object": kind, "created": created, "model": model}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str,
+                     finish_reason: str | None) -> dict:
+    body = _envelope(rid, "text_completion", model, created)
+    body["choices"] = [{"index": 0, "text": text, "logprobs": None,
+                        "finish_reason": finish_reason}]
+    return body
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict,
+               finish_reason: str | None) -> dict:
+    body = _envelope(rid, "chat.completion.chunk", model, created)
+    body["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
+                        "finish_reason": finish_reason}]
+    return body
+
+
+def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str,
+                    usage: dict, extra: dict) -> dict:
+    body = _envelope(rid, "text_completion", model, created)
+    body["choices"] = [{"index": 0, "text": text, "logprobs": None,
+                        "finish_reason": finish_reason}]
+    body["usage"] = usage
+    body["kvxfer"] = extra
+    return body
+
+
+def chat_body(rid: str, model: str, created: int, text: str, finish_reason: str,
+              usage: dict, extra: dict) -> dict:
+    body = _envelope(rid, "chat.completion", model, created)
+    body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": finish_reason}]
+    body["usage"] = usage
+    body["kvxfer"] = extra
+    return body
+
+
+def error_body(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}

@@ -1,0 +1,240 @@
+"""Per-request orchestration in the router: pick workers, relay events, fail fast.
+
+Disaggregated flow for one request ``rid``::
+
+    router --admit(remote)--> decode      decode reserves blocks (prefix-cached
+    router <--admitted(k)---- decode      ones reused) and posts agent.recv
+    router --prefill(dst,k)-> prefill     prefill computes, samples token 0,
+    router <--token---------- prefill     (streamed to the client at once)
+    router --first_token----> decode
+                              prefill --agent.send(blocks[k:])--> decode
+    router <--sent/send_failed prefill    (transfer_failed relayed to decode)
+    router <--kv, token..., done-- decode
+
+Colocated: ``admit(local)`` to one worker, which prefills and decodes itself.
+Every request ends with exactly one terminal event on its queue: ``done`` or
+``error``; a worker death produces ``error`` for what it held, never a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..errors import KVXferError
+from .launcher import Cluster, WorkerProcess
+from .prom import FAST_BUCKETS, LATENCY_BUCKETS, Registry
+from .serve_config import ServeConfig
+
+log = logging.getLogger("kvxfer.serve")
+
+
+class NoWorkerAvailable(KVXferError):
+    """No live worker of a needed role (the router answers 503)."""
+
+
+@dataclass
+class RequestState:
+    rid: str
+    prompt_ids: list[int]
+    params: dict
+    t_arrival: float = field(default_factory=time.perf_counter)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    transfer_settled: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill: WorkerProcess | None = None
+    decode: WorkerProcess | None = None
+    first_token: int | None = None
+    token_times: list[float] = field(default_factory=list)
+    cached_blocks: int = 0
+    kv_bytes: int = 0
+    kv_transfer_ms: float | None = None
+    recomputed: bool = False
+    is_finished: bool = False
+
+    def summary(self) -> dict:
+        """The ``kvxfer`` object of the final chunk / response (see docs/serving.md)."""
+        return {"kv_bytes": self.kv_bytes, "kv_transfer_ms": self.kv_transfer_ms,
+                "recomputed": self.recomputed, "cached_blocks": self.cached_blocks,
+                "prefill_worker": self.prefill.name if self.prefill else None,
+                "decode_worker": self.decode.name if self.decode else None,
+                "ttft_ms": self.ttft_s * 1e3 if self.ttft_s is not None else None}
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.t_arrival if self.token_times else None
+
+
+class Dispatcher:
+    def __init__(self, config: ServeConfig, registry: Registry):
+        self.config = config
+        self.cluster = Cluster(config, self.on_message, self.on_worker_exit)
+        self.requests: dict[str, RequestState] = {}
+        self._stats_waiters: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        r = registry
+        self.m_ttft = r.histogram("kvxfer_ttft_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.m_tpot = r.histogram("kvxfer_tpot_seconds", "Mean time per output token after the first.", FAST_BUCKETS)
+        self.m_e2e = r.histogram("kvxfer_e2e_latency_seconds", "Request latency, arrival to last token.", LATENCY_BUCKETS)
+        self.m_kv_time = r.histogram("kvxfer_kv_transfer_seconds", "KV transfer time per request (prefill side, send to completion).", FAST_BUCKETS)
+        self.m_kv_bytes = r.counter("kvxfer_kv_transfer_bytes_total", "KV bytes moved prefill -> decode.")
+        self.m_kv_failures = r.counter("kvxfer_kv_transfer_failures_total", "KV transfers that failed.")
+        self.m_recomputes = r.counter("kvxfer_kv_recomputes_total", "Prompts recomputed on the decode worker after a failed transfer.")
+        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.")
+        self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
+
+    def new_rid(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
+
+    # ---- submission -------------------------------------------------------
+    def submit(self, rid: str, prompt_ids: list[int], params: dict) -> RequestState:
+        st = RequestState(rid, prompt_ids, params)
+        if self.config.is_disaggregated:
+            decode, prefill = self.cluster.pick("decode"), self.cluster.pick("prefill")
+            if decode is None or prefill is None:
+                raise NoWorkerAvailable("no live prefill or decode worker")
+            st.prefill, mode = prefill, "remote"
+        else:
+            decode, mode = self.cluster.pick("colocated"), "local"
+            if decode is None:
+                raise NoWorkerAvailable("no live colocated worker")
+            st.transfer_settled.set()
+        st.decode = decode
+        self.requests[rid] = st
+        decode.inflight.add(rid)
+        decode.send({"op": "admit", "rid": rid, "prompt_ids": prompt_ids, "params": params,
+                     "mode": mode})
+        return st
+
+    def abort(self, rid: str) -> None:
+        """Client went away or a stop string matched: release the workers' share."""
+        st = self.requests.pop(rid, None)
+        if st is None:
+            return
+        st.is_finished = True
+        st.transfer_settled.set()
+        for worker in (st.prefill, st.decode):
+            if worker is not None and rid in worker.inflight:
+                worker.inflight.discard(rid)
+                if worker.is_alive:
+                    worker.send({"op": "abort", "rid": rid})
+
+    # ---- worker events ----------------------------------------------------
+    def on_message(self, worker: WorkerProcess, msg: dict) -> None:
+        ev, rid = msg.get("ev"), msg.get("rid")
+        if ev == "stats":
+            waiter = self._stats_waiters.pop(msg.get("qid", ""), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+            return
+        st = self.requests.get(rid)
+        if st is None:  # late event of an aborted request
+            worker.inflight.discard(rid)
+            return
+        now = time.perf_counter()
+        if ev == "admitted":
+            st.cached_blocks = int(msg.get("cached_blocks", 0))
+            st.prefill.inflight.add(rid)
+            self._send(st, st.prefill, {"op": "prefill", "rid": rid, "prompt_ids": st.prompt_ids,
+                                        "params": st.params, "dst": st.decode.agent_address,
+                                        "dst_name": st.decode.name,
+                                        "skip_blocks": st.cached_blocks})
+        elif ev == "token":
+            st.token_times.append(now)
+            if worker is st.prefill and st.first_token is None:
+                st.first_token = int(msg["token"])
+                self._send(st, st.decode, {"op": "first_token", "rid": rid, "token": st.first_token})
+            st.events.put_nowait(("token", int(msg["token"])))
+        elif ev == "sent":
+            worker.inflight.discard(rid)
+            st.kv_bytes = int(msg.get("kv_bytes", 0))
+            st.kv_transfer_ms = float(msg.get("transfer_ms", 0.0))
+            self.m_kv_bytes.inc(st.kv_bytes)
+            self.m_kv_time.observe(st.kv_transfer_ms / 1e3)
+            st.transfer_settled.set()
+        elif ev == "send_failed":
+            worker.inflight.discard(rid)
+            self._transfer_failed(st, msg.get("error", "transfer failed"))
+        elif ev == "kv":
+            st.recomputed = bool(msg.get("recomputed"))
+            if st.recomputed:
+                self.m_recomputes.inc()
+        elif ev == "done":
+            worker.inflight.discard(rid)
+            self._finish(st, ("done", msg.get("finish_reason", "stop")))
+        elif ev == "error":
+            self._fail(st, f"{worker.name}: {msg.get('error', 'error')}", msg.get("kind", "worker_error"))
+
+    def _send(self, st: RequestState, worker: WorkerProcess, msg: dict) -> None:
+        try:
+            worker.send(msg)
+        except ConnectionError as exc:
+            self._fail(st, str(exc), "worker_unavailable")
+
+    def _transfer_failed(self, st: RequestState, error: str) -> None:
+        self.m_kv_failures.inc()
+        st.transfer_settled.set()
+        log.warning("KV transfer of %s failed: %s", st.rid, error)
+        self._send(st, st.decode, {"op": "transfer_failed", "rid": st.rid, "error": error})
+
+    def on_worker_exit(self, worker: WorkerProcess) -> None:
+        for rid in list(worker.inflight):
+            worker.inflight.discard(rid)
+            st = self.requests.get(rid)
+            if st is None:
+                continue
+            # A prefill worker that died after token 0 only lost the transfer;
+            # the decode worker's policy decides (recompute or fail).
+            if (worker is st.prefill and st.first_token is not None
+                    and st.decode is not None and st.decode.is_alive):
+                self._transfer_failed(st, f"prefill worker {worker.name} died")
+            else:
+                self._fail(st, f"worker {worker.name} died (exit code {worker.exit_code})",
+                           "worker_died")
+
+    # ---- completion -------------------------------------------------------
+    def _fail(self, st: RequestState, error: str, kind: str) -> None:
+        if st.is_finished:
+            return
+        self.abort(st.rid)
+        self.m_requests.inc(outcome="error")
+        st.events.put_nowait(("error", error, kind))
+
+    def _finish(self, st: RequestState, event: tuple) -> None:
+        if st.is_finished:
+            return
+        st.is_finished = True
+        self.requests.pop(st.rid, None)
+        if st.prefill is not None:
+            st.prefill.inflight.discard(st.rid)
+        self.m_requests.inc(outcome="ok")
+        st.events.put_nowait(event)
+
+    def record(self, st: RequestState, num_tokens: int) -> None:
+        """Latency metrics of a completed request (called by the router once it replied)."""
+        if not st.token_times:
+            return
+        self.m_ttft.observe(st.ttft_s)
+        self.m_e2e.observe(st.token_times[-1] - st.t_arrival)
+        self.m_tokens.inc(num_tokens)
+        if len(st.token_times) > 1:
+            self.m_tpot.observe((st.token_times[-1] - st.token_times[0]) / (len(st.token_times) - 1))
+
+    async def collect_stats(self, timeout: float = 2.0) -> dict[str, dict]:
+        """Each live worker's counters (agent metrics, queue depths), by worker name."""
+        loop = asyncio.get_running_loop()
+        waiters = {}
+        for w in self.cluster.workers:
+            if not w.is_alive:
+                continue
+            qid = self.new_rid("stats")
+            waiters[w.name] = self._stats_waiters[qid] = loop.create_future()
+            try:
+                w.send({"op": "stats", "qid": qid})
+            except ConnectionError:
+                self._stats_waiters.pop(qid).cancel()
+                waiters.pop(w.name)
+        if waiters:
+            await asyncio.wait(waiters.values(), timeout=timeout)
+        return {name: f.result() for name, f in waiters.items() if f.done() and not f.cancelled()}

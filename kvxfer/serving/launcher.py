@@ -1,0 +1,225 @@
+"""Start, watch and stop the worker processes.
+
+Each worker is ``python -m kvxfer.serving.workers`` with one end of a private
+socket pair (:mod:`kvxfer.serving.ipc`). The agents' shared secret travels in
+the child's environment (``KVXFER_AGENT_SECRET``), never on a command line and
+never in a log.
+
+Crash detection: a worker's channel reaching end of stream, or its process
+exiting, marks it dead at once; :class:`Cluster` then calls ``on_worker_exit``
+so the dispatcher can fail that worker's in-flight requests. The router stays
+up; ``/health`` reports the dead worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from ..errors import KVXferError
+from .ipc import RouterChannel
+from .serve_config import ServeConfig, WorkerSpec
+
+log = logging.getLogger("kvxfer.serve")
+
+SECRET_ENV = "KVXFER_AGENT_SECRET"
+
+
+class WorkerStartError(KVXferError):
+    """A worker process exited or stayed silent before reporting ready."""
+
+
+class WorkerProcess:
+    """One worker: its process, its channel, and the requests it holds."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.name = spec.name
+        self.role = spec.role
+        self.proc: subprocess.Popen | None = None
+        self.channel: RouterChannel | None = None
+        self.info: dict = {}
+        self.inflight: set[str] = set()
+        self.is_alive = False
+        self.is_draining = False
+        self.exit_code: int | None = None
+        self.started_at = 0.0
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive else f"dead(exit={self.exit_code})"
+        return f"WorkerProcess({self.name}, {state}, inflight={len(self.inflight)})"
+
+    @property
+    def load(self) -> int:
+        return len(self.inflight)
+
+    @property
+    def agent_address(self) -> str | None:
+        return self.info.get("agent_address")
+
+    async def start(self, config: ServeConfig, secret: bytes) -> None:
+        parent, child = socket.socketpair()
+        args = [sys.executable, "-m", "kvxfer.serving.workers",
+                "--name", self.name, "--role", self.role,
+                "--ipc-fd", str(child.fileno()),
+                "--threads", str(self.spec.num_threads),
+                "--num-blocks", str(config.num_blocks),
+                "--max-num-seqs", str(config.max_num_seqs),
+                "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+                "--transfer-timeout", str(config.transfer_timeout_s),
+                "--on-transfer-failure", config.on_transfer_failure]
+        if self.spec.cpus is not None:
+            args += ["--cpus", ",".join(map(str, self.spec.cpus))]
+        if config.model_path:
+            args += ["--model", config.model_path]
+        env = dict(os.environ)
+        env.update(config.worker_env)
+        env[SECRET_ENV] = secret.hex()
+        self.proc = subprocess.Popen(args, pass_fds=(child.fileno(),), env=env,
+                                     stdin=subprocess.DEVNULL)
+        child.close()
+        self.started_at = time.monotonic()
+        self.channel = await RouterChannel.open(parent)
+        try:
+            ready = await asyncio.wait_for(self.channel.recv(), config.startup_timeout_s)
+        except asyncio.TimeoutError:
+            self.kill()
+            raise WorkerStartError(f"{self.name} not ready after {config.startup_timeout_s:.0f}s") from None
+        if not ready or ready.get("ev") != "ready":
+            code = self.proc.wait(timeout=10) if ready is None else None
+            self.kill()
+            detail = ready.get("error") if ready else f"exit code {code}"
+            raise WorkerStartError(f"{self.name} failed to start: {detail}")
+        self.info = ready
+        self.is_alive = True
+
+    def send(self, msg: dict) -> None:
+        if not self.is_alive or self.channel is None:
+            raise ConnectionError(f"worker {self.name} is not running")
+        self.channel.send(msg)
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def health(self) -> dict:
+        return {"name": self.name, "role": self.role, "alive": self.is_alive,
+                "pid": self.proc.pid if self.proc else None, "exit_code": self.exit_code,
+                "inflight": self.load, "draining": self.is_draining,
+                "cpus": list(self.spec.cpus) if self.spec.cpus else None,
+                "threads": self.spec.num_threads,
+                "transport": self.info.get("transport")}
+
+
+class Cluster:
+    """All workers of one server; created and stopped by the router's lifespan."""
+
+    def __init__(self, config: ServeConfig,
+                 on_message: Callable[[WorkerProcess, dict], None],
+                 on_worker_exit: Callable[[WorkerProcess], None]):
+        self.config = config
+        self.workers = [WorkerProcess(spec) for spec in config.worker_specs()]
+        self._on_message = on_message
+        self._on_worker_exit = on_worker_exit
+        self._tasks: list[asyncio.Task] = []
+        self._secret = secrets.token_bytes(32)  # per server; agents authenticate with it
+
+    def role(self, role: str) -> list[WorkerProcess]:
+        return [w for w in self.workers if w.role == role]
+
+    def pick(self, role: str) -> WorkerProcess | None:
+        """The least-loaded live worker of ``role`` (None if none is alive)."""
+        live = [w for w in self.role(role) if w.is_alive and not w.is_draining]
+        return min(live, key=lambda w: w.load) if live else None
+
+    async def start(self) -> None:
+        try:
+            await asyncio.gather(*(w.start(self.config, self._secret) for w in self.workers))
+        except BaseException:
+            for w in self.workers:
+                w.kill()
+            raise
+        for w in self.workers:
+            self._tasks.append(asyncio.create_task(self._read(w), name=f"read-{w.name}"))
+            log.info("worker %s ready (pid %d, transport %s)", w.name, w.proc.pid,
+                     w.info.get("transport"))
+        self._tasks.append(asyncio.create_task(self._watch(), name="watch-workers"))
+
+    async def _read(self, worker: WorkerProcess) -> None:
+        while True:
+            msg = await worker.channel.recv()
+            if msg is None:
+                break
+            try:
+                self._on_message(worker, msg)
+            except Exception:  # one bad message must not stop the reader
+                log.exception("handling %s from %s", msg.get("ev"), worker.name)
+        self._mark_dead(worker)
+
+    async def _watch(self) -> None:
+        # Channel EOF normally reports a death first; this catches a hung-up
+        # process whose socket is still open (e.g. inherited by a grandchild).
+        while True:
+            await asyncio.sleep(0.5)
+            for w in self.workers:
+                if w.is_alive and w.poll() is not None:
+                    self._mark_dead(w)
+                elif not w.is_alive and w.exit_code is None:
+                    w.exit_code = w.poll()
+
+    def _mark_dead(self, worker: WorkerProcess) -> None:
+        if not worker.is_alive:
+            return
+        worker.is_alive = False
+        worker.exit_code = worker.poll()  # may still be None: _watch fills it in
+        if not worker.is_draining:
+            log.error("worker %s died (exit code %s); failing its %d in-flight requests",
+                      worker.name, worker.exit_code, worker.load)
+        self._on_worker_exit(worker)
+
+    async def stop(self) -> None:
+        """Drain: ask every worker to finish and exit; kill stragglers."""
+        for w in self.workers:
+            w.is_draining = True
+            if w.is_alive:
+                try:
+                    w.send({"op": "shutdown"})
+                except ConnectionError:
+                    pass
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        for w in self.workers:
+            while w.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if w.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                w.kill()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in self.workers:
+            if w.channel is not None:
+                w.channel.close()
+            w.is_alive = False
+            w.exit_code = w.poll()
+
+    def health(self) -> dict:
+        workers = [w.health() for w in self.workers]
+        roles = ("colocated",) if not self.config.is_disaggregated else ("prefill", "decode")
+        serving = all(any(w.is_alive for w in self.role(r)) for r in roles)
+        degraded = any(not w.is_alive for w in self.workers)
+        status = "ok" if serving and not degraded else ("degraded" if serving else "down")
+        return {"status": status,
+                "mode": "disaggregated" if self.config.is_disaggregated else "colocated",
+                "workers": workers}

@@ -1,0 +1,110 @@
+"""The server's frozen configuration, built once by ``kvxfer serve`` and passed down.
+
+Worker naming and CPU assignment live here so the launcher, the router and the
+tests agree on them: prefill workers come first (``prefill-0``, ...), then
+decode workers (``decode-0``, ...), or only ``colocated-0``, ...
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+TRANSFER_POLICIES = ("fail", "recompute")
+
+
+def parse_cpu_group(text: str) -> tuple[int, ...]:
+    """``"0-2,5"`` -> ``(0, 1, 2, 5)``."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list {text!r}: expected e.g. '0', '0-3', '0,2'") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        cpus.extend(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"empty CPU list {text!r}")
+    return tuple(dict.fromkeys(cpus))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker process: its name, role, pinned CPUs (None: not pinned), threads."""
+
+    name: str
+    role: str  # "prefill" | "decode" | "colocated"
+    cpus: tuple[int, ...] | None
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``kvxfer serve`` decides before starting processes.
+
+    ``cpu_groups``: one CPU group per worker (in :meth:`worker_specs` order), or
+    a single group shared by all, or empty (no pinning; threads split the
+    machine's cores evenly).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0
+    model_path: str | None = None
+    cpu_groups: tuple[tuple[int, ...], ...] = ()
+    on_transfer_failure: str = "recompute"
+    num_threads: int | None = None  # torch threads per worker; None: sized to its CPUs
+    num_blocks: int = 1024
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    startup_timeout_s: float = 300.0
+    transfer_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0
+    worker_env: tuple[tuple[str, str], ...] = field(default=())  # extra env (test hooks)
+
+    def __post_init__(self) -> None:
+        if self.on_transfer_failure not in TRANSFER_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {TRANSFER_POLICIES}")
+        if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.num_colocated:
+            if self.num_prefill or self.num_decode:
+                raise ValueError("--colocated excludes --prefill/--decode")
+        elif self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("disaggregated serving needs >= 1 prefill and >= 1 decode worker")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        num_workers = self.num_colocated or self.num_prefill + self.num_decode
+        if len(self.cpu_groups) not in (0, 1, num_workers):
+            raise ValueError(f"--cpus: give 1 group or one per worker ({num_workers}), "
+                             f"got {len(self.cpu_groups)}")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.num_colocated == 0
+
+    def worker_specs(self) -> list[WorkerSpec]:
+        names = ([f"colocated-{i}" for i in range(self.num_colocated)] if self.num_colocated
+                 else [f"prefill-{i}" for i in range(self.num_prefill)]
+                 + [f"decode-{i}" for i in range(self.num_decode)])
+        specs = []
+        for i, name in enumerate(names):
+            if not self.cpu_groups:
+                cpus, threads = None, max(1, (os.cpu_count() or 1) // len(names))
+            elif len(self.cpu_groups) == 1:
+                cpus = self.cpu_groups[0]
+                threads = max(1, len(cpus) // len(names))
+            else:
+                cpus = self.cpu_groups[i]
+                threads = len(cpus)
+            if self.num_threads is not None:
+                threads = self.num_threads
+            specs.append(WorkerSpec(name, name.rsplit("-", 1)[0], cpus, threads))
+        return specs

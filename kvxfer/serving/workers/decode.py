@@ -1,0 +1,192 @@
+"""Decode worker (and colocated worker): continuous batching over one KV pool.
+
+A ``remote`` request's prompt KV arrives through :meth:`kvxfer.Agent.recv`
+into blocks reserved here; its first token comes from the prefill worker
+(relayed by the router). Once both are in, the sequence joins the running
+batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
+
+Block safety: blocks a pending ``recv`` targets are never freed while the
+handle is pending (a late one-sided write would land in someone else's
+KV); an abort cancels the handle first, a failure waits for it to settle.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ...errors import KVXferError
+from ..sequence import Sequence, SequenceStatus
+from .loop import WorkerLoop
+from .runtime import finish_reason, sampling_params
+
+log = logging.getLogger("kvxfer.worker")
+
+
+@dataclass
+class RemoteJob:
+    """A request whose prompt KV is coming from a prefill worker."""
+
+    seq: Sequence
+    handle: object | None = None  # kvxfer.TransferHandle of the recv
+    first_token: int | None = None
+    is_kv_ready: bool = False
+    is_aborted: bool = False
+    posted_at: float = field(default_factory=time.perf_counter)
+
+
+class DecodeWorker(WorkerLoop):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.seqs: dict[str, Sequence] = {}  # every request this worker holds
+        self.remote: dict[str, RemoteJob] = {}  # waiting for KV and/or token 0
+        self.admit_queue: list[dict] = []  # remote admits waiting for free blocks
+        self.counters.update(recv_ok=0, recv_failed=0, recomputed=0, kv_bytes_received=0)
+
+    # ---- messages ---------------------------------------------------------
+    def on_admit(self, msg: dict) -> None:
+        seq = Sequence(msg["prompt_ids"], sampling_params(msg["params"]), msg["rid"])
+        self.seqs[seq.request_id] = seq
+        if msg.get("mode") == "local":
+            self.runtime.scheduler.add(seq)
+        else:
+            self.admit_queue.append(msg)
+
+    def _try_admit_remote(self) -> None:
+        blocks = self.runtime.blocks
+        while self.admit_queue:
+            rid = self.admit_queue[0]["rid"]
+            seq = self.seqs.get(rid)
+            if seq is None:  # aborted while queued
+                self.admit_queue.pop(0)
+                continue
+            if not blocks.can_allocate(seq):
+                return
+            self.admit_queue.pop(0)
+            blocks.allocate(seq)
+            seq.status = SequenceStatus.PREFILLING
+            job = self.remote[rid] = RemoteJob(seq)
+            skip = seq.num_cached_tokens // self.runtime.block_size
+            recv_ids = seq.block_table[skip:]
+            try:
+                job.handle = self.agent.recv(rid, recv_ids, timeout=self.ctx.transfer_timeout_s)
+            except KVXferError as exc:
+                self._transfer_failed(job, f"recv: {exc}")
+            self.send({"ev": "admitted", "rid": rid, "cached_blocks": skip})
+
+    def on_first_token(self, msg: dict) -> None:
+        job = self.remote.get(msg["rid"])
+        if job is not None:
+            job.first_token = int(msg["token"])
+
+    def on_transfer_failed(self, msg: dict) -> None:
+        job = self.remote.get(msg["rid"])
+        if job is None or job.is_kv_ready:
+            return
+        if job.handle is not None:
+            job.handle.cancel()
+        self._transfer_failed(job, msg.get("error", "transfer failed"))
+
+    def on_abort(self, msg: dict) -> None:
+        rid = msg["rid"]
+        job = self.remote.get(rid)
+        if job is not None and job.handle is not None and not job.handle.done():
+            job.is_aborted = True  # freed once the handle settles (see _poll_transfers)
+            job.handle.cancel()
+            return
+        self._drop(rid, "abort")
+
+    # ---- transfers --------------------------------------------------------
+    def _poll_transfers(self) -> None:
+        for rid, job in list(self.remote.items()):
+            if job.handle is not None and job.handle.done() and not job.is_kv_ready:
+                if job.is_aborted:
+                    self._drop(rid, "abort")
+                    continue
+                if job.handle.state == "done":
+                    job.is_kv_ready = True
+                    self.counters["recv_ok"] += 1
+                    self.counters["kv_bytes_received"] += job.handle.nbytes
+                    self.send({"ev": "kv", "rid": rid, "recomputed": False,
+                               "kv_bytes": job.handle.nbytes})
+                else:
+                    job.handle, error = None, job.handle.error
+                    self._transfer_failed(job, f"{type(error).__name__}: {error}")
+                    continue
+            if job.is_kv_ready and job.first_token is not None:
+                self._start_decoding(job)
+
+    def _transfer_failed(self, job: RemoteJob, error: str) -> None:
+        rid = job.seq.request_id
+        self.counters["recv_failed"] += 1
+        if self.ctx.on_transfer_failure != "recompute" or job.is_aborted:
+            self._drop(rid, "abort")
+            self.send({"ev": "error", "rid": rid, "kind": "transfer_failed",
+                       "error": f"KV transfer failed: {error}"})
+            return
+        # Recompute: prefill the prompt here. Token 0, if the client already has
+        # it, joins the prompt, so the next sampled token is token 1.
+        log.warning("%s: KV transfer failed (%s); recomputing the prompt", rid, error)
+        del self.remote[rid]
+        seq = job.seq
+        self.runtime.blocks.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.counters["recomputed"] += 1
+        self.send({"ev": "kv", "rid": rid, "recomputed": True, "kv_bytes": 0})
+        if job.first_token is not None:
+            seq.token_ids.append(job.first_token)
+            reason = finish_reason(seq, job.first_token)
+            if reason is not None:  # token 0 was the whole answer
+                self._finish(seq, reason)
+                return
+        self.runtime.scheduler.add(seq)
+
+    def _start_decoding(self, job: RemoteJob) -> None:
+        seq = job.seq
+        del self.remote[seq.request_id]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.runtime.blocks.cache_full_blocks(seq)  # the received prefix is reusable now
+        seq.token_ids.append(job.first_token)
+        seq.status = SequenceStatus.DECODING
+        reason = finish_reason(seq, job.first_token)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self.runtime.scheduler.add_running(seq)
+
+    # ---- the loop ---------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def is_busy(self) -> bool:
+        return self.runtime.scheduler.has_work()
+
+    def tick(self) -> None:
+        self._try_admit_remote()
+        self._poll_transfers()
+        produced, _ = self.runtime.step()
+        for seq, token in produced:
+            if seq.request_id not in self.seqs:
+                continue
+            seq.token_ids.append(token)
+            self.send({"ev": "token", "rid": seq.request_id, "token": token})
+            reason = finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._drop(seq.request_id, reason)
+        self.send({"ev": "done", "rid": seq.request_id, "finish_reason": reason})
+
+    def _drop(self, rid: str, reason: str) -> None:
+        self.remote.pop(rid, None)
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.runtime.release(seq, reason)
+
+    def stats(self) -> dict:
+        sched = self.runtime.scheduler
+        return {"waiting": len(sched.waiting) + len(self.admit_queue),
+                "running": len(sched.running), "awaiting_kv": len(self.remote),
+                "free_blocks": self.runtime.blocks.num_free_blocks,
+                "preemptions": sched.num_preemptions}

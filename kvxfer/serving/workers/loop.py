@@ -1,0 +1,128 @@
+"""The message loop every worker role shares: inbox, stats, drain, exit.
+
+A role subclass implements ``on_<op>`` handlers, ``tick()`` (one unit of work:
+poll transfers, run one model step), ``has_work()`` (holds any request) and
+``is_busy()`` (a step would do something now). The loop blocks on the inbox
+only while idle, so a busy worker never waits for a message.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import traceback
+from dataclasses import dataclass
+
+log = logging.getLogger("kvxfer.worker")
+
+IDLE_WAIT_S = 0.5  # nothing held: wake up for messages only
+POLL_WAIT_S = 0.002  # transfers pending: poll their handles this often
+
+
+@dataclass
+class WorkerContext:
+    name: str
+    role: str
+    channel: object  # kvxfer.serving.ipc.WorkerChannel
+    runtime: object  # kvxfer.serving.workers.runtime.Runtime
+    agent: object | None  # kvxfer.Agent (None when colocated)
+    transfer_timeout_s: float
+    on_transfer_failure: str
+
+
+class WorkerLoop:
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.runtime = ctx.runtime
+        self.agent = ctx.agent
+        self.counters: dict[str, float] = {}
+        self.is_draining = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Ctrl-C reaches the whole process group; the router drains us instead.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.is_draining = True
+
+    def send(self, msg: dict) -> None:
+        self.ctx.channel.send(msg)
+
+    # role hooks
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def is_busy(self) -> bool:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}
+
+    def run(self) -> int:
+        """Serve until ``shutdown``/SIGTERM (after draining) or the router goes away."""
+        inbox = self.ctx.channel.inbox
+        while True:
+            wait = 0.0 if self.is_busy() else (POLL_WAIT_S if self.has_work() else IDLE_WAIT_S)
+            try:
+                msg = inbox.get(timeout=wait) if wait else inbox.get_nowait()
+                while True:
+                    if not self._handle(msg):
+                        return 0
+                    msg = inbox.get_nowait()
+            except queue.Empty:
+                pass
+            self.tick()
+            if self.is_draining and not self.has_work():
+                return 0
+
+    def _handle(self, msg: dict) -> bool:
+        op = msg.get("op")
+        if op == "eof":  # router gone: nobody to answer to
+            return False
+        if op == "shutdown":
+            self.is_draining = True
+            return True
+        if op == "stats":
+            self.send({"ev": "stats", "qid": msg.get("qid"), "counters": self._all_stats()})
+            return True
+        rid = msg.get("rid")
+        if op in ("admit", "prefill") and self.is_draining:
+            self.send({"ev": "error", "rid": rid, "kind": "shutting_down",
+                       "error": "worker is shutting down"})
+            return True
+        handler = getattr(self, f"on_{op}", None)
+        if handler is None:
+            log.error("%s: unknown op %r", self.ctx.name, op)
+            return True
+        try:
+            handler(msg)
+        except Exception as exc:  # a bad request fails alone, the worker goes on
+            log.error("%s: %s %s failed:\n%s", self.ctx.name, op, rid, traceback.format_exc())
+            if rid is not None:
+                self.send({"ev": "error", "rid": rid, "kind": "worker_error",
+                           "error": f"{type(exc).__name__}: {exc}"})
+        return True
+
+    def _all_stats(self) -> dict:
+        stats = dict(self.counters)
+        stats.update(self.stats())
+        if self.agent is not None:
+            stats.update(agent_counters(self.agent))
+        return stats
+
+
+def agent_counters(agent) -> dict:
+    """The agent's counters summed over labels, as ``agent_<name>`` numbers."""
+    metrics = getattr(agent, "metrics", None)
+    if metrics is None or not hasattr(metrics, "to_dict"):
+        return {}
+    data = metrics.to_dict()
+    out: dict[str, float] = {}
+    for name, rows in data.get("counters", {}).items():
+        out[f"agent_{name}"] = sum(row["value"] for row in rows)
+    for name, rows in data.get("histograms", {}).items():
+        out[f"agent_{name}_count"] = sum(row["count"] for row in rows)
+        out[f"agent_{name}_sum"] = sum(row["sum"] for row in rows)
+    return out

@@ -1,0 +1,139 @@
+"""Prefill worker: compute prompts, sample token 0, push KV to a decode worker.
+
+Per request: allocate blocks (reusing this worker's own prefix cache), run
+the prompt in chunks of at most ``max_num_batched_tokens``, sample token 0 and
+report it at once (the client's TTFT), then ``agent.send`` the blocks the
+decode worker lacks (``block_table[skip_blocks:]``). The blocks are held
+until the send completes, fails, or outlives its lease
+(``--transfer-timeout``), then freed; full blocks keep their prefix hash.
+
+Test hook: ``KVXFER_TEST_FAIL_TRANSFER=1`` in the worker's environment makes
+every send fail before it is posted, as if the peer had gone away.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ...errors import KVXferError, PeerDisconnected
+from ..sequence import Sequence
+from .loop import WorkerLoop
+from .runtime import sampling_params
+
+log = logging.getLogger("kvxfer.worker")
+
+FAIL_TRANSFER_ENV = "KVXFER_TEST_FAIL_TRANSFER"
+
+
+@dataclass
+class Outgoing:
+    seq: Sequence
+    handle: object  # kvxfer.TransferHandle
+    posted_at: float
+
+
+class PrefillWorker(WorkerLoop):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.jobs: dict[str, dict] = {}  # rid -> prefill message, until token 0
+        self.seqs: dict[str, Sequence] = {}
+        self.outgoing: dict[str, Outgoing] = {}
+        self.peers: dict[str, object] = {}  # decode agent address -> kvxfer.Peer
+        self.is_fault_injected = os.environ.get(FAIL_TRANSFER_ENV) == "1"
+        self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
+
+    def on_prefill(self, msg: dict) -> None:
+        seq = Sequence(msg["prompt_ids"], sampling_params(msg["params"]), msg["rid"])
+        self.jobs[seq.request_id] = msg
+        self.seqs[seq.request_id] = seq
+        self.runtime.scheduler.add(seq)
+
+    def on_abort(self, msg: dict) -> None:
+        rid = msg["rid"]
+        self.jobs.pop(rid, None)
+        if rid in self.outgoing:
+            return  # the decode side waits on it; the lease bounds how long we hold it
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.runtime.release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def is_busy(self) -> bool:
+        return self.runtime.scheduler.has_work()
+
+    def tick(self) -> None:
+        self._poll_sends()
+        produced, _ = self.runtime.step()
+        for seq, token in produced:
+            rid = seq.request_id
+            # Prefill is all this worker does: the sequence leaves the batch
+            # but keeps its blocks until the send settles.
+            self.runtime.scheduler.running.remove(seq)
+            msg = self.jobs.pop(rid, None)
+            if msg is None:  # aborted mid-prefill
+                self.seqs.pop(rid, None)
+                self.runtime.release(seq)
+                continue
+            self.send({"ev": "token", "rid": rid, "token": token})
+            self._post_send(seq, msg)
+
+    def _peer(self, address: str):
+        peer = self.peers.get(address)
+        if peer is None:
+            peer = self.peers[address] = self.agent.connect(address)
+        return peer
+
+    def _post_send(self, seq: Sequence, msg: dict) -> None:
+        rid = seq.request_id
+        block_ids = seq.block_table[int(msg.get("skip_blocks", 0)):]
+        try:
+            if self.is_fault_injected:
+                raise PeerDisconnected(f"injected transfer failure ({FAIL_TRANSFER_ENV}=1)")
+            handle = self.agent.send(self._peer(msg["dst"]), rid, block_ids)
+        except KVXferError as exc:
+            if isinstance(exc, PeerDisconnected):
+                self.peers.pop(msg["dst"], None)
+            self._settle(seq, f"{type(exc).__name__}: {exc}")
+            return
+        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter())
+
+    def _poll_sends(self) -> None:
+        now = time.perf_counter()
+        for rid, out in list(self.outgoing.items()):
+            if not out.handle.done():
+                if now - out.posted_at > self.ctx.transfer_timeout_s:
+                    out.handle.cancel()  # lease expired: the decode side has given up
+                    self.counters["leases_expired"] += 1
+                    self._settle(out.seq, "lease expired", out)
+                continue
+            if out.handle.state == "done":
+                self._settle(out.seq, None, out)
+            else:
+                error = out.handle.error
+                self._settle(out.seq, f"{type(error).__name__}: {error}", out)
+
+    def _settle(self, seq: Sequence, error: str | None, out: Outgoing | None = None) -> None:
+        rid = seq.request_id
+        self.outgoing.pop(rid, None)
+        self.seqs.pop(rid, None)
+        self.runtime.release(seq, "stop")
+        if error is None:
+            finished = out.handle.finished or time.monotonic()
+            transfer_ms = (finished - out.handle.created) * 1e3
+            self.counters["sends_ok"] += 1
+            self.counters["kv_bytes_sent"] += out.handle.nbytes
+            self.send({"ev": "sent", "rid": rid, "kv_bytes": out.handle.nbytes,
+                       "transfer_ms": transfer_ms})
+        else:
+            self.counters["sends_failed"] += 1
+            log.warning("%s: KV send failed: %s", rid, error)
+            self.send({"ev": "send_failed", "rid": rid, "error": error})
+
+    def stats(self) -> dict:
+        sched = self.runtime.scheduler
+        return {"waiting": len(sched.waiting), "running": len(sched.running),
+                "sending": len(self.outgoing), "free_blocks": self.runtime.blocks.num_free_blocks}

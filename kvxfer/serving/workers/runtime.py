@@ -1,0 +1,90 @@
+"""One worker's engine: model replica, KV pool, block manager, scheduler, one step.
+
+The worker loops (:mod:`.decode`, :mod:`.prefill`) own the request lifecycle;
+this module only runs a scheduled step and says which sequences produced a
+token. The pool is ``model.kv_cache.tensor`` ``[N, L, 2, B, H, D]``, the very
+tensor the worker's :class:`kvxfer.Agent` registers.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..attention import Chunk
+from ..block_manager import BlockManager
+from ..config import EngineConfig
+from ..model import LlamaModel
+from ..sampling import SamplingParams, sample_row
+from ..scheduler import Scheduler
+from ..sequence import Sequence, SequenceStatus
+
+
+def sampling_params(raw: dict) -> SamplingParams:
+    """The router's parameter dict (:meth:`kvxfer.serving.api._SamplingFields.sampling`)."""
+    return SamplingParams(temperature=float(raw.get("temperature", 1.0)),
+                          top_p=float(raw.get("top_p", 1.0)),
+                          max_tokens=int(raw.get("max_tokens", 16)),
+                          stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids", ())),
+                          seed=raw.get("seed"))
+
+
+def finish_reason(seq: Sequence, token: int) -> str | None:
+    """Why ``seq`` ends with ``token`` (already appended), or None to go on."""
+    if token in seq.params.stop_token_ids and not seq.params.ignore_eos:
+        return "stop"
+    if seq.num_output_tokens >= seq.params.max_tokens:
+        return "length"
+    return None
+
+
+class Runtime:
+    def __init__(self, model: LlamaModel, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.cache = model.kv_cache
+        self.blocks = BlockManager(config.num_blocks, config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "Runtime":
+        model = LlamaModel.from_gguf(config.model_path, num_blocks=config.num_blocks,
+                                     block_size=config.block_size)
+        return cls(model, config)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def step(self, on_layer_done: Callable[[int], None] | None = None
+             ) -> tuple[list[tuple[Sequence, int]], bool]:
+        """Run the scheduler's next step: ``([(seq, sampled_token), ...], is_prefill)``.
+
+        A sequence appears only when its chunk reached its last token (prefill
+        complete, or a decode token); the caller appends the token and decides
+        whether it finishes. Full blocks are registered for prefix reuse as
+        soon as their KV is in the pool.
+        """
+        chunks, is_prefill = self.scheduler.schedule()
+        if not chunks:
+            return [], False
+        logits = self.model.forward(
+            [Chunk(tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
+                   tuple(c.seq.block_table)) for c in chunks],
+            on_layer_done=on_layer_done)
+        produced = []
+        for row, c in enumerate(chunks):
+            seq = c.seq
+            seq.num_computed_tokens = c.start + c.num_tokens
+            self.blocks.cache_full_blocks(seq)
+            if c.completes_prefill:
+                seq.status = SequenceStatus.DECODING
+                produced.append((seq, sample_row(logits[row], seq.params, seq.generator)))
+        return produced, is_prefill
+
+    def release(self, seq: Sequence, reason: str = "abort") -> None:
+        """Free ``seq``'s blocks, wherever it is (scheduler queues or held by the worker)."""
+        if seq in self.scheduler.running or seq in self.scheduler.waiting:
+            self.scheduler.finish(seq, reason)
+        elif seq.block_table:
+            self.blocks.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED

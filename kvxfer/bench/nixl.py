@@ -29,7 +29,7 @@ _MODULES = ("nixl._api", "nixl_cu12._api")
 
 def available() -> str | None:
     """The importable NIXL API module name, or None (``nixl`` or ``nixl-cu12`` wheel)."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # its INFO lines would bury the table
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines would bury the table
     for name in _MODULES:
         try:
             if importlib.util.find_spec(name.split(".")[0]) is None:

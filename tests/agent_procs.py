@@ -1,0 +1,56 @@
+"""Child-process bodies for the multi-process agent tests (spawned, so importable).
+
+Every pool is filled from a seed, so the parent can rebuild the expected bytes
+without shipping tensors between processes.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+SECRET = b"test-secret"
+SHAPE = dict(L=4, N=32, B=4, H=4, D=16)
+
+
+def make_pool(dims: str, seed: int | None, *, dtype="float16", tp_rank=0, tp_size=1, shape=None):
+    """A per-layer pool named by ``dims`` (any order of ``N 2 B H D``); zeros if ``seed`` is None."""
+    import torch
+
+    from kvxfer import KVLayout
+
+    s = dict(SHAPE, **(shape or {}))
+    sizes = {"N": s["N"], "2": 2, "B": s["B"], "H": s["H"] // tp_size, "D": s["D"]}
+    letters = dims.split()
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed or 0)
+    tensors = []
+    for _ in range(s["L"]):
+        shape_t = [sizes[c] for c in letters]
+        if seed is None:
+            tensors.append(torch.zeros(shape_t, dtype=dt))
+        else:
+            tensors.append((torch.randn(shape_t, generator=g) * 10).to(dt))
+    return KVLayout.from_tensors(tensors, dims, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def prefill(address, request_ids, block_ids, out_q, *, dims="2 N B H D", seed=1, tp_rank=0, tp_size=1,
+            backend="auto", path="auto", dtype="float16", stream_then_hang=False):
+    """P: connect to D, send each request, report ("ok", stats) or ("err", repr)."""
+    from kvxfer import Agent
+
+    try:
+        layout = make_pool(dims, seed, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        with Agent(f"p{tp_rank}", secret=SECRET, backend=backend, path=path) as agent:
+            agent.register_kv(layout)
+            peer = agent.connect(address)
+            if stream_then_hang:
+                h = agent.send_layer(peer, request_ids[0], 0, block_ids)
+                h.wait(30.0, layer=0)
+                out_q.put(("streamed", os.getpid()))
+                time.sleep(600)
+            handles = [agent.send(peer, r, block_ids) for r in request_ids]
+            for h in handles:
+                h.wait(30.0)
+            out_q.put(("ok", {"transport": peer.transport, "paths": sorted({h.path for h in handles})}))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the test
+        out_q.put(("err", repr(exc)))

@@ -1,0 +1,282 @@
+"""Agent end to end in one process over the loopback backend: every path and
+layout pair bitwise, either side first, concurrency, TP, streaming, one-sided
+ops, cancel/timeout/leases, metrics, and no leaks over many requests."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvxfer
+from kvxfer import Agent
+from kvxfer.errors import KVXferError, TransferCancelled, TransferTimeout
+
+from agent_procs import SECRET, make_pool
+
+T = 20.0  # generous wait limit; nothing here should take more than a fraction of it
+
+
+def pair(p_dims="2 N B H D", d_dims="2 N B H D", *, path="auto", dtype="float16", p_tp=(0, 1),
+         d_tp=(0, 1), **kw):
+    p_layout = make_pool(p_dims, 1, dtype=dtype, tp_rank=p_tp[0], tp_size=p_tp[1])
+    d_layout = make_pool(d_dims, None, dtype=dtype, tp_rank=d_tp[0], tp_size=d_tp[1])
+    p = Agent("p", secret=SECRET, backend="loopback", path=path, **kw)
+    d = Agent("d", secret=SECRET, backend="loopback", path=path, **kw)
+    p.register_kv(p_layout)
+    d.register_kv(d_layout)
+    return p, d, p_layout, d_layout, p.connect(d.address)
+
+
+def same(src_layout, src_ids, dst_layout, dst_ids, heads=None) -> bool:
+    return torch.equal(kvxfer.pack(src_layout, src_ids, heads=heads, backend="reference"),
+                       kvxfer.pack(dst_layout, dst_ids, heads=heads, backend="reference"))
+
+
+
+
+
+@pytest.mark.parametrize("path", ["zero_copy", "pack", "auto"])
+@pytest.mark.parametrize("p_dims,d_dims", [("2 N B H D", "2 N B H D"), ("2 N B H D", "N 2 H B D"),
+                                           ("N 2 H B D", "N 2 H B D"), ("N 2 H B D", "2 N B H D")])
+def test_bitwise_across_layouts_and_paths(path, p_dims, d_dims):
+    p, d, pl, dl, peer = pair(p_dims, d_dims, path=path)
+    try:
+        src, dst = [9, 3, 31, 0, 4], [2, 30, 7, 11, 5]
+        hr = d.recv("r", dst, timeout=T)
+        hs = p.send(peer, "r", src)
+        hs.wait(T)
+        hr.wait(T)
+        assert same(pl, src, dl, dst)
+        assert hs.path == hr.path == (path if path != "auto" else hs.path)
+        assert untouched_elsewhere(dl, dst)
+    finally:
+        p.close()
+        d.close()
+
+
+def untouched_elsewhere(layout, ids) -> bool:
+    others = [b for b in range(layout.num_blocks) if b not in ids]
+    return not kvxfer.pack(layout, others, backend="reference").any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_dtypes_and_send_before_recv(dtype):
+    p, d, pl, dl, peer = pair(dtype=dtype)
+    try:
+        hs = p.send(peer, "early", [1, 2])  # P first: waits for D's post
+        assert not hs.done()
+        hr = d.recv("early", [3, 4], timeout=T)
+        hr.wait(T)
+        hs.wait(T)
+        assert same(pl, [1, 2], dl, [3, 4])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_64_concurrent_requests_one_peer():
+    p, d, pl, dl, peer = pair(path="auto")
+    try:
+        recvs = [d.recv(f"q{i}", [i % 32], timeout=T) for i in range(0, 64, 2)]
+        sends = [p.send(peer, f"q{i}", [(i * 7) % 32]) for i in range(64)]
+        recvs += [d.recv(f"q{i}", [i % 32], timeout=T) for i in range(1, 64, 2)]
+        for h in sends + recvs:
+            h.wait(T)
+        assert p.held_blocks() == {} and d.held_blocks() == {}
+        assert p.metrics.counter("transfers", kind="send") == 64
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+def test_tp2_to_tp1_two_senders(path):
+    d_layout = make_pool("N 2 H B D", None)
+    d = Agent("d", secret=SECRET, backend="loopback", path=path)
+    d.register_kv(d_layout)
+    ps = []
+    try:
+        for rank in range(2):
+            a = Agent(f"p{rank}", secret=SECRET, backend="loopback", path=path)
+            a.register_kv(make_pool("2 N B H D", 10 + rank, tp_rank=rank, tp_size=2))
+            ps.append(a)
+        hr = d.recv("r", [6, 1, 20], timeout=T)
+        handles = [a.send(a.connect(d.address), "r", [0, 5, 9]) for a in ps]
+        hr.wait(T)
+        for h in handles:
+            h.wait(T)
+        for rank, a in enumerate(ps):
+            lo = rank * 2
+            assert torch.equal(kvxfer.pack(a._layout, [0, 5, 9], backend="reference"),
+                               kvxfer.pack(d_layout, [6, 1, 20], heads=(lo, lo + 2), backend="reference"))
+    finally:
+        for a in ps + [d]:
+            a.close()
+
+
+def test_tp1_to_tp2_one_sender_two_receivers():
+    p = Agent("p", secret=SECRET, backend="loopback")
+    p_layout = make_pool("2 N B H D", 3)
+    p.register_kv(p_layout)
+    ds = []
+    try:
+        for rank in range(2):
+            a = Agent(f"d{rank}", secret=SECRET, backend="loopback")
+            a.register_kv(make_pool("N 2 H B D", None, tp_rank=rank, tp_size=2))
+            ds.append(a)
+        recvs = [a.recv("r", [rank + 1, 8], timeout=T) for rank, a in enumerate(ds)]
+        sends = [p.send(p.connect(a.address), "r", [4, 12]) for a in ds]
+        for h in recvs + sends:
+            h.wait(T)
+        for rank, a in enumerate(ds):
+            assert torch.equal(kvxfer.pack(p_layout, [4, 12], heads=(2 * rank, 2 * rank + 2), backend="reference"),
+                               kvxfer.pack(a._layout, [rank + 1, 8], backend="reference"))
+    finally:
+        for a in ds + [p]:
+            a.close()
+
+
+@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+def test_layer_streaming(path):
+    p, d, pl, dl, peer = pair(path=path)
+    try:
+        hr = d.recv("s", [1, 2, 3], timeout=T)
+        for layer in range(pl.num_layers):
+            hs = p.send_layer(peer, "s", layer, [4, 5, 6])
+            hr.wait(T, layer=layer)
+            assert layer in hr.layers_done
+            assert torch.equal(kvxfer.pack(pl, [4, 5, 6], layers=[layer], backend="reference"),
+                               kvxfer.pack(dl, [1, 2, 3], layers=[layer], backend="reference"))
+            if layer < pl.num_layers - 1:
+                assert not hr.done()
+        hr.wait(T)
+        hs.wait(T)
+        with pytest.raises(ValueError):
+            p.send_layer(peer, "s2", 99, [1])
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+def test_write_read_notify(path):
+    p, d, pl, dl, peer = pair("2 N B H D", "N 2 H B D", path=path)
+    try:
+        h = p.write(peer, [7, 8], [0, 1], notify=b"req-7 ready")
+        h.wait(T)
+        assert same(pl, [7, 8], dl, [0, 1])
+        got = []
+        for _ in range(200):
+            got += d.notifications()
+            if got:
+                break
+            threading.Event().wait(0.01)
+        assert [data for _, data in got] == [b"req-7 ready"]
+        # read it back into other local blocks of P
+        r = p.read(peer, [20, 21], [0, 1])
+        r.wait(T)
+        assert same(pl, [7, 8], pl, [20, 21])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_cancel_timeout_and_lease_expiry_release_blocks():
+    released = []
+    p, d, pl, dl, peer = pair(lease_timeout=0.3, on_release=lambda r, b, why: released.append((r, b, why)))
+    try:
+        # P's lease expires: nobody posted "lonely"
+        hs = p.send(peer, "lonely", [1, 2])
+        with pytest.raises(TransferTimeout):
+            hs.wait(T)
+        # D's recv times out
+        hr = d.recv("never", [3], timeout=0.2)
+        with pytest.raises(TransferTimeout):
+            hr.wait(T)
+        # cancel on both sides
+        hc = p.send(peer, "c1", [4])
+        assert hc.cancel() and not hc.cancel()
+        with pytest.raises(TransferCancelled):
+            hc.wait(T)
+        with d.recv("c2", [5], timeout=T) as hr2:
+            pass
+        assert hr2.state == "cancelled"
+        for _ in range(500):
+            if len(released) == 4 and not p.held_blocks() and not d.held_blocks():
+                break
+            threading.Event().wait(0.01)
+        assert sorted(released) == sorted([("lonely", (1, 2), "expired"), ("never", (3,), "expired"),
+                                           ("c1", (4,), "cancelled"), ("c2", (5,), "cancelled")])
+        assert p.metrics.counter("failures", error="TransferTimeout") == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_receiver_cancel_fails_matched_sender():
+    p, d, pl, dl, peer = pair(path="pack")
+    try:
+        hs = p.send(peer, "x", [1])
+        hr = d.recv("x", [2], timeout=T)
+        hr.wait(T)  # completes; now a second one is cancelled by D before P sends
+        hr2 = d.recv("y", [3], timeout=T)
+        hr2.cancel()
+        hs2 = p.send(peer, "y", [4])
+        with pytest.raises(KVXferError):
+            hs2.wait(T)
+        hs.wait(T)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_metrics_repr_and_idempotent_close():
+    p, d, pl, dl, peer = pair()
+    h = d.recv("m", [1], timeout=T)
+    p.send(peer, "m", [2]).wait(T)
+    h.wait(T)
+    assert "done" in repr(h) and "'m'" in repr(h) and "Agent" in repr(p) and "loopback" in repr(peer)
+    m = p.metrics.to_dict()
+    assert m["counters"]["bytes_sent"][0]["value"] == pl.wire_nbytes(1)
+    assert m["info"]["transport:d"] == "loopback"
+    text = d.metrics.prometheus()
+    assert 'kvxfer_transfers_total{agent="d",kind="recv",path="zero_copy"} 1' in text
+    assert "kvxfer_transfer_seconds_count" in text
+    p.close()
+    p.close()
+    d.close()
+    assert p.closed and not [t for t in threading.enumerate() if t.name.endswith("-p")]
+    with pytest.raises(KVXferError):
+        p.send(peer, "after-close", [1])
+
+
+def test_thousand_sequential_requests_flat_memory_no_leaks():
+    psutil = pytest.importorskip("psutil")
+    threads_before = threading.active_count()
+    p, d, pl, dl, peer = pair()
+    proc = psutil.Process()
+    rss = None
+    try:
+        for i in range(1000):
+            hr = d.recv(f"s{i}", [i % 32], timeout=T)
+            p.send(peer, f"s{i}", [(i * 5) % 32]).wait(T)
+            hr.wait(T)
+            if i == 199:
+                rss = proc.memory_info().rss
+        grown = proc.memory_info().rss - rss
+        assert grown < 16 << 20, f"RSS grew {grown} B over 800 requests"
+        assert not p._sends and not d._recvs and not p._posts and not d._quiet_wait
+        assert not p.held_blocks() and not d.held_blocks()
+        assert d._stage_in.used_bytes == 0
+        nregions = len(pl.regions()) + 2
+        assert p._backend.num_regions == nregions
+    finally:
+        p.close()
+        d.close()
+    assert p._backend.num_regions == 0 and d._backend.num_regions == 0
+    for _ in range(100):
+        if threading.active_count() <= threads_before:
+            break
+        threading.Event().wait(0.02)
+    assert threading.active_count() <= threads_before

@@ -21,7 +21,8 @@ PYBIND11_MODULE(_C, m) {
         m.def(
             "copy_tiles",
             [](I64 plane_addr, I64 block_stride, I64 outer_stride, I64 ids, std::array<int64_t, 3> sizes,
-               int64_t row_bytes, int64_t tile_bytes, uintptr_t wire, bool to_wire, int num_threads) {
+               int64_t row_bytes, int64_t tile_bytes, uintptr_t wire, bool to_wire, int num_threads,
+               bool streaming) {
                 const int64_t planes = plane_addr.size();
                 if (block_stride.size() != planes || outer_stride.size() != 3 * planes)
                     throw py::value_error("copy_tiles: plane table sizes disagree");
@@ -29,13 +30,13 @@ PYBIND11_MODULE(_C, m) {
                     throw py::value_error("copy_tiles: tile geometry is inconsistent");
                 kvxfer::TileCopy job{plane_addr.data(), block_stride.data(), outer_stride.data(), planes,
                                      ids.data(), static_cast<int64_t>(ids.size()),
-                                     {sizes[0], sizes[1], sizes[2]}, row_bytes, tile_bytes, wire};
+                                     {sizes[0], sizes[1], sizes[2]}, row_bytes, tile_bytes, wire, streaming};
                 py::gil_scoped_release release;
                 kvxfer::copy_tiles(job, to_wire, num_threads);
             },
             py::arg("plane_addr"), py::arg("block_stride"), py::arg("outer_stride"), py::arg("ids"),
             py::arg("sizes"), py::arg("row_bytes"), py::arg("tile_bytes"), py::arg("wire"), py::arg("to_wire"),
-            py::arg("num_threads"),
+            py::arg("num_threads"), py::arg("streaming") = false,
             "Gather (to_wire) or scatter KV tiles by a validated plan; raw addresses, GIL released.");
         m.def(
             "memcpy_parallel",

@@ -21,6 +21,7 @@ struct TileCopy {
     int64_t row_bytes;
     int64_t tile_bytes;
     uintptr_t wire;
+    bool streaming;  // non-temporal stores (for copies much larger than the caches)
 };
 
 // to_wire: engine -> wire (pack), else wire -> engine (unpack). Splits tiles across

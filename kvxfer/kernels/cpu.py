@@ -14,6 +14,9 @@ from ..runs import CopyPlan
 
 # Below this many bytes one thread beats spawning more (thread start ~50 us).
 _MIN_BYTES_PER_THREAD = 1 << 20
+# Above this, tiles are written with non-temporal stores (see csrc/copy.cpp): the
+# copy no longer fits the caches, and streaming skips reading the destination.
+STREAM_BYTES = 32 << 20
 
 
 def num_threads() -> int:
@@ -26,7 +29,8 @@ def _threads_for(nbytes: int, threads: int | None) -> int:
     return max(1, min(threads, nbytes // _MIN_BYTES_PER_THREAD))
 
 
-def native_copy(plan: CopyPlan, wire, *, to_wire: bool, threads: int | None = None) -> None:
+def native_copy(plan: CopyPlan, wire, *, to_wire: bool, threads: int | None = None,
+                streaming: bool | None = None) -> None:
     """Copy through ``kvxfer._C.copy_tiles``; returns when every byte is in place."""
     from .._native import load
 
@@ -34,7 +38,8 @@ def native_copy(plan: CopyPlan, wire, *, to_wire: bool, threads: int | None = No
         return
     load().copy_tiles(plan.plane_addrs, plan.block_strides, plan.outer_strides, plan.ids,
                       plan.outer_sizes, plan.row_bytes, plan.tile_bytes, wire.data_ptr(), to_wire,
-                      _threads_for(plan.nbytes, threads))
+                      _threads_for(plan.nbytes, threads),
+                      plan.nbytes >= STREAM_BYTES if streaming is None else streaming)
 
 
 def torch_copy(layout, plan: CopyPlan, wire, *, to_wire: bool) -> None:

@@ -1,0 +1,240 @@
+"""The real model (SmolLM2-135M GGUF): tokenizer, paged attention vs dense, determinism.
+
+The model is loaded once per session; prompts are short and max_tokens small.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from kvxfer.serving.attention import Chunk  # noqa: E402
+from kvxfer.serving.config import EngineConfig  # noqa: E402
+from kvxfer.serving.kv_cache import KVCache  # noqa: E402
+from kvxfer.serving.sampling import SamplingParams  # noqa: E402
+from kvxfer.serving.tokenizer import render_chatml  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = ("The history of the printing press begins in the fifteenth century, when Johannes "
+        "Gutenberg combined movable metal type, oil-based ink and a wooden press")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    try:
+        from kvxfer.serving.gguf_loader import default_model_path
+
+        default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    from kvxfer.serving.engine import Engine
+
+    threads = torch.get_num_threads()  # one thread: the test machine's cores are shared
+    yield Engine(EngineConfig(num_blocks=96, max_num_batched_tokens=256, num_threads=1))
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def spare(engine):
+    """The same weights over a private pool, so tests never touch the engine's cached blocks."""
+    cfg = engine.model_config
+    return engine.model.with_cache(KVCache(24, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
+
+
+def greedy_tokens(model, ids, table, n):
+    """Prefill ``ids`` into ``table``, then greedy-decode ``n`` tokens one at a time."""
+    logits = model.forward([Chunk(ids, 0, table)])
+    out = [int(logits[0].argmax())]
+    while len(out) < n:
+        logits = model.forward([Chunk([out[-1]], len(ids) + len(out) - 1, table)])
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def dense_reference(model, ids):
+    """Non-paged forward of ``ids``: logits ``[T, vocab]`` (complex rotary, SDPA)."""
+    import torch.nn.functional as F
+
+    from kvxfer.serving.model import rms_norm
+
+    cfg = model.config
+    t = len(ids)
+    pos = torch.arange(t, dtype=torch.float64)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    rot = torch.polar(torch.ones(t, cfg.head_dim // 2, dtype=torch.float64), torch.outer(pos, inv))
+
+    def rope(x):  # adjacent pairs as complex numbers
+        z = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(z * rot[:, None, :]).flatten(-2).float()
+
+    x = model.embed[torch.tensor(ids)]
+    group = cfg.num_heads // cfg.num_kv_heads
+    for w in model.layers:
+        q, k, v = (rms_norm(x, w.attn_norm, cfg.rms_eps) @ w.qkv.T).split(
+            [cfg.q_size, cfg.kv_size, cfg.kv_size], -1)
+        q = rope(q.view(t, cfg.num_heads, cfg.head_dim)).transpose(0, 1)
+        k = rope(k.view(t, cfg.num_kv_heads, cfg.head_dim)).repeat_interleave(group, 1).transpose(0, 1)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(group, 1).transpose(0, 1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + attn.transpose(0, 1).reshape(t, -1) @ w.o.T
+        gate, up = (rms_norm(x, w.ffn_norm, cfg.rms_eps) @ w.gate_up.T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ w.down.T
+    return rms_norm(x, model.final_norm, cfg.rms_eps) @ model.lm_head.T
+
+
+def test_config_from_metadata(engine):
+    cfg = engine.model_config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.tied_embeddings) == (576, 49152, True)
+
+
+def test_tokenizer_round_trip_and_chat_template(engine):
+    tok = engine.tokenizer
+    for text in ["Hello world!", "  two  spaces\nnew line", "digits 12345", "héllo 日本語 🙂"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>user") [0] == 1
+    assert tok.decode(tok.encode("<|im_end|>"), skip_special_tokens=False) == "<|im_end|>"
+    assert tok.render_chat(FRANCE) == render_chatml(FRANCE)  # jinja2 template == fallback
+    ids = tok.apply_chat_template(FRANCE)
+    assert ids[0] == 1 and tok.decode(ids, skip_special_tokens=False).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError):
+        tok.decode([49152])
+
+
+def test_greedy_chat_is_sensible_and_stable(engine):
+    params = SamplingParams(temperature=0, max_tokens=10)
+    first = list(engine.stream(messages=FRANCE, params=params))
+    second = list(engine.stream(messages=FRANCE, params=params))
+    assert [e.token_id for e in first] == [e.token_id for e in second]
+    assert "Paris" in "".join(e.text for e in first)
+    assert first[-1].finished and not any(e.finished for e in first[:-1])
+
+
+def test_paged_equals_dense_reference(engine, spare):
+    ids = engine.tokenizer.encode(LONG)  # > one block
+    dense = dense_reference(engine.model, ids)
+    paged = torch.cat([spare.forward([Chunk([tok], i, (3, 7, 1))]) for i, tok in enumerate(ids)])
+    assert torch.allclose(paged, dense, atol=2e-4, rtol=1e-4), (paged - dense).abs().max()
+    assert torch.equal(paged.argmax(-1), dense.argmax(-1))
+    prefill = spare.forward([Chunk(ids, 0, (5, 2, 9))])
+    assert torch.allclose(prefill[0], dense[-1], atol=2e-4, rtol=1e-4)
+
+
+def test_kv_moved_to_other_blocks_decodes_identically(engine, spare):
+    cfg = engine.model_config
+    ids = engine.tokenizer.encode(LONG)
+    n = 6
+    want = greedy_tokens(spare, ids, (0, 1, 2), n)
+    # "process A" prefills into its pool; "process B" gets the blocks at other ids
+    pool_a = spare
+    pool_b = spare.with_cache(KVCache(40, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
+    logits = pool_a.forward([Chunk(ids, 0, (4, 5, 6))])
+    first = int(logits[0].argmax())
+    pool_b.kv_cache.write_blocks([31, 2, 17], pool_a.kv_cache.read_blocks([4, 5, 6]))
+    assert torch.equal(pool_b.kv_cache.tensor[[31, 2, 17]], pool_a.kv_cache.tensor[[4, 5, 6]])
+    # the prompt's full blocks have the same bits whichever block ids held them
+    assert torch.equal(pool_a.kv_cache.tensor[[4]], pool_a.kv_cache.tensor[[0]])
+    out = [first]
+    while len(out) < n:
+        logits = pool_b.forward([Chunk([out[-1]], len(ids) + len(out) - 1, (31, 2, 17))])
+        out.append(int(logits[0].argmax()))
+    assert out == want
+
+
+def test_batch_decode_equals_single_decode_bitwise(engine, spare):
+    tok = engine.tokenizer
+    prompts = [tok.encode(p) for p in ("Once upon a time", LONG, "1, 2, 3,")]
+    tables = [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
+    firsts = [int(spare.forward([Chunk(p, 0, t)])[0].argmax()) for p, t in zip(prompts, tables)]
+    chunks = [Chunk([f], len(p), t) for f, p, t in zip(firsts, prompts, tables)]
+    batched = spare.forward(chunks)
+    singles = torch.cat([spare.forward([c]) for c in chunks])
+    assert torch.equal(batched, singles)
+    reordered = spare.forward(chunks[::-1])
+    assert torch.equal(reordered.flip(0), singles)
+
+
+def test_engine_prefill_then_reserve_admit_matches_colocated(engine):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = engine.generate([LONG], params)[0]
+    p_seq = engine.make_sequence(LONG, params)
+    first = engine.prefill(p_seq)
+    d_seq = engine.make_sequence(LONG, params)
+    to_fill = engine.reserve(d_seq)  # prefix blocks are hits; the rest must be sent
+    skip = d_seq.num_cached_tokens // 16
+    assert skip >= 1 and len(to_fill) == len(p_seq.block_table) - skip
+    engine.kv_cache.copy_blocks(p_seq.block_table[skip:], to_fill)
+    engine.release(p_seq)
+    events = [engine.admit_prefilled(d_seq, first)]
+    while not events[-1].finished:
+        events += [e for e in engine.step() if e.request_id == d_seq.request_id]
+    assert [e.token_id for e in events] == want
+    engine.block_manager.check_invariants()
+
+
+def test_prefix_reuse_gives_same_output(engine, spare):
+    tok = engine.tokenizer
+    shared = LONG + " that could print pages quickly for many readers"
+    params = SamplingParams(temperature=0, max_tokens=5)
+    engine.generate([shared + " books"], params)  # caches the shared full blocks
+    seq = engine.make_sequence(shared + " newspapers", params)
+    hits, _ = engine.block_manager.match_prefix(seq.token_ids)
+    assert len(hits) >= 2
+    got = engine.generate([shared + " newspapers"], params)[0]
+    assert got == greedy_tokens(spare, tok.encode(shared + " newspapers"), (0, 1, 2, 3), 5)
+
+
+def test_chunked_prefill_matches_whole(engine, spare):
+    from kvxfer.serving.scheduler import Scheduler
+
+    ids = engine.tokenizer.encode(LONG + " and paper")
+    saved = engine.scheduler
+    engine.scheduler = Scheduler(EngineConfig(num_blocks=96, max_num_batched_tokens=10,
+                                              enable_prefix_caching=False), engine.block_manager)
+    engine.block_manager.enable_prefix_caching = False
+    try:
+        got = engine.generate([ids], SamplingParams(temperature=0, max_tokens=4))[0]
+    finally:
+        engine.scheduler = saved
+        engine.block_manager.enable_prefix_caching = True
+    assert got == greedy_tokens(spare, ids, (0, 1, 2), 4)
+
+
+def test_sampling_seed_stop_and_length(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, seed=123)
+    a = engine.generate(["Once upon a time"], params)[0]
+    b = engine.generate(["Once upon a time"], params)[0]
+    assert a == b and len(a) == 8
+    events = list(engine.stream(messages=FRANCE, params=SamplingParams(
+        temperature=0, max_tokens=10, stop=(" Paris",))))
+    assert events[-1].finish_reason == "stop"
+    text = "".join(e.text for e in events)
+    assert "Paris" not in text and text.startswith("The capital of France is")
+    events = list(engine.stream("Hello", SamplingParams(temperature=0, max_tokens=3,
+                                                        ignore_eos=True)))
+    assert len(events) == 3 and events[-1].finish_reason == "length"
+
+
+def test_bad_requests_raise(engine):
+    with pytest.raises(ValueError):
+        engine.add_request("x", SamplingParams(max_tokens=96 * 16))
+    with pytest.raises(ValueError):
+        engine.add_request([engine.model_config.vocab_size])
+    with pytest.raises(ValueError):
+        engine.add_request()
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError):
+        engine.model.forward([Chunk([1, 2], 0, (96,))])
+    with pytest.raises(ValueError):
+        engine.model.forward([Chunk([1] * 20, 0, (0,))])  # table too short
+
+
+def test_kv_layout_describes_the_pool(engine):
+    pytest.importorskip("kvxfer.layout")
+    layout = engine.kv_layout()
+    assert (layout.num_layers, layout.num_blocks, layout.block_size) == (30, 96, 16)
+    assert (layout.num_heads, layout.head_dim) == (3, 64)
+    assert engine.kv_layout() is layout
+    assert engine.kv_cache.bytes_per_block == 30 * 2 * 16 * 3 * 64 * 4

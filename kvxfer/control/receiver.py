@@ -206,7 +206,8 @@ class ReceiverSide:
         with self._lock:
             for key in [k for k in self._grants if k[0] == peer.serial]:
                 self._stage_in.free(self._grants.pop(key)[0])
-            failed = [op for op in self._recvs.values() if peer in op.matched]
+            failed = [op for op in self._recvs.values()
+                      if peer in op.matched and not self._part_landed(op, peer)]
             for op in self._recvs.values():
                 op.posted_to.discard(peer)
             for op in list(self._quiet_wait.values()):
@@ -214,6 +215,14 @@ class ReceiverSide:
                 self._maybe_quiet(op)
         for op in failed:
             self._end_recv(op, err, "failed")
+
+    @staticmethod
+    def _part_landed(op: RecvOp, peer) -> bool:
+        """True if every head ``peer`` holds for ``op`` already landed (its share is done)."""
+        lo = max(peer.geometry.head_range[0], op.heads[0]) - op.heads[0]
+        hi = min(peer.geometry.head_range[1], op.heads[1]) - op.heads[0]
+        bits = ((1 << max(hi - lo, 0)) - 1) << max(lo, 0)
+        return all(op.covered.get(layer, 0) & bits == bits for layer in op.layers)
 
     def _receiver_close(self, err: KVXferError) -> None:
         with self._lock:

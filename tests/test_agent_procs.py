@@ -1,0 +1,108 @@
+"""Real processes (multiprocessing spawn) over the default backend: bitwise
+equality across layouts, tp=2 -> 1 with two prefill processes, and a prefill
+process SIGKILLed in the middle of a streamed request."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+import kvxfer
+from kvxfer import Agent
+from kvxfer.errors import PeerDisconnected
+
+import agent_procs
+from agent_procs import SECRET, make_pool
+
+T = 60.0  # spawning a child that imports torch takes seconds on a busy machine
+CTX = mp.get_context("spawn")
+
+
+def _start(*args, **kwargs):
+    q = CTX.Queue()
+    proc = CTX.Process(target=agent_procs.prefill, args=(*args[:3], q), kwargs=kwargs, daemon=True)
+    proc.start()
+    return proc, q
+
+
+def _stop(procs):
+    for p in procs:
+        p.join(T)
+        if p.is_alive():
+            p.kill()
+            p.join(T)
+
+
+def test_two_processes_nhd_to_hnd_bitwise_either_order():
+    d_layout = make_pool("N 2 H B D", None)
+    d = Agent("d", secret=SECRET)
+    procs = []
+    try:
+        d.register_kv(d_layout)
+        first = d.recv("a", [0, 7, 2, 30], timeout=T)  # recv before the sender exists
+        proc, q = _start(d.address, ["a", "b"], [5, 3, 9, 1])
+        procs.append(proc)
+        first.wait(T)
+        second = d.recv("b", [4, 6, 8, 10], timeout=T)  # the sender posted "b" long ago
+        second.wait(T)
+        status, info = q.get(timeout=T)
+        assert status == "ok", info
+        p_layout = make_pool("2 N B H D", 1)
+        expect = kvxfer.pack(p_layout, [5, 3, 9, 1], backend="reference")
+        assert torch.equal(expect, kvxfer.pack(d_layout, [0, 7, 2, 30], backend="reference"))
+        assert torch.equal(expect, kvxfer.pack(d_layout, [4, 6, 8, 10], backend="reference"))
+        assert info["transport"] in d.metrics.to_dict()["info"].values()
+    finally:
+        d.close()
+        _stop(procs)
+
+
+def test_tp2_prefill_processes_feed_one_decode():
+    d_layout = make_pool("2 N B H D", None, dtype="bfloat16")
+    d = Agent("d", secret=SECRET)
+    procs = []
+    try:
+        d.register_kv(d_layout)
+        h = d.recv("r", [3, 1, 4], timeout=T)
+        queues = []
+        for rank in range(2):
+            proc, q = _start(d.address, ["r"], [10, 11, 12], tp_rank=rank, tp_size=2, seed=20 + rank,
+                             dims="N 2 H B D", dtype="bfloat16", path="pack" if rank else "zero_copy")
+            procs.append(proc)
+            queues.append(q)
+        h.wait(T)
+        for rank, q in enumerate(queues):
+            status, info = q.get(timeout=T)
+            assert status == "ok", info
+            src = make_pool("N 2 H B D", 20 + rank, dtype="bfloat16", tp_rank=rank, tp_size=2)
+            assert torch.equal(kvxfer.pack(src, [10, 11, 12], backend="reference"),
+                               kvxfer.pack(d_layout, [3, 1, 4], heads=(2 * rank, 2 * rank + 2),
+                                           backend="reference"))
+    finally:
+        d.close()
+        _stop(procs)
+
+
+def test_sigkill_mid_transfer_fails_with_peer_disconnected():
+    released = []
+    d = Agent("d", secret=SECRET, on_release=lambda r, b, why: released.append((r, why)))
+    procs = []
+    try:
+        d.register_kv(make_pool("2 N B H D", None))
+        h = d.recv("k", [1, 2], timeout=T)
+        proc, q = _start(d.address, ["k"], [3, 4], stream_then_hang=True)
+        procs.append(proc)
+        h.wait(T, layer=0)  # layer 0 landed; the sender now "computes" forever
+        status, pid = q.get(timeout=T)
+        assert status == "streamed"
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(PeerDisconnected):
+            h.wait(T)
+        assert not h.done() or h.state == "failed"
+        assert released == [("k", "failed")] and d.held_blocks() == {}
+    finally:
+        d.close()
+        _stop(procs)

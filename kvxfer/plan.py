@@ -132,8 +132,33 @@ def tile_runs(src: Geometry, sp: tuple, dst: Geometry, dp: tuple, heads: tuple):
 
 def count_runs(src: Geometry, dst: Geometry, num_ids: int, layers, heads) -> int:
     """Upper bound of zero-copy descriptors (before coalescing across tiles)."""
+    if _uniform(src) and _uniform(dst):
+        runs = len(tile_runs(src, src.planes[0], dst, dst.planes[0], heads)[2])
+        return runs * num_ids * len(layers) * src.num_kv
     return sum(len(tile_runs(src, src.plane(l, kv), dst, dst.plane(l, kv), heads)[2]) * num_ids
                for l in layers for kv in range(src.num_kv))
+
+
+def _uniform(g: Geometry) -> bool:
+    """Every plane has the same strides (the usual case): plan all planes in one numpy pass."""
+    cached = g.__dict__.get("_uniform")
+    if cached is None:
+        cached = len({p[2:] for p in g.planes}) == 1
+        object.__setattr__(g, "_uniform", cached)
+    return cached
+
+
+def _plane_cols(g: Geometry, layers, num_kv: int):
+    """``(region ids index, offsets)`` of the selected planes, in (layer, kv) order."""
+    key = ("_cols", tuple(layers))
+    cache = g.__dict__.setdefault("_plane_cache", {})
+    cols = cache.get(key)
+    if cols is None:
+        sel = [g.planes[l * num_kv + kv] for l in layers for kv in range(num_kv)]
+        cols = (np.array([p[0] for p in sel], dtype=np.int64), np.array([p[1] for p in sel], dtype=np.int64))
+        if len(cache) < 64:
+            cache[key] = cols
+    return cols
 
 
 def zero_copy_descs(src: Geometry, src_ids, dst: Geometry, dst_ids, layers, heads,
@@ -144,6 +169,20 @@ def zero_copy_descs(src: Geometry, src_ids, dst: Geometry, dst_ids, layers, head
     """
     sids = np.asarray(src_ids, dtype=np.int64)
     dids = np.asarray(dst_ids, dtype=np.int64)
+    layers = tuple(layers)
+    if _uniform(src) and _uniform(dst) and layers:
+        sp, dp = src.planes[0], dst.planes[0]
+        s_rel, d_rel, lens = tile_runs(src, sp, dst, dp, heads)
+        s_reg, s_off = _plane_cols(src, layers, src.num_kv)
+        d_reg, d_off = _plane_cols(dst, layers, dst.num_kv)
+        shape = (s_off.size, sids.size, lens.size)  # [plane, block, run]
+        out = np.empty(shape + (5,), dtype=np.int64)
+        out[..., 0] = np.asarray(src_regions, dtype=np.int64)[s_reg][:, None, None]
+        out[..., 1] = s_off[:, None, None] + (sids * sp[2])[None, :, None] + s_rel[None, None, :]
+        out[..., 2] = np.asarray(dst_regions, dtype=np.int64)[d_reg][:, None, None]
+        out[..., 3] = d_off[:, None, None] + (dids * dp[2])[None, :, None] + d_rel[None, None, :]
+        out[..., 4] = lens[None, None, :]
+        return coalesce(out.reshape(-1, 5))
     parts = []
     for layer in layers:
         for kv in range(src.num_kv):

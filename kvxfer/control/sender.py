@@ -24,6 +24,7 @@ from .ops import Post, SendOp
 from .staging import StagingRing
 
 MAX_CACHED_POSTS = 65536
+INLINE_BYTES = 256 << 10  # zero-copy pieces up to this size are posted by the matching thread
 
 
 class _GrantWait:
@@ -171,9 +172,19 @@ class SenderSide:
             self._enqueue_ship(op, ship)
 
     def _enqueue_ship(self, op: SendOp, layers: list) -> None:
+        """Queue a piece for the send worker; a small zero-copy piece runs right here
+        (lock held, no waiting on the peer), saving a thread hop on the latency path."""
         op.shipped.update(layers)
         op.inflight += 1
-        self._send_q.put(lambda: self._ship(op, tuple(layers)))
+        layers = tuple(layers)
+        try:
+            choice = self._choose(op, layers)
+        except KVXferError as exc:
+            choice = exc
+        if not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES:
+            self._ship(op, layers, choice)
+        else:
+            self._send_q.put(lambda: self._ship(op, layers, choice))
 
     def _finish_send(self, op: SendOp) -> None:
         """Every target layer visible (lock held)."""
@@ -228,17 +239,23 @@ class SenderSide:
             raise TransferCancelled(f"{op.key[1]!r} stopped")
         return max(0.0, lease.deadline - time.monotonic())
 
-    def _ship(self, op: SendOp, layers: tuple) -> None:
+    def _choose(self, op: SendOp, layers: tuple) -> tuple:
+        """``(heads, path, nbytes)`` of one piece: the head overlap and the cost model's pick."""
+        heads = plan.overlap(self._geometry.head_range, op.post.heads)
+        if heads is None:
+            raise LayoutMismatch(f"no kv heads in common: sender {self._geometry.head_range}, "
+                                 f"receiver {op.post.heads}")
+        nbytes = len(op.ids) * len(layers) * self._layout.block_nbytes(heads)
+        if self._path != "auto":
+            return heads, self._path, nbytes
+        num_descs = plan.count_runs(self._geometry, op.peer.geometry, len(op.ids), layers, heads)
+        return heads, self._cost.choose(num_descs, nbytes), nbytes
+
+    def _ship(self, op: SendOp, layers: tuple, choice) -> None:
         try:
-            post = op.post
-            heads = plan.overlap(self._geometry.head_range, post.heads)
-            if heads is None:
-                raise LayoutMismatch(f"no kv heads in common: sender {self._geometry.head_range}, "
-                                     f"receiver {post.heads}")
-            geo = op.peer.geometry
-            num_descs = plan.count_runs(self._geometry, geo, len(op.ids), layers, heads)
-            nbytes = len(op.ids) * len(layers) * self._layout.block_nbytes(heads)
-            path = self._path if self._path != "auto" else self._cost.choose(num_descs, nbytes)
+            if isinstance(choice, Exception):
+                raise choice
+            heads, path, nbytes = choice
             op.handle.path = path
             op.handle.nbytes += nbytes
             if path == "zero_copy":

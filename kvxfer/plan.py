@@ -21,7 +21,7 @@ plus the staging round trip. Both paths move identical bytes to identical places
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 import numpy as np
@@ -65,8 +65,10 @@ class Geometry:
                    layout.head_range[0], tuple(planes), tuple(n for _, n in spans))
 
     def to_wire(self) -> dict:
-        return {k: (list(map(list, v)) if k == "planes" else list(v) if k == "region_sizes" else v)
-                for k, v in self.__dict__.items()}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}  # not the plan caches
+        out["planes"] = [list(p) for p in self.planes]
+        out["region_sizes"] = list(self.region_sizes)
+        return out
 
     @classmethod
     def from_wire(cls, d) -> "Geometry":

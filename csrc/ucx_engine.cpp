@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -102,6 +103,11 @@ Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
+    // UCX emulates RMA over TCP with active messages; 8 KiB segments cap it at
+    // ~0.4x a plain socket, 64 KiB reach ~0.65-0.85x (docs/benchmarks.md).
+    // An explicit UCX_TCP_*_SEG_SIZE in the environment wins.
+    for (const char* key : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
+        if (!std::getenv((std::string("UCX_") + key).c_str())) ucp_config_modify(config, key, "64k");
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

@@ -222,10 +222,18 @@ def test_receiver_cancel_fails_matched_sender():
         hr.wait(T)  # completes; now a second one is cancelled by D before P sends
         hr2 = d.recv("y", [3], timeout=T)
         hr2.cancel()
+        for _ in range(500):  # the CANCEL reaches P asynchronously
+            if (peer.serial, "y") in p._tombstones:
+                break
+            threading.Event().wait(0.01)
         hs2 = p.send(peer, "y", [4])
-        with pytest.raises(KVXferError):
+        with pytest.raises(TransferCancelled):
             hs2.wait(T)
         hs.wait(T)
+        hz = d.recv("w", [7], timeout=T)
+        p.send(peer, "w", [8]).wait(T)
+        hz.wait(T)
+        assert hz.cancel() is False and hz.state == "done"  # cancel after completion is a no-op
     finally:
         p.close()
         d.close()

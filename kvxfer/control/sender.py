@@ -9,6 +9,7 @@ visible: zero-copy at write completion, pack when D ACKs the unpack.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -43,6 +44,8 @@ class SenderSide:
         self._acks: dict[int, tuple] = {}  # tag -> (op, layers)
         self._tags = itertools.count(1)
         self._wids = itertools.count(1)
+        # requests a receiver cancelled before we sent them: a late send fails fast
+        self._tombstones: collections.OrderedDict = collections.OrderedDict()
 
     def _init_staging(self, nbytes: int) -> None:
         self._stage_out = StagingRing(nbytes)
@@ -143,6 +146,9 @@ class SenderSide:
             post = self._posts.pop(op.key, None)
             if post is not None:
                 self._match(op, post)
+            elif self._tombstones.pop(op.key, None) is not None:
+                self._fail_send(op, TransferCancelled(f"receiver cancelled {req!r} before it was sent"),
+                                "cancelled")
         return op.handle
 
     def _match(self, op: SendOp, post: Post, send_matched: bool = True) -> None:
@@ -377,6 +383,7 @@ class SenderSide:
         post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"])
         key = (peer.serial, post.req)
         with self._lock:
+            self._tombstones.pop(key, None)
             op = self._sends.get(key)
             if op is not None and op.post is None and op.ended is None:
                 self._match(op, post)
@@ -411,6 +418,10 @@ class SenderSide:
                 del self._posts[key]
             op = self._sends.get(key)
             if op is None or (op.post is not None and op.post.xid != f["xid"]):
+                if op is None:
+                    self._tombstones[key] = f["xid"]
+                    while len(self._tombstones) > MAX_CACHED_POSTS:
+                        self._tombstones.popitem(last=False)
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
                 return
             op.ack_owed = op.post is not None
@@ -426,6 +437,8 @@ class SenderSide:
             ops = [op for op in self._sends.values() if op.peer is peer]
             for key in [k for k in self._posts if k[0] == peer.serial]:
                 del self._posts[key]
+            for key in [k for k in self._tombstones if k[0] == peer.serial]:
+                del self._tombstones[key]
             for tag, wait in list(self._grant_waits.items()):
                 if wait.peer is peer:
                     wait.error = err

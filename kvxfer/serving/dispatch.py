@@ -141,10 +141,12 @@ class Dispatcher:
                                         "dst_name": st.decode.name,
                                         "skip_blocks": st.cached_blocks})
         elif ev == "token":
-            st.token_times.append(now)
-            if worker is st.prefill and st.first_token is None:
+            if worker is st.prefill:
+                if st.token_times:  # the decode worker recomputed and sampled token 0 first
+                    return
                 st.first_token = int(msg["token"])
                 self._send(st, st.decode, {"op": "first_token", "rid": rid, "token": st.first_token})
+            st.token_times.append(now)
             st.events.put_nowait(("token", int(msg["token"])))
         elif ev == "sent":
             worker.inflight.discard(rid)

@@ -165,6 +165,10 @@ class Cluster:
                 self._on_message(worker, msg)
             except Exception:  # one bad message must not stop the reader
                 log.exception("handling %s from %s", msg.get("ev"), worker.name)
+        for _ in range(100):  # the socket closes as the process exits: reap it for its code
+            if worker.poll() is not None:
+                break
+            await asyncio.sleep(0.01)
         self._mark_dead(worker)
 
     async def _watch(self) -> None:
@@ -183,7 +187,9 @@ class Cluster:
             return
         worker.is_alive = False
         worker.exit_code = worker.poll()  # may still be None: _watch fills it in
-        if not worker.is_draining:
+        if worker.is_draining or worker.exit_code == 0:
+            log.info("worker %s exited (exit code %s)", worker.name, worker.exit_code)
+        else:
             log.error("worker %s died (exit code %s); failing its %d in-flight requests",
                       worker.name, worker.exit_code, worker.load)
         self._on_worker_exit(worker)

@@ -53,7 +53,7 @@ class Router:
 
     async def generate(self, prompt_ids: list[int], req: api._SamplingFields,
                        rid: str) -> AsyncIterator[tuple]:
-        """Yield ``("delta", text)`` ... then ``("final", finish_reason, usage, summary)``.
+        """Yield ``("delta", text)`` ... then ``("final", reason, usage, summary, token_ids)``.
 
         Raises :class:`RequestFailed`; aborts the workers' share if the caller
         stops iterating early (client disconnected).
@@ -85,8 +85,9 @@ class Router:
                     delta = detok.update(token_ids)
                     if delta:
                         yield ("delta", delta)
-                    if detok.stopped:
+                    if detok.stopped:  # a stop string: the workers' share is dropped
                         self.dispatcher.abort(rid)
+                        self.dispatcher.m_requests.inc(outcome="ok")
                         reason = "stop"
                         break
                 else:  # ("done", reason)
@@ -101,7 +102,7 @@ class Router:
             self.dispatcher.record(st, len(token_ids))
             usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
                      "total_tokens": len(prompt_ids) + len(token_ids)}
-            yield ("final", reason, usage, st.summary())
+            yield ("final", reason, usage, st.summary(), token_ids)
         finally:
             if not finished:
                 self.dispatcher.abort(rid)
@@ -140,9 +141,10 @@ async def _respond(router: Router, req: api._SamplingFields, prompt_ids: list[in
                 if item[0] == "delta":
                     parts.append(item[1])
                 else:
-                    _, reason, usage, summary = item
+                    _, reason, usage, summary, token_ids = item
         except RequestFailed as exc:
             return _error_response(exc)
+        summary["token_ids"] = token_ids  # non-streaming only: lets clients check equality
         build = api.chat_body if is_chat else api.completion_body
         return JSONResponse(build(rid, model, created, "".join(parts), reason, usage, summary))
 
@@ -166,7 +168,7 @@ async def _respond(router: Router, req: api._SamplingFields, prompt_ids: list[in
                 if item[0] == "delta":
                     yield event(chunk(item[1], None))
                 else:
-                    _, reason, usage, summary = item
+                    _, reason, usage, summary, _ = item
                     final = chunk(None, reason)
                     final["usage"], final["kvxfer"] = usage, summary
                     yield event(final)

@@ -44,13 +44,14 @@ def _pin(cpus: str | None, num_threads: int) -> None:
         pass
 
 
-def _make_agent(name: str, runtime):
+def _make_agent(name: str, runtime, lease_timeout_s: float):
     import kvxfer
 
     secret_hex = os.environ.pop(SECRET_ENV, None)  # not inherited by anything we start
     if not secret_hex:
         raise RuntimeError(f"{SECRET_ENV} is not set; workers are started by `kvxfer serve`")
-    agent = kvxfer.Agent(name, listen="127.0.0.1:0", secret=bytes.fromhex(secret_hex))
+    agent = kvxfer.Agent(name, listen="127.0.0.1:0", secret=bytes.fromhex(secret_hex),
+                         lease_timeout=lease_timeout_s)
     agent.register_kv(runtime.cache.kv_layout())
     return agent
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                               num_threads=args.threads)
         runtime = Runtime.load(config)
         if args.role != "colocated":
-            agent = _make_agent(args.name, runtime)
+            agent = _make_agent(args.name, runtime, args.transfer_timeout)
         ctx = WorkerContext(args.name, args.role, channel, runtime, agent,
                             args.transfer_timeout, args.on_transfer_failure)
         if args.role == "prefill":
@@ -104,10 +105,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _transport(agent) -> str | None:
-    if agent is None:
-        return None
-    for attr in ("transport", "backend_name"):
-        value = getattr(agent, attr, None)
-        if isinstance(value, str):
-            return value
-    return None
+    """The agent's backend (per-peer transports appear in its metrics once connected)."""
+    return None if agent is None else agent.metrics.info.get("backend")

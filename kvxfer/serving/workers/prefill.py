@@ -7,8 +7,10 @@ decode worker lacks (``block_table[skip_blocks:]``). The blocks are held
 until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
 
-Test hook: ``KVXFER_TEST_FAIL_TRANSFER=1`` in the worker's environment makes
-every send fail before it is posted, as if the peer had gone away.
+Test hook: ``KVXFER_TEST_FAIL_TRANSFER`` in the worker's environment makes
+sends fail before they are posted, as if the peer had gone away: ``1`` every
+send, a file path every send while that file exists (so a test can switch
+failures on and off in a running server).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class PrefillWorker(WorkerLoop):
         self.seqs: dict[str, Sequence] = {}
         self.outgoing: dict[str, Outgoing] = {}
         self.peers: dict[str, object] = {}  # decode agent address -> kvxfer.Peer
-        self.is_fault_injected = os.environ.get(FAIL_TRANSFER_ENV) == "1"
+        self._fault_hook = os.environ.get(FAIL_TRANSFER_ENV) or None
         self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
 
     def on_prefill(self, msg: dict) -> None:
@@ -91,8 +93,8 @@ class PrefillWorker(WorkerLoop):
         rid = seq.request_id
         block_ids = seq.block_table[int(msg.get("skip_blocks", 0)):]
         try:
-            if self.is_fault_injected:
-                raise PeerDisconnected(f"injected transfer failure ({FAIL_TRANSFER_ENV}=1)")
+            if self._is_fault_injected():
+                raise PeerDisconnected(f"injected transfer failure ({FAIL_TRANSFER_ENV})")
             handle = self.agent.send(self._peer(msg["dst"]), rid, block_ids)
         except KVXferError as exc:
             if isinstance(exc, PeerDisconnected):
@@ -100,6 +102,10 @@ class PrefillWorker(WorkerLoop):
             self._settle(seq, f"{type(exc).__name__}: {exc}")
             return
         self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter())
+
+    def _is_fault_injected(self) -> bool:
+        hook = self._fault_hook
+        return hook is not None and (hook == "1" or os.path.exists(hook))
 
     def _poll_sends(self) -> None:
         now = time.perf_counter()

@@ -43,7 +43,7 @@ def config_from_args(args: argparse.Namespace):
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        transfer_timeout_s=args.transfer_timeout)
+        transfer_timeout_s=args.transfer_timeout, log_level=args.log_level)
 
 
 def run(args: argparse.Namespace) -> int:

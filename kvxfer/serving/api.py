@@ -23,6 +23,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = None
     stream: bool = False
+    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
 
     @field_validator("stop")
     @classmethod
@@ -42,6 +43,7 @@ class _SamplingFields(BaseModel):
             "top_p": self.top_p,
             "seed": self.seed,
             "stop_token_ids": stop_token_ids,
+            "ignore_eos": self.ignore_eos,
         }
 
 

@@ -67,6 +67,7 @@ class ServeConfig:
     transfer_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
+    log_level: str = "info"
     worker_env: tuple[tuple[str, str], ...] = field(default=())  # extra env (test hooks)
 
     def __post_init__(self) -> None:

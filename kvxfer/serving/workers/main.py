@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
+    p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
 
@@ -58,7 +59,7 @@ def _make_agent(name: str, runtime, lease_timeout_s: float):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     from ..ipc import WorkerChannel
 

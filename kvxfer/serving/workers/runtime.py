@@ -24,7 +24,7 @@ def sampling_params(raw: dict) -> SamplingParams:
                           top_p=float(raw.get("top_p", 1.0)),
                           max_tokens=int(raw.get("max_tokens", 16)),
                           stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids", ())),
-                          seed=raw.get("seed"))
+                          seed=raw.get("seed"), ignore_eos=bool(raw.get("ignore_eos", False)))
 
 
 def finish_reason(seq: Sequence, token: int) -> str | None:

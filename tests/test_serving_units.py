@@ -1,0 +1,97 @@
+"""Model-free units of the serving layer: IPC framing, Prometheus text, config, SSE."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from kvxfer.errors import ProtocolError
+from kvxfer.serving import ipc
+from kvxfer.serving.prom import Registry
+from kvxfer.serving.serve_config import ServeConfig, parse_cpu_group
+from kvxfer.serving.sse import DONE, event
+
+
+def test_ipc_round_trip_both_ends():
+    async def main():
+        router_sock, worker_sock = socket.socketpair()
+        worker = ipc.WorkerChannel(worker_sock)
+        router = await ipc.RouterChannel.open(router_sock)
+        router.send({"op": "admit", "rid": "r1", "prompt_ids": list(range(5000))})
+        msg = await asyncio.to_thread(worker.inbox.get, True, 5)
+        assert msg["prompt_ids"] == list(range(5000))
+        worker.send({"ev": "token", "rid": "r1", "token": 7})
+        assert await asyncio.wait_for(router.recv(), 5) == {"ev": "token", "rid": "r1", "token": 7}
+        worker.close()  # the worker went away: the router sees end of stream
+        assert await asyncio.wait_for(router.recv(), 5) is None
+        router.close()
+
+    asyncio.run(main())
+
+
+def test_ipc_worker_sees_eof_and_rejects_garbage():
+    a, b = socket.socketpair()
+    worker = ipc.WorkerChannel(b)
+    a.close()
+    assert worker.inbox.get(timeout=5) == {"op": "eof"}
+    with pytest.raises(ProtocolError):
+        ipc.decode(b"[1, 2]")
+    with pytest.raises(ProtocolError):
+        ipc.decode(b"{not json")
+
+
+def test_prometheus_text():
+    reg = Registry()
+    h = reg.histogram("lat_seconds", "latency", (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    c = reg.counter("bytes_total", "bytes")
+    c.inc(10, worker="a")
+    c.inc(5, worker="a")
+    reg.gauge("up", "alive").set(1, worker='we"ird')
+    text = reg.render()
+    assert 'lat_seconds_bucket{le="0.1"} 2' in text
+    assert 'lat_seconds_bucket{le="1"} 3' in text
+    assert 'lat_seconds_bucket{le="+Inf"} 4' in text and "lat_seconds_count 4" in text
+    assert 'bytes_total{worker="a"} 15' in text
+    assert 'up{worker="we\\"ird"} 1' in text
+    assert "# TYPE lat_seconds histogram" in text and "# TYPE up gauge" in text
+
+
+def test_cpu_groups_and_worker_specs():
+    assert parse_cpu_group("0-2,5") == (0, 1, 2, 5)
+    with pytest.raises(ValueError):
+        parse_cpu_group("3-1")
+    specs = ServeConfig(num_prefill=1, num_decode=2, cpu_groups=((0,), (1,), (2, 3))).worker_specs()
+    assert [(s.name, s.role, s.cpus, s.num_threads) for s in specs] == [
+        ("prefill-0", "prefill", (0,), 1), ("decode-0", "decode", (1,), 1),
+        ("decode-1", "decode", (2, 3), 2)]
+    colocated = ServeConfig(num_prefill=0, num_decode=0, num_colocated=2, cpu_groups=((0, 1),))
+    assert [(s.name, s.cpus, s.num_threads) for s in colocated.worker_specs()] == [
+        ("colocated-0", (0, 1), 1), ("colocated-1", (0, 1), 1)]
+    for bad in (dict(num_colocated=1), dict(num_prefill=0), dict(on_transfer_failure="retry"),
+                dict(cpu_groups=((0,), (1,), (2,)))):
+        with pytest.raises(ValueError):
+            ServeConfig(**bad)
+
+
+def test_sse_event_format():
+    assert event({"a": 1}) == 'data: {"a":1}\n\n'
+    assert DONE == "data: [DONE]\n\n"
+    assert json.loads(event({"t": "é\n"})[6:]) == {"t": "é\n"}
+
+
+def test_request_schema_defaults_and_limits():
+    from pydantic import ValidationError
+
+    from kvxfer.serving.api import ChatRequest, CompletionRequest
+
+    req = CompletionRequest(prompt="hi")
+    assert req.stop == [] and req.sampling([2])["stop_token_ids"] == [2]
+    assert CompletionRequest(prompt="hi", stop="x").stop == ["x"]
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="hi", top_p=0)
+    with pytest.raises(ValidationError):
+        ChatRequest(messages=[{"role": "robot", "content": "x"}])

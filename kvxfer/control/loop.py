@@ -63,7 +63,8 @@ class IOLoop:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._lock = threading.Lock()
         self._pending: list = []  # callables from other threads
-        self._timers: list = []  # heap of (deadline, seq, fn)
+        self._timers: list = []  # heap of (deadline, seq, fn); guarded by _lock
+        self._sleep_until = 0.0  # monotonic deadline of the current select (inf: none)
         self._seq = itertools.count()
         self._conns: set[Conn] = set()
         self._stopping = False
@@ -77,8 +78,15 @@ class IOLoop:
         self._wake()
 
     def call_later(self, delay_s: float, fn) -> None:
+        """Run ``fn`` on the loop thread after ``delay_s``. The loop is woken only if this
+        deadline is earlier than the one it sleeps towards (a lease timer per request
+        must not cost a thread wake-up per request)."""
         deadline = time.monotonic() + max(0.0, delay_s)
-        self.call_soon(lambda: heapq.heappush(self._timers, (deadline, next(self._seq), fn)))
+        with self._lock:
+            heapq.heappush(self._timers, (deadline, next(self._seq), fn))
+            wake = deadline < self._sleep_until
+        if wake:
+            self._wake()
 
     def add_conn(self, sock: socket.socket, handler, peer=None) -> Conn:
         conn = Conn(sock, handler, self)
@@ -138,11 +146,15 @@ class IOLoop:
             pass
 
     def _timeout(self) -> float | None:
-        if self._pending:
-            return 0.0
-        if not self._timers:
-            return None
-        return max(0.0, self._timers[0][0] - time.monotonic())
+        with self._lock:
+            if self._pending:
+                self._sleep_until = 0.0
+                return 0.0
+            if not self._timers:
+                self._sleep_until = float("inf")
+                return None
+            self._sleep_until = self._timers[0][0]
+        return max(0.0, self._sleep_until - time.monotonic())
 
     def _run(self) -> None:
         try:
@@ -163,8 +175,12 @@ class IOLoop:
                 for fn in pending:
                     fn()
                 now = time.monotonic()
-                while self._timers and self._timers[0][0] <= now:
-                    heapq.heappop(self._timers)[2]()
+                while True:
+                    with self._lock:
+                        if not self._timers or self._timers[0][0] > now:
+                            break
+                        fn = heapq.heappop(self._timers)[2]
+                    fn()
         finally:
             for conn in list(self._conns):
                 self._close(conn, KVXferError("agent closed"))

@@ -25,7 +25,7 @@ from .ops import Post, SendOp
 from .staging import StagingRing
 
 MAX_CACHED_POSTS = 65536
-INLINE_BYTES = 256 << 10  # zero-copy pieces up to this size are posted by the matching thread
+INLINE_BYTES = 4 << 20  # zero-copy pieces up to this size are posted by the matching thread
 
 
 class _GrantWait:

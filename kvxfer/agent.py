@@ -116,6 +116,7 @@ class Agent(SenderSide, ReceiverSide):
         self._region_ids: list = []
         self._peers: dict[int, Peer] = {}
         self._handshakes = 0
+        self._progress_on = False
         self._notifications: collections.deque = collections.deque()
         self._backend = _make_backend(backend)
         caps = self._backend.capabilities()
@@ -241,7 +242,33 @@ class Agent(SenderSide, ReceiverSide):
         peer = Peer(fields["name"], fields["agent_id"], address, self._parse_info(fields))
         peer.bconn = self._backend.connect(fields["backend"])
         self.metrics.info[f"transport:{peer.name}"] = peer.transport
+        if peer.transport.startswith("ucx") and hasattr(self._backend, "progress"):
+            self._start_progress()
         return peer
+
+    # ---- target-side progress (UCX RMA over TCP needs the target to progress) ----------
+    PROGRESS_BUSY_S = 0.0005
+    PROGRESS_IDLE_S = 0.05
+
+    def _start_progress(self) -> None:
+        with self._lock:
+            if self._progress_on:
+                return
+            self._progress_on = True
+        self._loop.call_later(self.PROGRESS_BUSY_S, self._progress_tick)
+
+    def _progress_tick(self) -> None:
+        """Drive the backend while something may be written into us; back off when idle.
+        Only runs once a peer is reached through UCX (the vm path needs no target progress)."""
+        if self._closed:
+            return
+        busy = bool(self._recvs or self._grants or self._quiet_wait)
+        if busy:
+            try:
+                self._backend.progress()
+            except KVXferError:
+                pass  # a failed endpoint surfaces on the initiator's wait and our control socket
+        self._loop.call_later(self.PROGRESS_BUSY_S if busy else self.PROGRESS_IDLE_S, self._progress_tick)
 
     def _peer_ready(self, peer: Peer) -> None:
         with self._lock:

@@ -106,3 +106,26 @@ def test_sigkill_mid_transfer_fails_with_peer_disconnected():
     finally:
         d.close()
         _stop(procs)
+
+
+def test_ucx_over_tcp_between_processes(monkeypatch):
+    """UCX RMA over TCP completes only if the target progresses; the agent does it."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    d_layout = make_pool("2 N B H D", None)
+    d = Agent("d", secret=SECRET, backend="ucx")
+    procs = []
+    try:
+        d.register_kv(d_layout)
+        h = d.recv("u", [6, 2], timeout=T)
+        proc, q = _start(d.address, ["u"], [1, 9], backend="ucx")
+        procs.append(proc)
+        h.wait(T)
+        status, info = q.get(timeout=T)
+        assert status == "ok", info
+        assert info["transport"].startswith("ucx:tcp")
+        assert torch.equal(kvxfer.pack(make_pool("2 N B H D", 1), [1, 9], backend="reference"),
+                           kvxfer.pack(d_layout, [6, 2], backend="reference"))
+    finally:
+        d.close()
+        _stop(procs)

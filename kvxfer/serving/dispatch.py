@@ -2,11 +2,11 @@
 
 Disaggregated flow for one request ``rid``::
 
-    router --admit(remote)--> decode      decode reserves blocks (prefix-cached
-    router <--admitted(k)---- decode      ones reused) and posts agent.recv
+    router --admit(remote)--> decode      decode reserves blocks (k prefix-cached)
+    router <--admitted(k)---- decode
     router --prefill(dst,k)-> prefill     prefill computes, samples token 0,
     router <--token---------- prefill     (streamed to the client at once)
-    router --first_token----> decode
+    router --first_token----> decode      decode posts agent.recv(blocks[k:])
                               prefill --agent.send(blocks[k:])--> decode
     router <--sent/send_failed prefill    (transfer_failed relayed to decode)
     router <--kv, token..., done-- decode

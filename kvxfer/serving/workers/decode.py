@@ -1,9 +1,9 @@
 """Decode worker (and colocated worker): continuous batching over one KV pool.
 
-A ``remote`` request's prompt KV arrives through :meth:`kvxfer.Agent.recv`
-into blocks reserved here; its first token comes from the prefill worker
-(relayed by the router). Once both are in, the sequence joins the running
-batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
+A ``remote`` request's blocks are reserved at admission (prefix-cached ones
+reused); when its first token arrives from the prefill worker (relayed by
+the router) the missing blocks are posted to :meth:`kvxfer.Agent.recv`. Once
+the KV has landed, the sequence joins the running batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
 
 Block safety: blocks a pending ``recv`` targets are never freed while the
 handle is pending (a late one-sided write would land in someone else's
@@ -12,8 +12,7 @@ KV); an abort cancels the handle first, a failure waits for it to settle.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...errors import KVXferError
 from ..sequence import Sequence, SequenceStatus
@@ -28,11 +27,10 @@ class RemoteJob:
     """A request whose prompt KV is coming from a prefill worker."""
 
     seq: Sequence
-    handle: object | None = None  # kvxfer.TransferHandle of the recv
+    handle: object | None = None  # kvxfer.TransferHandle of the recv, posted at token 0
     first_token: int | None = None
     is_kv_ready: bool = False
     is_aborted: bool = False
-    posted_at: float = field(default_factory=time.perf_counter)
 
 
 class DecodeWorker(WorkerLoop):
@@ -65,19 +63,24 @@ class DecodeWorker(WorkerLoop):
             self.admit_queue.pop(0)
             blocks.allocate(seq)
             seq.status = SequenceStatus.PREFILLING
-            job = self.remote[rid] = RemoteJob(seq)
+            self.remote[rid] = RemoteJob(seq)
             skip = seq.num_cached_tokens // self.runtime.block_size
-            recv_ids = seq.block_table[skip:]
-            try:
-                job.handle = self.agent.recv(rid, recv_ids, timeout=self.ctx.transfer_timeout_s)
-            except KVXferError as exc:
-                self._transfer_failed(job, f"recv: {exc}")
             self.send({"ev": "admitted", "rid": rid, "cached_blocks": skip})
 
     def on_first_token(self, msg: dict) -> None:
+        # Token 0 means the prefill worker is about to send: post the recv now,
+        # so its timeout bounds the transfer, not the prefill queue ahead of it.
         job = self.remote.get(msg["rid"])
-        if job is not None:
-            job.first_token = int(msg["token"])
+        if job is None or job.first_token is not None:
+            return
+        job.first_token = int(msg["token"])
+        seq = job.seq
+        recv_ids = seq.block_table[seq.num_cached_tokens // self.runtime.block_size:]
+        try:
+            job.handle = self.agent.recv(seq.request_id, recv_ids,
+                                         timeout=self.ctx.transfer_timeout_s)
+        except KVXferError as exc:
+            self._transfer_failed(job, f"recv: {exc}")
 
     def on_transfer_failed(self, msg: dict) -> None:
         job = self.remote.get(msg["rid"])

@@ -13,23 +13,27 @@ SHAPE = dict(L=4, N=32, B=4, H=4, D=16)
 
 
 def make_pool(dims: str, seed: int | None, *, dtype="float16", tp_rank=0, tp_size=1, shape=None):
-    """A per-layer pool named by ``dims`` (any order of ``N 2 B H D``); zeros if ``seed`` is None."""
+    """A pool named by ``dims`` (per-layer tensors, or one tensor if ``dims`` has ``L``;
+    ``N B C`` is an MLA latent pool); random values from ``seed``, zeros if it is None."""
     import torch
 
     from kvxfer import KVLayout
 
     s = dict(SHAPE, **(shape or {}))
-    sizes = {"N": s["N"], "2": 2, "B": s["B"], "H": s["H"] // tp_size, "D": s["D"]}
+    sizes = {"N": s["N"], "2": 2, "B": s["B"], "H": s["H"] // tp_size, "D": s["D"], "C": s["D"],
+             "L": s["L"]}
     letters = dims.split()
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(seed or 0)
     tensors = []
-    for _ in range(s["L"]):
+    for _ in range(1 if "L" in letters else s["L"]):
         shape_t = [sizes[c] for c in letters]
         if seed is None:
             tensors.append(torch.zeros(shape_t, dtype=dt))
         else:
             tensors.append((torch.randn(shape_t, generator=g) * 10).to(dt))
+    if "L" in letters:
+        tensors = tensors[0]
     return KVLayout.from_tensors(tensors, dims, tp_rank=tp_rank, tp_size=tp_size)
 
 

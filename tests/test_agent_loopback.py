@@ -7,12 +7,15 @@ import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvxfer
 from kvxfer import Agent
 from kvxfer.errors import KVXferError, TransferCancelled, TransferTimeout
 
 from agent_procs import SECRET, make_pool
+from kvxfer.transport.loopback import LoopbackBackend
 
 T = 20.0  # generous wait limit; nothing here should take more than a fraction of it
 
@@ -58,6 +61,97 @@ def test_bitwise_across_layouts_and_paths(path, p_dims, d_dims):
 def untouched_elsewhere(layout, ids) -> bool:
     others = [b for b in range(layout.num_blocks) if b not in ids]
     return not kvxfer.pack(layout, others, backend="reference").any()
+
+
+@pytest.mark.parametrize("p_dims,d_dims", [("N L 2 B H D", "2 N B H D"), ("2 N H B D", "L N 2 B H D"),
+                                           ("N B C", "N B C")])
+def test_cross_layer_and_mla_pools(p_dims, d_dims):
+    p, d, pl, dl, peer = pair(p_dims, d_dims)
+    try:
+        hr = d.recv("x", [4, 0, 17], timeout=T)
+        p.send(peer, "x", [30, 2, 5]).wait(T)
+        hr.wait(T)
+        assert same(pl, [30, 2, 5], dl, [4, 0, 17]) and untouched_elsewhere(dl, [4, 0, 17])
+    finally:
+        p.close()
+        d.close()
+
+
+_AGENTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def agent_pairs():
+    yield _AGENTS
+    for p, d, *_ in _AGENTS.values():
+        p.close()
+        d.close()
+    _AGENTS.clear()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_block_ids_bitwise(agent_pairs, data):
+    key = data.draw(st.sampled_from([("2 N B H D", "N 2 H B D", "auto"), ("N 2 H B D", "2 N B H D", "pack"),
+                                     ("N 2 B H D", "2 N B H D", "zero_copy")]))
+    if key not in agent_pairs:
+        agent_pairs[key] = pair(key[0], key[1], path=key[2])
+    p, d, pl, dl, peer = agent_pairs[key]
+    n = data.draw(st.integers(1, 12))
+    src = data.draw(st.lists(st.integers(0, 31), min_size=n, max_size=n))  # repeats allowed on P
+    dst = data.draw(st.lists(st.integers(0, 31), min_size=n, max_size=n, unique=True))
+    layers = data.draw(st.none() | st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True))
+    req = f"h{data.draw(st.integers(0, 2**60))}"
+    hr = d.recv(req, dst, layers=layers, timeout=T)
+    p.send(peer, req, src).wait(T)
+    hr.wait(T)
+    assert torch.equal(kvxfer.pack(pl, src, layers=layers, backend="reference"),
+                       kvxfer.pack(dl, dst, layers=layers, backend="reference"))
+
+
+class _GatedBackend(LoopbackBackend):
+    """Loopback whose writes wait for a gate: a transfer caught in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def post(self, conn, op, descs):
+        self.entered.set()
+        assert self.gate.wait(T)
+        return super().post(conn, op, descs)
+
+
+def test_receiver_timeout_mid_write_keeps_blocks_until_writer_quiet():
+    released = []
+    p_backend = _GatedBackend()
+    p = Agent("p", secret=SECRET, backend=p_backend, path="pack")
+    d = Agent("d", secret=SECRET, backend="loopback", on_release=lambda r, b, why: released.append((r, why)))
+    try:
+        p.register_kv(make_pool("2 N B H D", 1))
+        d.register_kv(make_pool("2 N B H D", None))
+        peer = p.connect(d.address)
+        hs = p.send(peer, "slow", [1, 2])
+        hr = d.recv("slow", [3, 4], timeout=0.5)
+        assert p_backend.entered.wait(T)  # P is inside the write
+        with pytest.raises(TransferTimeout):
+            hr.wait(T)
+        threading.Event().wait(0.2)
+        assert released == [] and d.held_blocks() == {"slow": (3, 4)}  # a late write may still land
+        p_backend.gate.set()
+        with pytest.raises(TransferCancelled):
+            hs.wait(T)
+        for _ in range(500):
+            if released:
+                break
+            threading.Event().wait(0.01)
+        assert released == [("slow", "expired")] and d.held_blocks() == {} and p.held_blocks() == {}
+        assert d._stage_in.used_bytes == 0
+    finally:
+        p_backend.gate.set()
+        p.close()
+        d.close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
@@ -254,7 +348,7 @@ def test_metrics_repr_and_idempotent_close():
     p.close()
     p.close()
     d.close()
-    assert p.closed and not [t for t in threading.enumerate() if t.name.endswith("-p")]
+    assert p.closed and not any(t.is_alive() for t in [*p._workers, p._loop.thread])
     with pytest.raises(KVXferError):
         p.send(peer, "after-close", [1])
 

@@ -159,3 +159,25 @@ def test_client_rejects_server_speaking_another_version():
         c.close()
         lsock.close()
         t.join(T)
+
+
+def test_slow_reader_never_blocks_the_sender(server):
+    """Flood a peer that does not read: send() returns at once, order is kept,
+    and everything arrives once the reader drains."""
+    from kvxfer.control.framing import FrameReader
+    from kvxfer.control.messages import decode
+
+    a, b = socket.socketpair()
+    closed = []
+    handler = type("H", (), {"on_frame": lambda *x: None, "on_close": lambda s, c, e: closed.append(e)})()
+    conn = server._loop.add_conn(a, handler)
+    frames = [encode(Msg.ACK, tag=i) for i in range(20000)]  # ~0.5 MB, more than a socket buffer
+    for f in frames:
+        assert conn.send(f)
+    reader, got = FrameReader(), []
+    b.settimeout(T)
+    while len(got) < len(frames):
+        got += reader.feed(b.recv(1 << 16))
+    assert [decode(*f)[1]["tag"] for f in got] == list(range(len(frames)))
+    assert closed == []
+    b.close()

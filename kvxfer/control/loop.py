@@ -3,8 +3,9 @@
 It blocks in ``select`` with the time to the next timer as timeout, so an idle
 agent burns no CPU. Frames are decoded here and handed to the connection's
 handler; a connection whose bytes do not parse is closed alone, the others keep
-running. Any thread may *send* (``Conn.send`` takes the connection's lock and
-writes the whole frame); only this thread reads.
+running. Any thread may *send* (``Conn.send`` queues the frame and writes what
+the socket takes at once; this thread flushes the rest when the socket becomes
+writable, so no thread ever blocks on a slow peer); only this thread reads.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ..errors import KVXferError, ProtocolError
 from .framing import FrameReader
 from .messages import decode
 
-SEND_TIMEOUT_S = 30.0
+MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
 
 
 class Conn:
@@ -33,20 +34,53 @@ class Conn:
         self.closed = False
         self.peer = None  # set by the agent once the handshake completed
         self._send_lock = threading.Lock()
-        sock.settimeout(SEND_TIMEOUT_S)
+        self._out = bytearray()  # bytes the socket did not take yet; the loop flushes them
+        sock.setblocking(False)
 
     def send(self, frame: bytes) -> bool:
-        """Write one whole frame; False (and the connection closes) if the peer is gone."""
+        """Queue one whole frame and write what the socket takes now; never blocks.
+
+        Returns False (and the connection closes) if the peer is gone or stopped
+        reading. Frames keep their order; the I/O thread flushes the rest.
+        """
+        err = None
         with self._send_lock:
             if self.closed:
                 return False
-            try:
-                self.sock.sendall(frame)
-                return True
-            except OSError as exc:
-                err = exc
-        self.loop.close_conn(self, err)
-        return False
+            was_idle = not self._out
+            self._out += frame
+            if was_idle:
+                err = self._flush_locked()
+            if err is None and len(self._out) > MAX_OUTBUF:
+                err = ConnectionError("peer stopped reading its control connection")
+            need_write = err is None and was_idle and bool(self._out)
+        if err is not None:
+            self.loop.close_conn(self, err)
+            return False
+        if need_write:
+            self.loop.call_soon(lambda: self.loop._watch_write(self, True))
+        return True
+
+    def _flush_locked(self):
+        try:
+            while self._out:
+                sent = self.sock.send(self._out)
+                del self._out[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            return exc
+        return None
+
+    def flush(self) -> None:
+        """I/O thread: the socket is writable."""
+        with self._send_lock:
+            err = None if self.closed else self._flush_locked()
+            idle = not self._out
+        if err is not None:
+            self.loop._close(self, err)
+        elif idle:
+            self.loop._watch_write(self, False)
 
     def __repr__(self) -> str:
         return f"<Conn fd={self.sock.fileno() if not self.closed else -1} peer={self.peer!r}>"
@@ -123,7 +157,14 @@ class IOLoop:
             self._close(conn, None)
             return
         self._conns.add(conn)
-        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn._out else 0)
+        self._sel.register(conn.sock, events, conn)
+
+    def _watch_write(self, conn: Conn, on: bool) -> None:
+        if conn.closed or conn not in self._conns:
+            return  # _register will look at the pending bytes
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        self._sel.modify(conn.sock, events, conn)
 
     def _close(self, conn: Conn, exc) -> None:
         with conn._send_lock:
@@ -159,7 +200,7 @@ class IOLoop:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                for key, _ in self._sel.select(self._timeout()):
+                for key, mask in self._sel.select(self._timeout()):
                     if key.data == "wake":
                         try:
                             while self._wake_r.recv(4096):
@@ -169,7 +210,10 @@ class IOLoop:
                     elif key.data is None:
                         self._accept()
                     else:
-                        self._read(key.data)
+                        if mask & selectors.EVENT_WRITE:
+                            key.data.flush()
+                        if mask & selectors.EVENT_READ and not key.data.closed:
+                            self._read(key.data)
                 with self._lock:
                     pending, self._pending = self._pending, []
                 for fn in pending:
@@ -210,7 +254,7 @@ class IOLoop:
     def _read(self, conn: Conn) -> None:
         try:
             data = conn.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError, socket.timeout):
+        except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._close(conn, exc)

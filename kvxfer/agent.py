@@ -359,6 +359,9 @@ class Agent(SenderSide, ReceiverSide):
         err = KVXferError(f"agent {self.name!r} closed")
         self._sender_close(err)
         self._receiver_close(err)
+        if self._layout is not None:
+            self._stage_out.close()
+            self._stage_in.close()
         self._loop.stop()
         for q in (self._send_q, self._recv_q):
             q.put(None)

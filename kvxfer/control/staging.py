@@ -18,6 +18,7 @@ class StagingRing:
         self._used: dict[int, int] = {}  # offset -> size
         self._waiting: list = []  # (nbytes, callback(offset))
         self._cond = threading.Condition()
+        self._closed = False
 
     @property
     def used_bytes(self) -> int:
@@ -43,6 +44,8 @@ class StagingRing:
         got: list = []
 
         def attempt() -> bool:
+            if self._closed:
+                return True
             off = None if self._waiting else self._try_alloc(nbytes)
             if off is not None:
                 got.append(off)
@@ -84,6 +87,13 @@ class StagingRing:
             self._cond.notify_all()
         for callback, off in ready:
             callback(off)
+
+    def close(self) -> None:
+        """Wake every blocked :meth:`alloc` (it returns None) and drop queued requests."""
+        with self._cond:
+            self._closed = True
+            self._waiting.clear()
+            self._cond.notify_all()
 
     def cancel_waiting(self, callback) -> None:
         with self._cond:

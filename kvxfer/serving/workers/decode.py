@@ -106,12 +106,15 @@ class DecodeWorker(WorkerLoop):
                 if job.is_aborted:
                     self._drop(rid, "abort")
                     continue
-                if job.handle.state == "done":
+                handle = job.handle
+                if handle.state == "done":
                     job.is_kv_ready = True
                     self.counters["recv_ok"] += 1
-                    self.counters["kv_bytes_received"] += job.handle.nbytes
+                    self.counters["kv_bytes_received"] += handle.nbytes
+                    # recv posted (token 0 relayed) -> data visible in our blocks
                     self.send({"ev": "kv", "rid": rid, "recomputed": False,
-                               "kv_bytes": job.handle.nbytes})
+                               "kv_bytes": handle.nbytes,
+                               "transfer_ms": (handle.finished - handle.created) * 1e3})
                 else:
                     job.handle, error = None, job.handle.error
                     self._transfer_failed(job, f"{type(error).__name__}: {error}")

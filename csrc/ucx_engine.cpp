@@ -108,6 +108,17 @@ Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
     // An explicit UCX_TCP_*_SEG_SIZE in the environment wins.
     for (const char* key : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
         if (!std::getenv((std::string("UCX_") + key).c_str())) ucp_config_modify(config, key, "64k");
+    // With peer error handling UCX only puts an RMA lane on a memory domain that
+    // advertises remote-key invalidation (UCT_MD_FLAG_INVALIDATE_RMA), which
+    // UCX uses to fence a failed peer out of a rendezvous buffer. CMA does not
+    // claim it unless CMA_MEMORY_INVALIDATE=y, so on one host put/get would be
+    // emulated over shared-memory active messages (~1 GB/s, target progress
+    // needed). kvxfer never relies on that fencing (its data moves by one-sided
+    // put/get that the initiator drives; notifications are eager), so it turns
+    // the claim on: cma zero-copy RMA, peer failure still reported (cma ep_check,
+    // keepalive on the am lane, the pidfd). UCX_CMA_MEMORY_INVALIDATE=n restores
+    // UCX's choice. See docs/registration.md.
+    if (!std::getenv("UCX_CMA_MEMORY_INVALIDATE")) ucp_config_modify(config, "CMA_MEMORY_INVALIDATE", "y");
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

@@ -99,6 +99,51 @@ ucs_status_t on_notification(void* arg, const void* header, size_t header_length
     return UCS_OK;
 }
 
+// Target side of a batched write (am_batch.h): validate, copy, acknowledge.
+ucs_status_t on_batch(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                      const ucp_am_recv_param_t* param) {
+    auto* e = static_cast<Engine*>(arg);
+    if (header_length != sizeof(BatchHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
+    BatchHeader h;
+    std::memcpy(&h, header, sizeof(h));
+    BatchAck ack{h.token, apply_batch(*e->registry_, h, data, length).empty() ? 0u : 1u, 0};
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+    void* req = ucp_am_send_nbx(param->reply_ep, kBatchAckAmId, &ack, sizeof(ack), nullptr, 0, &p);
+    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);  // header copied; UCX releases it when sent
+    return UCS_OK;
+}
+
+// Initiator side: one acknowledgement per batched-write message.
+ucs_status_t on_batch_ack(void* arg, const void* header, size_t header_length, void*, size_t,
+                          const ucp_am_recv_param_t*) {
+    auto* e = static_cast<Engine*>(arg);
+    if (header_length != sizeof(BatchAck)) return UCS_OK;
+    BatchAck ack;
+    std::memcpy(&ack, header, sizeof(ack));
+    auto it = e->requests_.find(ack.token);
+    if (it == e->requests_.end() || it->second.acks_pending == 0) return UCS_OK;
+    --it->second.acks_pending;
+    if (ack.status != 0) it->second.rejected = true;
+    return UCS_OK;
+}
+
+void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
+    ucp_am_handler_param_t ap;
+    std::memset(&ap, 0, sizeof(ap));
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    ap.id = id;
+    ap.cb = cb;
+    ap.arg = this;
+    ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+    ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
+}
+
 Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
@@ -138,18 +183,14 @@ Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
         throw Error(ucs_error("ucp_worker_create", st));
     }
 
-    ucp_am_handler_param_t ap;
-    std::memset(&ap, 0, sizeof(ap));
-    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    ap.id = kNotifyAmId;
-    ap.cb = on_notification;
-    ap.arg = this;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) {
+    try {
+        set_am_handler(kNotifyAmId, on_notification);
+        set_am_handler(kBatchAmId, on_batch);
+        set_am_handler(kBatchAckAmId, on_batch_ack);
+    } catch (...) {
         ucp_worker_destroy(worker_);
         ucp_cleanup(context_);
-        throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
+        throw;
     }
 
     ucp_address_t* addr = nullptr;
@@ -258,6 +299,7 @@ uint64_t Engine::connect(const std::string& peer_metadata, bool allow_vm) {
         c->process = std::make_unique<PeerProcess>(static_cast<pid_t>(info.pid));
     c->ucx_info = ep_print_info(c->ep);
     c->transport = c->use_vm ? "vm" : "ucx:" + rma_transport(c->ucx_info);
+    c->am_rma = c->transport.size() > 7 && c->transport.compare(c->transport.size() - 7, 7, "+am-rma") == 0;
     c->peer = std::move(info);
     const uint64_t id = c->id;
     conns_[id] = std::move(c);
@@ -331,10 +373,38 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
         retire(id);
         return id;
     }
+    const bool batch = is_write && c.am_rma;
+    try {
+        if (batch) post_batches(c, r, ops, id);
+        post_rma(c, r, ops, is_write, batch);
+    } catch (...) {
+        // Messages already handed to UCX may still read their tables and iovs:
+        // keep them with a failed request until it is retired.
+        r.error = "post failed";
+        r.acks_pending = 0;
+        r.done = true;
+        requests_[id] = std::move(r);
+        retire(id);
+        throw;
+    }
+    if (!r.done && (r.ucx_req || r.acks_pending)) {
+        r.counted = true;
+        ++num_pending_;
+    } else {
+        r.done = true;
+    }
+    XferRequest& stored = requests_[id] = std::move(r);
+    if (stored.done) retire(id);
+    return id;
+}
+
+// Puts/gets every op the batch path does not carry, then one flush.
+void Engine::post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, bool is_write, bool batch) {
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
     for (const Op& op : ops) {
+        if (batch && batchable(op)) continue;
         p.memh = op.memh;
         void* req = is_write ? ucp_put_nbx(c.ep, reinterpret_cast<void*>(op.laddr), op.length, op.raddr, op.rkey, &p)
                              : ucp_get_nbx(c.ep, reinterpret_cast<void*>(op.laddr), op.length, op.raddr, op.rkey, &p);
@@ -351,15 +421,31 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
     if (UCS_PTR_IS_ERR(flush)) {
         r.done = true;
         r.status = UCS_PTR_STATUS(flush);
-    } else if (flush == nullptr) {
-        r.done = true;
-    } else {
+    } else if (flush != nullptr) {
         r.ucx_req = flush;
-        ++num_pending_;
     }
-    requests_[id] = std::move(r);
-    if (requests_[id].done) retire(id);
-    return id;
+}
+
+// Sends the batchable ops of a write as few active messages (am_batch.h);
+// the target acknowledges each one after copying.
+void Engine::post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id) {
+    r.batches = plan_batches(ops, id);
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
+    p.datatype = ucp_dt_make_iov();
+    for (BatchMsg& m : r.batches) {
+        void* req = ucp_am_send_nbx(c.ep, kBatchAmId, &m.header, sizeof(m.header), m.iov.data(), m.iov.size(), &p);
+        if (UCS_PTR_IS_ERR(req)) {
+            ucs_status_t st = UCS_PTR_STATUS(req);
+            // Messages already sent are acknowledged later; wait for them before failing.
+            if (c.failed || is_peer_failure(st)) throw PeerDisconnected(ucs_error("ucp_am_send_nbx", st));
+            throw Error(ucs_error("ucp_am_send_nbx", st));
+        }
+        if (req) ucp_request_free(req);  // completion is the acknowledgement, not the send
+        ++r.acks_pending;
+    }
 }
 
 void Engine::retire(uint64_t id) {
@@ -371,6 +457,12 @@ void Engine::retire(uint64_t id) {
 }
 
 // Updates r from UCX and the peer's liveness; true once r is finished.
+void Engine::uncount(XferRequest& r) {
+    if (!r.counted) return;
+    r.counted = false;
+    --num_pending_;
+}
+
 bool Engine::poll_request(XferRequest& r, uint64_t id) {
     if (r.done) return true;
     if (r.ucx_req) {
@@ -378,12 +470,14 @@ bool Engine::poll_request(XferRequest& r, uint64_t id) {
         if (st != UCS_INPROGRESS) {
             ucp_request_free(r.ucx_req);
             r.ucx_req = nullptr;
-            --num_pending_;
             r.status = st;
-            r.done = true;
-            retire(id);
-            return true;
         }
+    }
+    if (!r.ucx_req && (r.acks_pending == 0 || r.status != UCS_OK)) {
+        uncount(r);
+        r.done = true;
+        retire(id);
+        return true;
     }
     if (r.error.empty()) {
         auto it = conns_.find(r.conn_id);
@@ -405,16 +499,18 @@ bool Engine::poll_request(XferRequest& r, uint64_t id) {
 // A request of a failed peer: force-close its endpoint so UCX cancels the
 // flush, then free it (keeps num_pending_ honest for deregister()).
 void Engine::reap(XferRequest& r) {
-    if (!r.ucx_req) return;
     auto it = conns_.find(r.conn_id);
-    if (it != conns_.end()) close_ep(*it->second);
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
-        ucp_worker_progress(worker_);
-    if (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS) return;  // close() reaps it
-    ucp_request_free(r.ucx_req);
-    r.ucx_req = nullptr;
-    --num_pending_;
+    if (it != conns_.end()) close_ep(*it->second);  // cancels unsent batches too
+    r.acks_pending = 0;
+    if (r.ucx_req) {
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+        while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
+            ucp_worker_progress(worker_);
+        if (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS) return;  // close() reaps it
+        ucp_request_free(r.ucx_req);
+        r.ucx_req = nullptr;
+    }
+    uncount(r);
 }
 
 bool Engine::test(uint64_t request_id) {
@@ -436,6 +532,8 @@ bool Engine::test(uint64_t request_id) {
         }
         throw PeerDisconnected(r.error);
     }
+    if (r.rejected)
+        throw InvalidDescriptor("the peer rejected a batched write: range outside its registered host memory");
     if (r.status != UCS_OK) {
         if (is_peer_failure(r.status)) throw PeerDisconnected(ucs_error("transfer failed", r.status));
         throw Error(ucs_error("transfer failed", r.status));

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "am_batch.h"
 #include "metadata.h"
 #include "registry.h"
 #include "validate.h"
@@ -35,6 +36,7 @@ struct PeerConn {
     std::unordered_map<uint64_t, RemoteRegion> regions;
     std::unique_ptr<PeerProcess> process;  // same host only
     bool use_vm = false;
+    bool am_rma = false;    // UCX emulates RMA with active messages: small writes go batched
     std::string transport;  // "vm", "ucx:cma", "ucx:tcp", ...
     std::string ucx_info;   // ucp_ep_print_info text
     bool failed = false;
@@ -44,6 +46,10 @@ struct PeerConn {
 struct XferRequest {
     uint64_t conn_id = 0;
     void* ucx_req = nullptr;  // flush request still in flight
+    size_t acks_pending = 0;  // batched-write messages not yet acknowledged
+    std::vector<BatchMsg> batches;  // their buffers, alive until the request is retired
+    bool counted = false;     // counted in num_pending_
+    bool rejected = false;    // the target refused a batched write
     bool done = false;
     ucs_status_t status = UCS_OK;
     std::string error;  // set when a failure was decided outside UCX
@@ -85,12 +91,18 @@ public:
 private:
     friend void on_ep_error(void*, ucp_ep_h, ucs_status_t);
     friend ucs_status_t on_notification(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 
     void require_open() const;
     PeerConn& conn_locked(uint64_t conn_id);
     bool poll_request(XferRequest& r, uint64_t id);
     void retire(uint64_t id);
     void reap(XferRequest& r);
+    void uncount(XferRequest& r);
+    void post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, bool is_write, bool batch);
+    void post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id);
+    void set_am_handler(unsigned id, ucp_am_recv_callback_t cb);
     void close_ep(PeerConn& c);
 
     std::mutex mu_;

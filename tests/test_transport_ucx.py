@@ -103,7 +103,7 @@ def test_scattered_write_then_read_back(mode):
         b.disconnect(conn)  # idempotent
 
 
-@pytest.mark.parametrize("mode", ["vm", "ucx"])
+@pytest.mark.parametrize("mode", MODES)
 def test_many_small_descriptors(mode):
     n = 8192  # 64-byte runs at a 96-byte stride: nothing coalesces
     src = np.random.default_rng(2).integers(0, 256, n * 64, dtype=np.uint8)
@@ -117,6 +117,36 @@ def test_many_small_descriptors(mode):
         got = pool[: n * 96].reshape(n, 96)[:, :64].reshape(-1)
         assert np.array_equal(got, src)
         assert not pool[: n * 96].reshape(n, 96)[:, 64:].any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_run_sizes_small_batched_large_put(mode):
+    # Over tcp, runs <= 64 KiB travel as batched active messages and larger ones
+    # as puts, in one request; every byte must land either way.
+    sizes = [1, 4096, 70_000, 64 * 1024, 3, 200_000, 8192]
+    offs = np.cumsum([0] + sizes)
+    src = np.random.default_rng(5).integers(1, 256, int(offs[-1]), dtype=np.uint8)
+    with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        conn = b.connect(meta)
+        gap = 1000  # remote ranges apart: nothing coalesces
+        rows = np.array([[ls, offs[k], rid, offs[k] + gap * k, n] for k, n in enumerate(sizes)], np.int64)
+        b.wait(b.post(conn, "write", rows), timeout=30)
+        pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)
+        for k, n in enumerate(sizes):
+            assert np.array_equal(pool[offs[k] + gap * k : offs[k] + gap * k + n], src[offs[k] : offs[k] + n])
+        assert int(np.count_nonzero(pool)) == int(offs[-1])
+
+
+def test_tcp_batched_write_to_a_deregistered_region_is_refused_by_the_target():
+    src = np.full(2 * BLOCK, 9, np.uint8)
+    with peer("tcp") as (_, pipe, meta, rid), initiator("tcp") as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        stale = b.connect(meta)
+        _ask(pipe, "deregister")  # our connection still lists the region; the target does not
+        with pytest.raises(InvalidDescriptor, match="rejected"):
+            b.wait(b.post(stale, "write", [[ls, 0, rid, 0, BLOCK], [ls, BLOCK, rid, 4 * BLOCK, BLOCK]]), timeout=30)
+        assert not np.frombuffer(_ask(pipe, "bytes"), np.uint8).any()
 
 
 @pytest.mark.parametrize("mode", ["vm", "tcp"])
@@ -150,7 +180,7 @@ def test_remote_bounds_and_deregistration_enforced(mode):
             b.post(fresh, "write", rows[:1])
 
 
-@pytest.mark.parametrize("mode", ["vm", "ucx"])
+@pytest.mark.parametrize("mode", MODES)
 def test_peer_killed_mid_batch_then_survivor_moves_on(mode):
     size = 8 << 20
     src = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)

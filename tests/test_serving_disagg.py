@@ -100,6 +100,12 @@ def test_transfer_failure_recomputes(disaggregated, reference):
     assert "kvxfer_kv_recomputes_total 2" in metrics
     got = disaggregated.complete(PROMPTS[0], max_tokens=2)
     assert got["kvxfer"]["recomputed"] is False
+    # blocks of the cancelled recvs come back once the agent released their leases
+    want = 'kvxfer_worker_stat{stat="free_blocks",worker="decode-0"} 256'
+    deadline = time.monotonic() + 20
+    while want not in disaggregated.client.get("/metrics").text and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert want in disaggregated.client.get("/metrics").text
 
 
 def test_sigterm_drains_in_flight_requests(colocated):

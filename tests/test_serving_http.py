@@ -78,6 +78,10 @@ def test_bad_requests(server):
     assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 422
     r = c.post("/v1/completions", json={"prompt": [1] * 8190, "max_tokens": 8})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = c.post("/v1/completions", json={"prompt": [1] * 4090, "max_tokens": 8})
+    assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]  # 256 blocks
+    r = c.post("/v1/completions", json={"prompt": [49152], "max_tokens": 1})
+    assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
 
 
 def test_health_and_metrics(server):

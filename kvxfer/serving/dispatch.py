@@ -236,17 +236,23 @@ class Dispatcher:
     async def collect_stats(self, timeout: float = 2.0) -> dict[str, dict]:
         """Each live worker's counters (agent metrics, queue depths), by worker name."""
         loop = asyncio.get_running_loop()
-        waiters = {}
+        waiters: dict[str, tuple[str, asyncio.Future]] = {}
         for w in self.cluster.workers:
             if not w.is_alive:
                 continue
             qid = self.new_rid("stats")
-            waiters[w.name] = self._stats_waiters[qid] = loop.create_future()
+            future = self._stats_waiters[qid] = loop.create_future()
             try:
                 w.send({"op": "stats", "qid": qid})
             except ConnectionError:
-                self._stats_waiters.pop(qid).cancel()
-                waiters.pop(w.name)
-        if waiters:
-            await asyncio.wait(waiters.values(), timeout=timeout)
-        return {name: f.result() for name, f in waiters.items() if f.done() and not f.cancelled()}
+                del self._stats_waiters[qid]
+                continue
+            waiters[w.name] = (qid, future)
+        if waiters:  # a busy worker answers between steps; a dead one never does
+            await asyncio.wait([f for _, f in waiters.values()], timeout=timeout)
+        out = {}
+        for name, (qid, future) in waiters.items():
+            self._stats_waiters.pop(qid, None)
+            if future.done():
+                out[name] = future.result()
+        return out

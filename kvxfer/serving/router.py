@@ -110,10 +110,16 @@ class Router:
     def _check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
         if not prompt_ids:
             raise RequestFailed("empty prompt", "invalid_request_error", 400)
-        limit = self.codec.max_position
-        if len(prompt_ids) + max_tokens > limit:
-            raise RequestFailed(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
-                                f"exceeds the context length {limit}", "invalid_request_error", 400)
+        vocab = self.codec.tokenizer.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestFailed(f"token ids must lie in [0, {vocab})", "invalid_request_error", 400)
+        info = self.dispatcher.cluster.workers[0].info
+        pool_tokens = info.get("num_blocks", 0) * info.get("block_size", 0)
+        for limit, what in ((self.codec.max_position, "the context length"),
+                            (pool_tokens, "a worker's KV pool")):
+            if len(prompt_ids) + max_tokens > limit:
+                raise RequestFailed(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
+                                    f"exceeds {what} ({limit} tokens)", "invalid_request_error", 400)
 
     async def metrics_text(self) -> str:
         for w in self.dispatcher.cluster.workers:

@@ -5,9 +5,10 @@ reused); when its first token arrives from the prefill worker (relayed by
 the router) the missing blocks are posted to :meth:`kvxfer.Agent.recv`. Once
 the KV has landed, the sequence joins the running batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
 
-Block safety: blocks a pending ``recv`` targets are never freed while the
-handle is pending (a late one-sided write would land in someone else's
-KV); an abort cancels the handle first, a failure waits for it to settle.
+Block safety: blocks of a recv that ended without its data (cancelled,
+failed, timed out) stay held by a placeholder until the agent releases the
+recv's lease (``on_release``: no peer can still write into them), so a late
+one-sided write never lands in another request's KV.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class RemoteJob:
     handle: object | None = None  # kvxfer.TransferHandle of the recv, posted at token 0
     first_token: int | None = None
     is_kv_ready: bool = False
-    is_aborted: bool = False
+    is_released: bool = False  # the agent released the recv's lease
 
 
 class DecodeWorker(WorkerLoop):
@@ -39,6 +40,7 @@ class DecodeWorker(WorkerLoop):
         self.seqs: dict[str, Sequence] = {}  # every request this worker holds
         self.remote: dict[str, RemoteJob] = {}  # waiting for KV and/or token 0
         self.admit_queue: list[dict] = []  # remote admits waiting for free blocks
+        self.quarantine: dict[str, Sequence] = {}  # placeholders holding blocks of dead recvs
         self.counters.update(recv_ok=0, recv_failed=0, recomputed=0, kv_bytes_received=0)
 
     # ---- messages ---------------------------------------------------------
@@ -86,26 +88,45 @@ class DecodeWorker(WorkerLoop):
         job = self.remote.get(msg["rid"])
         if job is None or job.is_kv_ready:
             return
-        if job.handle is not None:
-            job.handle.cancel()
+        self._retire_recv(job)
         self._transfer_failed(job, msg.get("error", "transfer failed"))
 
     def on_abort(self, msg: dict) -> None:
         rid = msg["rid"]
         job = self.remote.get(rid)
-        if job is not None and job.handle is not None and not job.handle.done():
-            job.is_aborted = True  # freed once the handle settles (see _poll_transfers)
-            job.handle.cancel()
-            return
+        if job is not None:
+            self._retire_recv(job)
         self._drop(rid, "abort")
 
     # ---- transfers --------------------------------------------------------
+    def _retire_recv(self, job: RemoteJob) -> None:
+        """End ``job``'s recv without its data; its blocks wait for the lease release."""
+        handle, job.handle = job.handle, None
+        if handle is None or handle.state == "done":
+            return
+        handle.cancel()  # no-op when it already failed
+        if job.is_released:
+            return
+        seq = job.seq
+        holder = Sequence(seq.token_ids[:1], request_id=f"{seq.request_id}#quarantine")
+        holder.block_table, seq.block_table, seq.block_hashes = seq.block_table, [], []
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
+        self.quarantine[seq.request_id] = holder
+
+    def _drain_releases(self) -> None:
+        released = self.ctx.released
+        while released is not None and not released.empty():
+            rid = released.get_nowait()
+            holder = self.quarantine.pop(rid, None)
+            if holder is not None:
+                self.runtime.blocks.deallocate(holder)
+            elif rid in self.remote:
+                self.remote[rid].is_released = True
+
     def _poll_transfers(self) -> None:
+        self._drain_releases()
         for rid, job in list(self.remote.items()):
             if job.handle is not None and job.handle.done() and not job.is_kv_ready:
-                if job.is_aborted:
-                    self._drop(rid, "abort")
-                    continue
                 handle = job.handle
                 if handle.state == "done":
                     job.is_kv_ready = True
@@ -116,7 +137,8 @@ class DecodeWorker(WorkerLoop):
                                "kv_bytes": handle.nbytes,
                                "transfer_ms": (handle.finished - handle.created) * 1e3})
                 else:
-                    job.handle, error = None, job.handle.error
+                    error = handle.error
+                    self._retire_recv(job)
                     self._transfer_failed(job, f"{type(error).__name__}: {error}")
                     continue
             if job.is_kv_ready and job.first_token is not None:
@@ -125,7 +147,7 @@ class DecodeWorker(WorkerLoop):
     def _transfer_failed(self, job: RemoteJob, error: str) -> None:
         rid = job.seq.request_id
         self.counters["recv_failed"] += 1
-        if self.ctx.on_transfer_failure != "recompute" or job.is_aborted:
+        if self.ctx.on_transfer_failure != "recompute":
             self._drop(rid, "abort")
             self.send({"ev": "error", "rid": rid, "kind": "transfer_failed",
                        "error": f"KV transfer failed: {error}"})
@@ -162,7 +184,7 @@ class DecodeWorker(WorkerLoop):
 
     # ---- the loop ---------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs or self.quarantine)
 
     def is_busy(self) -> bool:
         return self.runtime.scheduler.has_work()

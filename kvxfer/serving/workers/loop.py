@@ -28,6 +28,7 @@ class WorkerContext:
     agent: object | None  # kvxfer.Agent (None when colocated)
     transfer_timeout_s: float
     on_transfer_failure: str
+    released: object = None  # queue.SimpleQueue of request ids whose agent lease ended
 
 
 class WorkerLoop:

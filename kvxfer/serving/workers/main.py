@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import sys
 
 SECRET_ENV = "KVXFER_AGENT_SECRET"
@@ -45,14 +46,15 @@ def _pin(cpus: str | None, num_threads: int) -> None:
         pass
 
 
-def _make_agent(name: str, runtime, lease_timeout_s: float):
+def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue):
     import kvxfer
 
     secret_hex = os.environ.pop(SECRET_ENV, None)  # not inherited by anything we start
     if not secret_hex:
         raise RuntimeError(f"{SECRET_ENV} is not set; workers are started by `kvxfer serve`")
     agent = kvxfer.Agent(name, listen="127.0.0.1:0", secret=bytes.fromhex(secret_hex),
-                         lease_timeout=lease_timeout_s)
+                         lease_timeout=lease_timeout_s,
+                         on_release=lambda request_id, block_ids, reason: released.put(request_id))
     agent.register_kv(runtime.cache.kv_layout())
     return agent
 
@@ -76,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               num_threads=args.threads)
         runtime = Runtime.load(config)
+        released: queue.SimpleQueue = queue.SimpleQueue()
         if args.role != "colocated":
-            agent = _make_agent(args.name, runtime, args.transfer_timeout)
+            agent = _make_agent(args.name, runtime, args.transfer_timeout, released)
         ctx = WorkerContext(args.name, args.role, channel, runtime, agent,
-                            args.transfer_timeout, args.on_transfer_failure)
+                            args.transfer_timeout, args.on_transfer_failure, released)
         if args.role == "prefill":
             from .prefill import PrefillWorker as Role
         else:

@@ -12,15 +12,14 @@ Threads per agent: one I/O thread (control sockets, timers; blocks in
 from __future__ import annotations
 
 import collections
-import itertools
 import queue
 import socket
 import threading
-import time
 import uuid
 
-from .control.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake, client_handshake
+from .control.handshake import HANDSHAKE_TIMEOUT_S, client_handshake
 from .control.loop import IOLoop
+from .control.peers import InboundHandler, Peer, PeerHandler, make_backend, split_address
 from .control.messages import Msg
 from .control.receiver import ReceiverSide
 from .control.sender import SenderSide
@@ -31,58 +30,6 @@ from .metrics import Metrics
 from .plan import CostModel, Geometry
 
 MAX_PENDING_HANDSHAKES = 32
-
-
-class Peer:
-    """A connected, authenticated remote agent (returned by :meth:`Agent.connect`)."""
-
-    _serials = itertools.count(1)
-
-    def __init__(self, name: str, agent_id: str, address: str | None, info: dict) -> None:
-        self.serial = next(Peer._serials)
-        self.name = name
-        self.agent_id = agent_id
-        self.address = address
-        self.geometry: Geometry | None = info["geometry"]
-        self.region_ids: list = info["regions"]
-        self.stage_region: int = info["stage_region"]
-        self.staging_bytes: int = info["staging"]
-        self.conn = None  # control connection
-        self.bconn = None  # backend connection
-        self.is_connected = True
-
-    @property
-    def transport(self) -> str:
-        """What actually carries the bytes (e.g. ``vm``, ``ucx:cma``, ``loopback``)."""
-        return self.bconn.transport if self.bconn is not None else "none"
-
-    def send(self, frame: bytes) -> bool:
-        return self.is_connected and self.conn.send(frame)
-
-    def __repr__(self) -> str:
-        state = "connected" if self.is_connected else "disconnected"
-        return f"<Peer {self.name!r} {state} transport={self.transport}>"
-
-
-def _make_backend(spec):
-    from .transport.base import Backend
-
-    if isinstance(spec, Backend):
-        return spec
-    if spec == "loopback":
-        from .transport.loopback import LoopbackBackend
-
-        return LoopbackBackend()
-    from .transport import make_backend  # the registry of real backends
-
-    return make_backend(spec)
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address must be 'host:port', got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 class Agent(SenderSide, ReceiverSide):
@@ -118,14 +65,14 @@ class Agent(SenderSide, ReceiverSide):
         self._handshakes = 0
         self._progress_on = False
         self._notifications: collections.deque = collections.deque()
-        self._backend = _make_backend(backend)
+        self._backend = make_backend(backend)
         caps = self._backend.capabilities()
         # Backends quote their per-descriptor cost for large runs; for runs of a few hundred
         # bytes process_vm_writev measured ~0.75 us each (Llama-3-8B NHD->HND, 1M runs), so
         # that is the floor the zero-copy vs pack choice uses.
         self._cost = cost_model or CostModel(per_desc_us=max(caps.per_desc_overhead_us, 0.75))
         self.metrics.info["backend"] = caps.name
-        host, port = _split_address(listen)
+        host, port = split_address(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         lsock = socket.socket(family, socket.SOCK_STREAM)
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -214,7 +161,7 @@ class Agent(SenderSide, ReceiverSide):
         """Connect and authenticate; raises AuthenticationError, LayoutMismatch,
         ProtocolError, PeerDisconnected (unreachable) or TransferTimeout."""
         self._check_open()
-        host, port = _split_address(address)
+        host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except socket.timeout:
@@ -234,7 +181,7 @@ class Agent(SenderSide, ReceiverSide):
         except BaseException:
             sock.close()
             raise
-        peer.conn = self._loop.add_conn(sock, _PeerHandler(self), peer)
+        peer.conn = self._loop.add_conn(sock, PeerHandler(self), peer)
         self._peer_ready(peer)
         return peer
 
@@ -282,7 +229,7 @@ class Agent(SenderSide, ReceiverSide):
         if self._closed or self._handshakes >= MAX_PENDING_HANDSHAKES:
             return None
         self._handshakes += 1
-        return _InboundHandler(self)
+        return InboundHandler(self)
 
     def peers(self) -> list:
         """Every connected peer (those we connected to and those that connected to us)."""
@@ -387,59 +334,3 @@ class Agent(SenderSide, ReceiverSide):
 
 
 Agent._dispatch = {**SenderSide._dispatch, **ReceiverSide._dispatch, Msg.NOTIFY: Agent._on_notify}
-
-
-class _PeerHandler:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-
-    def on_frame(self, conn, kind, fields) -> None:
-        self.agent._on_message(conn.peer, kind, fields)
-
-    def on_close(self, conn, exc) -> None:
-        self.agent._on_conn_closed(conn.peer, exc)
-
-
-class _InboundHandler(_PeerHandler):
-    """Runs the server handshake, then behaves as :class:`_PeerHandler`."""
-
-    def __init__(self, agent: Agent) -> None:
-        super().__init__(agent)
-        self.hs = ServerHandshake(agent._secret, agent._info, agent._parse_info)
-        self.counted = True
-
-    def on_open(self, conn) -> None:
-        def expire():
-            if conn.peer is None and not conn.closed:
-                conn.loop.close_conn(conn, TransferTimeout("handshake timed out"))
-
-        conn.loop.call_later(HANDSHAKE_TIMEOUT_S, expire)
-
-    def _uncount(self) -> None:
-        if self.counted:
-            self.counted = False
-            self.agent._handshakes -= 1
-
-    def on_frame(self, conn, kind, fields) -> None:
-        if conn.peer is not None:
-            return super().on_frame(conn, kind, fields)
-        try:
-            frames, ready = self.hs.on_frame(kind, fields)
-        except KVXferError:
-            if self.hs.reply_on_error is not None:
-                conn.send(self.hs.reply_on_error)
-            raise
-        if ready:
-            peer = self.agent._make_peer(self.hs.peer_info, None)
-            peer.conn = conn
-            conn.peer = peer
-            self._uncount()
-        for frame in frames:
-            conn.send(frame)
-        if ready:
-            self.agent._peer_ready(conn.peer)
-
-    def on_close(self, conn, exc) -> None:
-        self._uncount()
-        if conn.peer is not None:
-            super().on_close(conn, exc)

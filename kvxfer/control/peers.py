@@ -1,0 +1,121 @@
+"""Peers and the control-connection handlers of an agent.
+
+:class:`Peer` is what :meth:`Agent.connect` returns (and what an accepted
+connection becomes once its handshake completed). :class:`InboundHandler` runs
+the accepting side's handshake state machine in the I/O thread, then hands every
+frame to the agent, like :class:`PeerHandler` does for connections we opened.
+"""
+from __future__ import annotations
+
+import itertools
+
+from ..errors import KVXferError, TransferTimeout
+from .handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
+
+
+class Peer:
+    """A connected, authenticated remote agent (returned by :meth:`Agent.connect`)."""
+
+    _serials = itertools.count(1)
+
+    def __init__(self, name: str, agent_id: str, address: str | None, info: dict) -> None:
+        self.serial = next(Peer._serials)
+        self.name = name
+        self.agent_id = agent_id
+        self.address = address
+        self.geometry = info["geometry"]  # kvxfer.plan.Geometry, or None (no pool)
+        self.region_ids: list = info["regions"]
+        self.stage_region: int = info["stage_region"]
+        self.staging_bytes: int = info["staging"]
+        self.conn = None  # control connection
+        self.bconn = None  # backend connection
+        self.is_connected = True
+
+    @property
+    def transport(self) -> str:
+        """What actually carries the bytes (e.g. ``vm``, ``ucx:cma``, ``loopback``)."""
+        return self.bconn.transport if self.bconn is not None else "none"
+
+    def send(self, frame: bytes) -> bool:
+        return self.is_connected and self.conn.send(frame)
+
+    def __repr__(self) -> str:
+        state = "connected" if self.is_connected else "disconnected"
+        return f"<Peer {self.name!r} {state} transport={self.transport}>"
+
+
+def make_backend(spec):
+    from ..transport.base import Backend
+
+    if isinstance(spec, Backend):
+        return spec
+    if spec == "loopback":
+        from ..transport.loopback import LoopbackBackend
+
+        return LoopbackBackend()
+    from ..transport import make_backend as registry  # the real backends
+
+    return registry(spec)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class PeerHandler:
+    def __init__(self, agent) -> None:
+        self.agent = agent
+
+    def on_frame(self, conn, kind, fields) -> None:
+        self.agent._on_message(conn.peer, kind, fields)
+
+    def on_close(self, conn, exc) -> None:
+        self.agent._on_conn_closed(conn.peer, exc)
+
+
+class InboundHandler(PeerHandler):
+    """Runs the server handshake, then behaves as :class:`PeerHandler`."""
+
+    def __init__(self, agent) -> None:
+        super().__init__(agent)
+        self.hs = ServerHandshake(agent._secret, agent._info, agent._parse_info)
+        self.counted = True
+
+    def on_open(self, conn) -> None:
+        def expire():
+            if conn.peer is None and not conn.closed:
+                conn.loop.close_conn(conn, TransferTimeout("handshake timed out"))
+
+        conn.loop.call_later(HANDSHAKE_TIMEOUT_S, expire)
+
+    def _uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.agent._handshakes -= 1
+
+    def on_frame(self, conn, kind, fields) -> None:
+        if conn.peer is not None:
+            return super().on_frame(conn, kind, fields)
+        try:
+            frames, ready = self.hs.on_frame(kind, fields)
+        except KVXferError:
+            if self.hs.reply_on_error is not None:
+                conn.send(self.hs.reply_on_error)
+            raise
+        if ready:
+            peer = self.agent._make_peer(self.hs.peer_info, None)
+            peer.conn = conn
+            conn.peer = peer
+            self._uncount()
+        for frame in frames:
+            conn.send(frame)
+        if ready:
+            self.agent._peer_ready(conn.peer)
+
+    def on_close(self, conn, exc) -> None:
+        self._uncount()
+        if conn.peer is not None:
+            super().on_close(conn, exc)

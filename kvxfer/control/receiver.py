@@ -92,11 +92,12 @@ class ReceiverSide:
             op.handle.nbytes += nbytes
             op.handle._mark_layers(landed)
             if all(op.covered.get(layer, 0) == full for layer in op.layers):
+                # book-keeping first: whoever wakes on the handle sees the lease gone
                 del self._recvs[req]
-                op.handle._succeed()
                 self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
                 self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
                 self.leases.release(("recv", req, xid), "done")
+                op.handle._succeed()
 
     def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str) -> None:
         """Fail (or, with ``error=None``, cancel) a recv, then quiesce its writers."""
@@ -104,14 +105,15 @@ class ReceiverSide:
             if self._recvs.get(op.req) is not op:
                 return
             del self._recvs[op.req]
-            if error is not None and op.handle._fail(error):
-                self.metrics.inc("failures", kind="recv", error=type(error).__name__)
             op.reason = reason
             op.quiescing = {p for p in op.posted_to if p.is_connected}
             for peer in op.quiescing:
                 peer.send(encode(Msg.CANCEL, req=op.req, xid=op.xid, to_sender=True))
             self._quiet_wait[(op.req, op.xid)] = op
             self._maybe_quiet(op)
+            if error is not None and not op.handle.done():
+                self.metrics.inc("failures", kind="recv", error=type(error).__name__)
+                op.handle._fail(error)
 
     def _maybe_quiet(self, op: RecvOp) -> None:
         if not op.quiescing and self._quiet_wait.pop((op.req, op.xid), None) is op:

@@ -186,22 +186,25 @@ class SenderSide(Shipper):
         """Every target layer visible (lock held)."""
         if op.notify is not None:
             op.peer.send(encode(Msg.NOTIFY, data=op.notify))
-        if op.handle._succeed():
+        # book-keeping first: whoever wakes on the handle sees metrics and leases settled
+        if not op.handle.done():
             self.metrics.inc("transfers", kind=op.handle.kind, path=op.handle.path or "none")
             self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind=op.handle.kind)
         self._sends.pop(op.key, None)
         self.leases.release(("send",) + op.key, "done")
+        op.handle._succeed()
 
     def _fail_send(self, op: SendOp, error: KVXferError, reason: str) -> None:
         with self._lock:
             if op.ended is not None or op.handle.state == "done":
                 return
             op.ended = reason
-            if op.handle._fail(error):
-                self.metrics.inc("failures", kind=op.handle.kind, error=type(error).__name__)
             if op.post is not None and op.wire_req and op.peer.is_connected:
                 op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False))
             self._quiesce(op)
+            if not op.handle.done():
+                self.metrics.inc("failures", kind=op.handle.kind, error=type(error).__name__)
+                op.handle._fail(error)
 
     def _cancel_send(self, op: SendOp) -> None:
         with self._lock:

@@ -166,8 +166,10 @@ class Shipper:
             self._backend.wait(req, self.leases.default_ttl_s)
             handle.path, handle.nbytes = "zero_copy", int(descs[:, 4].sum())
             self.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
-            if handle._succeed():
+            if not handle.done():
                 self.metrics.inc("transfers", kind="read", path="zero_copy")
+            handle._succeed()
         except KVXferError as exc:
-            if handle._fail(exc):
+            if not handle.done():
                 self.metrics.inc("failures", kind="read", error=type(exc).__name__)
+            handle._fail(exc)

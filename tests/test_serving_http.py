@@ -92,7 +92,8 @@ def test_health_and_metrics(server):
     for name in ("kvxfer_ttft_seconds_count", "kvxfer_tpot_seconds_bucket",
                  "kvxfer_kv_transfer_seconds_count", "kvxfer_kv_transfer_bytes_total",
                  "kvxfer_kv_transfer_failures_total", 'kvxfer_worker_inflight{worker="decode-0"}',
-                 'stat="agent_bytes_sent",worker="prefill-0"', 'stat="agent_bytes_received"'):
+                 'stat="agent_bytes_sent",worker="prefill-0"', 'stat="agent_bytes_received"',
+                 'kvxfer_agent_info{key="transport:decode-0"'):
         assert name in text, name
     assert server.client.get("/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
 

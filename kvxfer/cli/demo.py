@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         _wait_healthy(client, proc, args.startup_timeout)
         print(f"user: {args.question}\nassistant: ", end="", flush=True)
         out = _chat(client, args.question, args.max_tokens)
+        transports = sorted({line.split('value="')[1].split('"')[0]
+                             for line in client.get("/metrics").text.splitlines()
+                             if line.startswith("kvxfer_agent_info") and 'key="transport:' in line})
     finally:
         client.close()
         if proc.poll() is None:
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"KV transfer {info.get('prefill_worker')} -> {info.get('decode_worker')}: "
           f"{info.get('kv_bytes', 0) / 1e6:.2f} MB in "
           f"{'n/a' if kv_ms is None else f'{kv_ms:.2f} ms'}"
-          f"{' (recomputed)' if info.get('recomputed') else ''}")
+          f"{' (recomputed)' if info.get('recomputed') else ''}"
+          f" | transport {', '.join(transports) or 'n/a'}")
     return 0
 
 

@@ -3,10 +3,10 @@
 Disaggregated flow for one request ``rid``::
 
     router --admit(remote)--> decode      decode reserves blocks (k prefix-cached)
-    router <--admitted(k)---- decode
+    router <--admitted(k)---- decode      and posts agent.recv(blocks[k:])
     router --prefill(dst,k)-> prefill     prefill computes, samples token 0,
     router <--token---------- prefill     (streamed to the client at once)
-    router --first_token----> decode      decode posts agent.recv(blocks[k:])
+    router --first_token----> decode
                               prefill --agent.send(blocks[k:])--> decode
     router <--sent/send_failed prefill    (transfer_failed relayed to decode)
     router <--kv, token..., done-- decode
@@ -49,8 +49,7 @@ class RequestState:
     token_times: list[float] = field(default_factory=list)
     cached_blocks: int = 0
     kv_bytes: int = 0
-    kv_transfer_ms: float | None = None  # decode side: recv posted -> data visible
-    kv_send_ms: float | None = None  # prefill side: send posted -> done (may come late)
+    kv_transfer_ms: float | None = None  # prefill side: send posted -> data visible at decode
     recomputed: bool = False
     is_transfer_failed: bool = False
     is_finished: bool = False
@@ -58,7 +57,6 @@ class RequestState:
     def summary(self) -> dict:
         """The ``kvxfer`` object of the final chunk / response (see docs/serving.md)."""
         return {"kv_bytes": self.kv_bytes, "kv_transfer_ms": self.kv_transfer_ms,
-                "kv_send_ms": self.kv_send_ms,
                 "recomputed": self.recomputed, "cached_blocks": self.cached_blocks,
                 "prefill_worker": self.prefill.name if self.prefill else None,
                 "decode_worker": self.decode.name if self.decode else None,
@@ -80,7 +78,7 @@ class Dispatcher:
         self.m_ttft = r.histogram("kvxfer_ttft_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.m_tpot = r.histogram("kvxfer_tpot_seconds", "Mean time per output token after the first.", FAST_BUCKETS)
         self.m_e2e = r.histogram("kvxfer_e2e_latency_seconds", "Request latency, arrival to last token.", LATENCY_BUCKETS)
-        self.m_kv_time = r.histogram("kvxfer_kv_transfer_seconds", "KV transfer time per request (decode side: recv posted to data visible).", FAST_BUCKETS)
+        self.m_kv_time = r.histogram("kvxfer_kv_transfer_seconds", "KV transfer time per request (send posted to data visible at the decode worker).", FAST_BUCKETS)
         self.m_kv_bytes = r.counter("kvxfer_kv_transfer_bytes_total", "KV bytes moved prefill -> decode.")
         self.m_kv_failures = r.counter("kvxfer_kv_transfer_failures_total", "KV transfers that failed.")
         self.m_recomputes = r.counter("kvxfer_kv_recomputes_total", "Prompts recomputed on the decode worker after a failed transfer.")
@@ -151,25 +149,25 @@ class Dispatcher:
                 self._send(st, st.decode, {"op": "first_token", "rid": rid, "token": st.first_token})
             st.token_times.append(now)
             st.events.put_nowait(("token", int(msg["token"])))
-        elif ev == "sent":  # the prefill side's view; its blocks are free again
+        elif ev == "sent":  # send posted -> data visible at the decode worker
             worker.inflight.discard(rid)
-            st.kv_send_ms = float(msg.get("transfer_ms", 0.0))
+            st.kv_transfer_ms = float(msg.get("transfer_ms", 0.0))
+            self.m_kv_time.observe(st.kv_transfer_ms / 1e3)
+            st.transfer_settled.set()
         elif ev == "send_failed":
             worker.inflight.discard(rid)
             self._transfer_failed(st, msg.get("error", "transfer failed"))
-        elif ev == "kv":  # the decode side's view: KV landed (or was recomputed)
+        elif ev == "kv":  # the decode side: KV landed (or was recomputed)
             st.recomputed = bool(msg.get("recomputed"))
             if st.recomputed:
                 self.m_recomputes.inc()
+                st.transfer_settled.set()
                 if not st.is_transfer_failed:  # the decode side saw it first (e.g. timeout)
                     st.is_transfer_failed = True
                     self.m_kv_failures.inc()
             else:
                 st.kv_bytes = int(msg.get("kv_bytes", 0))
-                st.kv_transfer_ms = float(msg.get("transfer_ms", 0.0))
                 self.m_kv_bytes.inc(st.kv_bytes)
-                self.m_kv_time.observe(st.kv_transfer_ms / 1e3)
-            st.transfer_settled.set()
         elif ev == "done":
             worker.inflight.discard(rid)
             self._finish(st, ("done", msg.get("finish_reason", "stop")))

@@ -74,6 +74,7 @@ class WorkerProcess:
                 "--max-num-seqs", str(config.max_num_seqs),
                 "--max-num-batched-tokens", str(config.max_num_batched_tokens),
                 "--transfer-timeout", str(config.transfer_timeout_s),
+                "--request-timeout", str(config.request_timeout_s),
                 "--on-transfer-failure", config.on_transfer_failure,
                 "--log-level", config.log_level]
         if self.spec.cpus is not None:

@@ -63,11 +63,11 @@ class Counter:
         self.name, self.help = name, help_text
         self.values: dict[tuple, float] = {}
 
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
+    def inc(self, amount: float = 1.0, /, **labels: str) -> None:
         key = tuple(sorted(labels.items()))
         self.values[key] = self.values.get(key, 0.0) + amount
 
-    def set(self, value: float, **labels: str) -> None:
+    def set(self, value: float, /, **labels: str) -> None:
         self.values[tuple(sorted(labels.items()))] = value
 
     def render(self) -> list[str]:

@@ -50,6 +50,7 @@ class Router:
         self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.")
         self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).")
         self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.")
+        self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.")
 
     async def generate(self, prompt_ids: list[int], req: api._SamplingFields,
                        rid: str) -> AsyncIterator[tuple]:
@@ -129,6 +130,8 @@ class Router:
         for name, msg in stats.items():
             for key, value in msg.get("counters", {}).items():
                 self.m_worker.set(value, worker=name, stat=key)
+            for key, value in msg.get("info", {}).items():
+                self.m_agent_info.set(1, worker=name, key=key, value=str(value))
         return self.registry.render()
 
 

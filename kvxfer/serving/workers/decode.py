@@ -1,9 +1,11 @@
 """Decode worker (and colocated worker): continuous batching over one KV pool.
 
 A ``remote`` request's blocks are reserved at admission (prefix-cached ones
-reused); when its first token arrives from the prefill worker (relayed by
-the router) the missing blocks are posted to :meth:`kvxfer.Agent.recv`. Once
-the KV has landed, the sequence joins the running batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
+reused) and the missing ones posted to :meth:`kvxfer.Agent.recv` at once, so
+the prefill worker's send finds them and writes without a round trip. Its
+first token comes from the prefill worker (relayed by the router); from then
+on the transfer has ``--transfer-timeout`` to land. Once both are in, the
+sequence joins the running batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
 
 Block safety: blocks of a recv that ended without its data (cancelled,
 failed, timed out) stay held by a placeholder until the agent releases the
@@ -13,6 +15,7 @@ one-sided write never lands in another request's KV.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from ...errors import KVXferError
@@ -30,6 +33,7 @@ class RemoteJob:
     seq: Sequence
     handle: object | None = None  # kvxfer.TransferHandle of the recv, posted at token 0
     first_token: int | None = None
+    token_at: float = 0.0  # time.monotonic() when token 0 arrived: the send is under way
     is_kv_ready: bool = False
     is_released: bool = False  # the agent released the recv's lease
 
@@ -65,24 +69,22 @@ class DecodeWorker(WorkerLoop):
             self.admit_queue.pop(0)
             blocks.allocate(seq)
             seq.status = SequenceStatus.PREFILLING
-            self.remote[rid] = RemoteJob(seq)
+            job = self.remote[rid] = RemoteJob(seq)
             skip = seq.num_cached_tokens // self.runtime.block_size
+            # The agent's timeout is only a backstop: the prefill queue ahead of
+            # this request is unbounded; _poll_transfers times the transfer itself.
+            try:
+                job.handle = self.agent.recv(rid, seq.block_table[skip:],
+                                             timeout=self.ctx.request_timeout_s)
+            except KVXferError as exc:
+                self._transfer_failed(job, f"recv: {exc}")
             self.send({"ev": "admitted", "rid": rid, "cached_blocks": skip})
 
     def on_first_token(self, msg: dict) -> None:
-        # Token 0 means the prefill worker is about to send: post the recv now,
-        # so its timeout bounds the transfer, not the prefill queue ahead of it.
         job = self.remote.get(msg["rid"])
-        if job is None or job.first_token is not None:
-            return
-        job.first_token = int(msg["token"])
-        seq = job.seq
-        recv_ids = seq.block_table[seq.num_cached_tokens // self.runtime.block_size:]
-        try:
-            job.handle = self.agent.recv(seq.request_id, recv_ids,
-                                         timeout=self.ctx.transfer_timeout_s)
-        except KVXferError as exc:
-            self._transfer_failed(job, f"recv: {exc}")
+        if job is not None and job.first_token is None:
+            job.first_token = int(msg["token"])
+            job.token_at = time.monotonic()
 
     def on_transfer_failed(self, msg: dict) -> None:
         job = self.remote.get(msg["rid"])
@@ -132,15 +134,18 @@ class DecodeWorker(WorkerLoop):
                     job.is_kv_ready = True
                     self.counters["recv_ok"] += 1
                     self.counters["kv_bytes_received"] += handle.nbytes
-                    # recv posted (token 0 relayed) -> data visible in our blocks
                     self.send({"ev": "kv", "rid": rid, "recomputed": False,
-                               "kv_bytes": handle.nbytes,
-                               "transfer_ms": (handle.finished - handle.created) * 1e3})
+                               "kv_bytes": handle.nbytes})
                 else:
                     error = handle.error
                     self._retire_recv(job)
                     self._transfer_failed(job, f"{type(error).__name__}: {error}")
                     continue
+            elif (job.first_token is not None and not job.is_kv_ready and job.handle is not None
+                  and time.monotonic() - job.token_at > self.ctx.transfer_timeout_s):
+                self._retire_recv(job)
+                self._transfer_failed(job, f"no KV {self.ctx.transfer_timeout_s:.0f}s after token 0")
+                continue
             if job.is_kv_ready and job.first_token is not None:
                 self._start_decoding(job)
 

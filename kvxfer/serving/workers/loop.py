@@ -29,6 +29,7 @@ class WorkerContext:
     transfer_timeout_s: float
     on_transfer_failure: str
     released: object = None  # queue.SimpleQueue of request ids whose agent lease ended
+    request_timeout_s: float = 600.0
 
 
 class WorkerLoop:
@@ -86,7 +87,9 @@ class WorkerLoop:
             self.is_draining = True
             return True
         if op == "stats":
-            self.send({"ev": "stats", "qid": msg.get("qid"), "counters": self._all_stats()})
+            info = dict(self.agent.metrics.info) if self.agent is not None else {}
+            self.send({"ev": "stats", "qid": msg.get("qid"), "counters": self._all_stats(),
+                       "info": info})
             return True
         rid = msg.get("rid")
         if op in ("admit", "prefill") and self.is_draining:

@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.role != "colocated":
             agent = _make_agent(args.name, runtime, args.transfer_timeout, released)
         ctx = WorkerContext(args.name, args.role, channel, runtime, agent,
-                            args.transfer_timeout, args.on_transfer_failure, released)
+                            args.transfer_timeout, args.on_transfer_failure, released,
+                            args.request_timeout)
         if args.role == "prefill":
             from .prefill import PrefillWorker as Role
         else:

@@ -3,7 +3,9 @@
 Per request: allocate blocks (reusing this worker's own prefix cache), run
 the prompt in chunks of at most ``max_num_batched_tokens``, sample token 0 and
 report it at once (the client's TTFT), then ``agent.send`` the blocks the
-decode worker lacks (``block_table[skip_blocks:]``). The blocks are held
+decode worker lacks (``block_table[skip_blocks:]``; its recv is already
+posted, so the write starts at once) and report ``sent`` with the handle's
+send -> done time as soon as it completes. The blocks are held
 until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -102,6 +105,18 @@ class PrefillWorker(WorkerLoop):
             self._settle(seq, f"{type(exc).__name__}: {exc}")
             return
         self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter())
+        # Report completion from a thread: the main loop may be inside a
+        # seconds-long prefill step when the data lands.
+        threading.Thread(target=self._report_sent, args=(rid, handle), daemon=True,
+                         name=f"sent-{rid}").start()
+
+    def _report_sent(self, rid: str, handle) -> None:
+        try:
+            handle.wait(timeout=self.ctx.transfer_timeout_s)
+        except KVXferError:
+            return  # failures and expiry are the main loop's (_poll_sends)
+        self.send({"ev": "sent", "rid": rid, "kv_bytes": handle.nbytes,
+                   "transfer_ms": (handle.finished - handle.created) * 1e3})
 
     def _is_fault_injected(self) -> bool:
         hook = self._fault_hook
@@ -127,13 +142,9 @@ class PrefillWorker(WorkerLoop):
         self.outgoing.pop(rid, None)
         self.seqs.pop(rid, None)
         self.runtime.release(seq, "stop")
-        if error is None:
-            finished = out.handle.finished or time.monotonic()
-            transfer_ms = (finished - out.handle.created) * 1e3
+        if error is None:  # "sent" went out from _report_sent already
             self.counters["sends_ok"] += 1
             self.counters["kv_bytes_sent"] += out.handle.nbytes
-            self.send({"ev": "sent", "rid": rid, "kv_bytes": out.handle.nbytes,
-                       "transfer_ms": transfer_ms})
         else:
             self.counters["sends_failed"] += 1
             log.warning("%s: KV send failed: %s", rid, error)

@@ -39,7 +39,9 @@ class Agent(SenderSide, ReceiverSide):
     never leaves the process. ``lease_timeout``: seconds P holds blocks for a
     pending send (default 30). ``on_release(request_id, block_ids, reason)``:
     called once per lease when blocks may be reused (``reason`` in done,
-    cancelled, failed, expired, closed). ``staging_bytes``: size of each of the
+    cancelled, failed, expired, closed); it runs on an agent thread, possibly
+    with the agent's lock held, so it must be quick and must not wait on the
+    agent (hand the ids to your scheduler's queue). ``staging_bytes``: size of each of the
     two registered staging buffers (pack path). ``path``: ``"auto"`` (cost
     model), ``"zero_copy"`` or ``"pack"`` to force one.
     """

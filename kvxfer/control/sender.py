@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolError,
+from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, ProtocolError,
                       TransferCancelled, TransferTimeout)
 from ..handle import TransferHandle
 from .messages import Msg, encode
@@ -117,7 +117,7 @@ class SenderSide(Shipper):
     # ---- op lifecycle ---------------------------------------------------------------
     def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind) -> SendOp:
         if not peer.is_connected:
-            raise KVXferError(f"peer {peer.name!r} is disconnected")
+            raise PeerDisconnected(f"peer {peer.name!r} is disconnected")
         handle = TransferHandle(kind, wire_req or key[1], peer.name,
                                 layers=ready if ready is not None and not streaming else ())
         op = SendOp(peer, key, wire_req, ids, handle, ready, streaming)

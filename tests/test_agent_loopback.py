@@ -382,3 +382,27 @@ def test_thousand_sequential_requests_flat_memory_no_leaks():
             break
         threading.Event().wait(0.02)
     assert threading.active_count() <= threads_before
+
+
+def test_disconnect_fails_pending_sends_and_refuses_new_ones():
+    from kvxfer.errors import PeerDisconnected
+
+    released = []
+    p, d, pl, dl, peer = pair(on_release=lambda r, b, why: released.append((r, why)))
+    try:
+        hs = p.send(peer, "pending", [1, 2])  # D never posts it
+        assert len(p.peers()) == 1
+        p.disconnect(peer)
+        with pytest.raises(PeerDisconnected):
+            hs.wait(T)
+        assert not peer.is_connected and ("pending", "failed") in released
+        with pytest.raises(PeerDisconnected):
+            p.send(peer, "later", [3])
+        for _ in range(500):  # D notices the closed connection too
+            if not d.peers():
+                break
+            threading.Event().wait(0.01)
+        assert d.peers() == [] and p.peers() == []
+    finally:
+        p.close()
+        d.close()

@@ -129,3 +129,27 @@ def test_ucx_over_tcp_between_processes(monkeypatch):
     finally:
         d.close()
         _stop(procs)
+
+
+def test_64_concurrent_requests_between_processes():
+    d_layout = make_pool("2 N B H D", None, shape={"N": 160})
+    d = Agent("d", secret=SECRET)
+    procs = []
+    try:
+        d.register_kv(d_layout)
+        reqs = [f"c{i}" for i in range(64)]
+        early = [d.recv(r, [2 * i, 2 * i + 1], timeout=T) for i, r in enumerate(reqs[:32])]
+        proc, q = _start(d.address, reqs, [7, 3])  # P sends all 64 at once, then waits
+        procs.append(proc)
+        late = [d.recv(r, [64 + 2 * i, 65 + 2 * i], timeout=T) for i, r in enumerate(reqs[32:])]
+        for h in early + late:
+            h.wait(T)
+        status, info = q.get(timeout=T)
+        assert status == "ok", info
+        expect = kvxfer.pack(make_pool("2 N B H D", 1), [7, 3], backend="reference")
+        for i in range(64):
+            assert torch.equal(expect, kvxfer.pack(d_layout, [2 * i, 2 * i + 1], backend="reference"))
+        assert d.held_blocks() == {} and d.metrics.counter("transfers", kind="recv") == 64
+    finally:
+        d.close()
+        _stop(procs)

@@ -7,6 +7,8 @@ blocks (RECV_POST, plan, zero-copy or pack, DATA_DONE). Block ids are a random
 sample of the pool in random order on both sides. The yardstick is a
 single-thread memcpy of the same number of bytes in the same run. A second phase
 times 1-block requests (recv posted -> both handles done): p50 and p99.
+``--compare nixl`` also times NIXL writing the same bytes as per-block
+descriptors, in the same run.
 After the run, D checks the last request's bytes against P's CRC of its blocks.
 """
 from __future__ import annotations
@@ -41,6 +43,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rtt-iters", type=int, default=200, help="1-block round trips (0: skip)")
+    parser.add_argument("--compare", choices=["nixl"], help="also time NIXL moving the same bytes as "
+                        "per-block descriptors (vLLM NixlConnector style), same run; needs tp 1:1")
     parser.add_argument("--json", metavar="FILE")
 
 
@@ -202,14 +206,37 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
                 p.join(10)
 
 
+def nixl_seconds(spec: dict, iters: int, warmup: int) -> list:
+    """NIXL writing the request's bytes as one descriptor per (layer, K/V, block), the way
+    vLLM's NixlConnector describes a paged pool; data path only (no request matching)."""
+    import torch
+
+    from .nixl import NixlSession
+
+    itemsize = torch.empty(0, dtype=getattr(torch, spec["dtype"])).element_size()
+    run_bytes = spec["block_size"] * spec["heads"] * spec["head_dim"] * itemsize
+    batch = spec["layers"] * 2 * spec["blocks"]
+    with NixlSession(2 * batch * run_bytes + (1 << 20), timeout=TIMEOUT_S) as session:
+        return session.measure(run_bytes, batch, "write", iters, warmup)["latency_s"]
+
+
 def run(args) -> int:
     spec = _spec(args)
+    if args.compare and (spec["p_tp"], spec["d_tp"]) != (1, 1):
+        raise SystemExit("--compare nixl needs --tp 1:1")
     res = measure(spec, args.iters, args.warmup, args.rtt_iters)
+    if args.compare:
+        res["nixl_seconds"] = nixl_seconds(spec, args.iters, args.warmup)
+        res["nixl_gbps"] = res["bytes"] / _median(res["nixl_seconds"]) / 1e9
+        res["ratio_to_nixl"] = _median(res["nixl_seconds"]) / _median(res["seconds"])
     print(f"model={args.model} tokens={args.tokens} block={spec['block_size']} layout={args.layout} "
           f"tp={args.tp} dtype={spec['dtype']} path={res['path']} transport={res['transport']}")
     print(f"  {res['bytes'] / 1e6:.1f} MB  median {_median(res['seconds']) * 1e3:.2f} ms  "
           f"{res['gbps']:.2f} GB/s  memcpy {res['memcpy_gbps']:.2f} GB/s  "
           f"ratio {res['ratio_to_memcpy']:.2f}  bitwise {'ok' if res['bitwise_ok'] else 'MISMATCH'}")
+    if "nixl_gbps" in res:
+        print(f"  NIXL (per-block descriptors, same run) {res['nixl_gbps']:.2f} GB/s  "
+              f"kvxfer/NIXL {res['ratio_to_nixl']:.2f}")
     if res["rtt_p50_us"] is not None:
         print(f"  1-block round trip: p50 {res['rtt_p50_us']:.0f} us  p99 {res['rtt_p99_us']:.0f} us")
     if args.json:

@@ -7,8 +7,15 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 
 #include "errors.h"
 
@@ -52,36 +59,41 @@ bool vm_probe(pid_t pid, uint64_t probe_addr, uint64_t probe_length, const std::
     return process_vm_writev(pid, &l, 1, &r, 1, 0) == 1;
 }
 
-void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
-    static thread_local std::vector<struct iovec> liov, riov;
-    liov.resize(IOV_MAX);
-    riov.resize(IOV_MAX);
+namespace {
+
+[[noreturn]] void throw_vm_error(int err, pid_t pid, bool is_write) {
+    if (err == ESRCH) throw PeerDisconnected("peer process " + std::to_string(pid) + " exited");
+    if (err == EPERM)
+        throw PeerDisconnected("no longer permitted to access peer process " + std::to_string(pid));
+    if (err == EFAULT)
+        throw InvalidDescriptor("peer memory is no longer mapped (region freed after it was advertised)");
+    throw Error(std::string(is_write ? "process_vm_writev: " : "process_vm_readv: ") + std::strerror(err));
+}
+
+// Copies ops[0, n) with up to IOV_MAX ranges per system call.
+void vm_copy_ops(pid_t pid, const Op* ops, size_t n, bool is_write) {
+    static thread_local std::vector<struct iovec> lv(IOV_MAX), rv(IOV_MAX);
+    struct iovec* liov = lv.data();
+    struct iovec* riov = rv.data();
     size_t next = 0;      // first op not fully copied
     size_t done_in = 0;   // bytes of ops[next] already copied
-    while (next < ops.size()) {
-        size_t k = 0, want = 0;
-        for (size_t i = next; i < ops.size() && k < static_cast<size_t>(IOV_MAX); ++i, ++k) {
+    while (next < n) {
+        size_t k = 0;
+        for (size_t i = next; i < n && k < static_cast<size_t>(IOV_MAX); ++i, ++k) {
             const size_t skip = i == next ? done_in : 0;
             liov[k] = {reinterpret_cast<void*>(ops[i].laddr + skip), ops[i].length - skip};
             riov[k] = {reinterpret_cast<void*>(ops[i].raddr + skip), ops[i].length - skip};
-            want += ops[i].length - skip;
         }
-        ssize_t got = is_write ? process_vm_writev(pid, liov.data(), k, riov.data(), k, 0)
-                               : process_vm_readv(pid, liov.data(), k, riov.data(), k, 0);
+        ssize_t got = is_write ? process_vm_writev(pid, liov, k, riov, k, 0)
+                               : process_vm_readv(pid, liov, k, riov, k, 0);
         if (got < 0) {
             const int err = errno;
             if (err == EINTR) continue;
-            if (err == ESRCH) throw PeerDisconnected("peer process " + std::to_string(pid) + " exited");
-            if (err == EPERM)
-                throw PeerDisconnected("no longer permitted to access peer process " + std::to_string(pid));
-            if (err == EFAULT)
-                throw InvalidDescriptor("peer memory is no longer mapped (region freed after it was advertised)");
-            throw Error(std::string(is_write ? "process_vm_writev: " : "process_vm_readv: ") + std::strerror(err));
+            throw_vm_error(err, pid, is_write);
         }
         if (got == 0) throw InvalidDescriptor("peer memory is not accessible (zero-byte transfer)");
         // Partial transfer: it stops at a range boundary or a fault; resume after the copied bytes.
         size_t adv = static_cast<size_t>(got);
-        (void)want;
         while (adv > 0) {
             const size_t rest = ops[next].length - done_in;
             if (adv >= rest) {
@@ -94,6 +106,158 @@ void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
             }
         }
     }
+}
+
+size_t env_size(const char* name, size_t fallback) {
+    const char* v = std::getenv(name);
+    if (!v || !*v) return fallback;
+    char* end = nullptr;
+    const unsigned long long x = std::strtoull(v, &end, 10);
+    return end && *end == '\0' ? static_cast<size_t>(x) : fallback;
+}
+
+// A few copy threads shared by every engine of the process, started on first use
+// and kept (parked on a condition variable) for the life of the process. One job
+// at a time: a caller that finds the pool busy copies alone instead of queueing.
+class CopyPool {
+public:
+    static CopyPool& instance() {
+        // Intentionally leaked: helpers are parked, never joined at exit.
+        static CopyPool* pool = new CopyPool(vm_copy_threads());
+        return *pool;
+    }
+
+    size_t helpers() const { return getpid() == owner_ ? threads_.size() : 0; }
+
+    // Runs fn(0..parts-1), part 0 on the caller; false (nothing ran) if the pool is busy.
+    bool run(size_t parts, const std::function<void(size_t)>& fn) {
+        std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
+        if (!busy.owns_lock()) return false;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            fn_ = &fn;
+            parts_ = parts;
+            next_part_ = 1;
+            pending_ = parts - 1;
+            ++generation_;
+        }
+        cv_.notify_all();
+        fn(0);
+        // Help with parts no helper has picked up yet, then wait for the rest.
+        for (;;) {
+            size_t part;
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                if (next_part_ >= parts_) break;
+                part = next_part_++;
+            }
+            fn(part);
+            std::lock_guard<std::mutex> g(mu_);
+            --pending_;
+        }
+        std::unique_lock<std::mutex> g(mu_);
+        done_cv_.wait(g, [&] { return pending_ == 0; });
+        fn_ = nullptr;
+        return true;
+    }
+
+private:
+    explicit CopyPool(size_t n) : owner_(getpid()) {
+        for (size_t i = 0; i < n; ++i) {
+            try {
+                threads_.emplace_back([this] { loop(); });
+            } catch (...) {
+                break;  // fewer helpers than asked for; still correct
+            }
+        }
+        for (auto& t : threads_) t.detach();
+    }
+
+    void loop() {
+        uint64_t seen = 0;
+        std::unique_lock<std::mutex> g(mu_);
+        for (;;) {
+            cv_.wait(g, [&] { return generation_ != seen; });
+            seen = generation_;
+            while (fn_ && next_part_ < parts_) {
+                const size_t part = next_part_++;
+                const std::function<void(size_t)>* fn = fn_;
+                g.unlock();
+                (*fn)(part);  // never throws: the caller's fn catches
+                g.lock();
+                if (--pending_ == 0) done_cv_.notify_one();
+            }
+        }
+    }
+
+    pid_t owner_;  // a forked child has none of the helpers
+    std::vector<std::thread> threads_;
+    std::mutex job_mu_;
+    std::mutex mu_;
+    std::condition_variable cv_, done_cv_;
+    const std::function<void(size_t)>* fn_ = nullptr;
+    size_t parts_ = 0, next_part_ = 0, pending_ = 0;
+    uint64_t generation_ = 0;
+};
+
+}  // namespace
+
+size_t vm_copy_threads() {
+    const unsigned hw = std::thread::hardware_concurrency();
+    const size_t want = env_size("KVXFER_VM_THREADS", std::min<size_t>(hw ? hw : 1, kVmDefaultThreads));
+    return std::min<size_t>(std::max<size_t>(want, 1), kVmMaxThreads) - 1;
+}
+
+size_t vm_split_bytes() { return env_size("KVXFER_VM_SPLIT_BYTES", kVmSplitBytes); }
+
+void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
+    size_t total = 0;
+    for (const Op& op : ops) total += op.length;
+    const size_t split = vm_split_bytes();
+    size_t parts = 1;
+    if (!ops.empty() && split > 0 && total >= split) {
+        CopyPool& pool = CopyPool::instance();
+        parts = std::min(pool.helpers() + 1, total / (split / 2 ? split / 2 : 1));
+        if (parts > 1) {
+            // Byte-balanced slices, cut at page boundaries (an op may be split between two threads).
+            const size_t page = 4096;
+            std::vector<std::vector<Op>> slices(parts);
+            size_t part = 0, in_part = 0;
+            size_t target = (total / parts + page - 1) / page * page;
+            for (const Op& op0 : ops) {
+                Op op = op0;
+                while (op.length > 0) {
+                    size_t room = part + 1 == parts ? op.length : target - in_part;
+                    if (room == 0) {
+                        ++part;
+                        in_part = 0;
+                        continue;
+                    }
+                    Op piece = op;
+                    piece.length = std::min(room, op.length);
+                    slices[part].push_back(piece);
+                    in_part += piece.length;
+                    op.laddr += piece.length;
+                    op.raddr += piece.length;
+                    op.length -= piece.length;
+                }
+            }
+            std::vector<std::exception_ptr> errors(parts);
+            std::function<void(size_t)> fn = [&](size_t i) {
+                try {
+                    vm_copy_ops(pid, slices[i].data(), slices[i].size(), is_write);
+                } catch (...) {
+                    errors[i] = std::current_exception();
+                }
+            };
+            if (pool.run(parts, fn)) {
+                for (auto& e : errors)
+                    if (e) std::rethrow_exception(e);
+                return;
+            }
+        }
+    }
+    vm_copy_ops(pid, ops.data(), ops.size(), is_write);
 }
 
 void local_copy(const std::vector<Op>& ops) {

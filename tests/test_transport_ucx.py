@@ -211,3 +211,32 @@ def test_peer_killed_mid_batch_then_survivor_moves_on(mode):
             b.wait(b.post(conn, "write", [[le, 0, rid, BLOCK, BLOCK]]), timeout=30)
             pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)
             assert np.array_equal(pool[BLOCK : 2 * BLOCK], extra)
+
+
+@pytest.mark.parametrize("split", ["8192", "0"])
+def test_vm_batch_split_across_copy_threads(split, monkeypatch):
+    # KVXFER_VM_SPLIT_BYTES=8192 makes even this small batch split across the copy
+    # threads, cutting runs mid-way at page boundaries; odd lengths and scattered,
+    # reversed remote slots must still land byte for byte, both directions.
+    monkeypatch.setenv("KVXFER_VM_SPLIT_BYTES", split)
+    rng = np.random.default_rng(4)
+    run, stride = 5000, 3 * BLOCK
+    n = POOL // stride
+    src = rng.integers(0, 256, n * run, dtype=np.uint8)
+    slots = rng.permutation(n)
+    with peer("vm") as (_, pipe, meta, rid), initiator("vm") as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        conn = b.connect(meta)
+        assert conn.transport == "vm"
+        rows = np.array([[ls, i * run, rid, s * stride + 7, run] for i, s in enumerate(slots)], np.int64)
+        b.wait(b.post(conn, "write", rows), timeout=30)
+        pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)
+        expect = np.zeros(POOL, np.uint8)
+        for i, s in enumerate(slots):
+            expect[s * stride + 7 : s * stride + 7 + run] = src[i * run : (i + 1) * run]
+        assert np.array_equal(pool, expect)
+
+        dst = np.zeros_like(src)
+        rows[:, 0] = b.register(dst.ctypes.data, dst.nbytes)
+        b.wait(b.post(conn, "read", rows), timeout=30)
+        assert np.array_equal(dst, src)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import errors
 from .errors import (
     AuthenticationError,
     InvalidDescriptor,
@@ -35,18 +36,7 @@ _LAZY = {
     "TransferHandle": "kvxfer.handle",
 }
 
-__all__ = [
-    "KVXferError",
-    "TransferTimeout",
-    "PeerDisconnected",
-    "LayoutMismatch",
-    "AuthenticationError",
-    "RegistrationError",
-    "InvalidDescriptor",
-    "TransferCancelled",
-    "ProtocolError",
-    *_LAZY,
-]
+__all__ = [*errors.__all__, *_LAZY]
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@ owns a prefill pool filled with a deterministic pattern. P posts every send up
 front; D times each request from ``recv`` posted to every byte visible in its
 blocks (RECV_POST, plan, zero-copy or pack, DATA_DONE). Block ids are a random
 sample of the pool in random order on both sides. The yardstick is a
-single-thread memcpy of the same number of bytes in the same run. A second phase
+single-thread memcpy of the same number of bytes, sampled after each timed request. A second phase
 times 1-block requests (recv posted -> both handles done): p50 and p99.
 ``--compare nixl`` also times NIXL writing the same bytes as per-block
 descriptors, in the same run.
@@ -133,7 +133,7 @@ def _median(xs):
 def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
     from ..agent import Agent
     from ..kernels import pack
-    from .limits import memcpy_seconds
+    from .limits import MemcpyLimit
     from .stats import percentile
 
     ctx = mp.get_context("spawn")
@@ -157,7 +157,11 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
                 raise RuntimeError(f"prefill process failed: {msg[1]}")
         dst = _ids(spec, 2)
         nbytes = sum(a._layout.wire_nbytes(len(dst)) for a in d_agents)
-        times = []
+        # The memcpy limit is sampled between requests (same bytes count, same run, same
+        # moment), so drift in the host's memory bandwidth hits both alike.
+        limit = MemcpyLimit(nbytes)
+        limit.seconds(1, warmup=1)
+        times, memcpy = [], []
         for i, req in enumerate(requests):
             t0 = time.perf_counter()
             hs = [a.recv(req, dst, timeout=TIMEOUT_S) for a in d_agents]
@@ -165,6 +169,8 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
                 h.wait(TIMEOUT_S)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                memcpy.append(limit.sample())
+        del limit
         path = hs[0].path
         rtts = []
         for i in range(rtt_iters):
@@ -188,7 +194,6 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
                 ok &= got == crc
                 compared += 1
         ok &= compared >= max(spec["p_tp"], spec["d_tp"])
-        memcpy = memcpy_seconds(nbytes, iters=max(3, iters))
         t_med, m_med = _median(times), _median(memcpy)
         return {"spec": spec, "bytes": nbytes, "seconds": times, "memcpy_seconds": memcpy,
                 "gbps": nbytes / t_med / 1e9, "memcpy_gbps": nbytes / m_med / 1e9,

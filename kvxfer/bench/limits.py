@@ -1,7 +1,7 @@
 """Physical limits, measured in the same run as the results they bound.
 
-- :func:`memcpy_seconds`: one thread copying N bytes between two buffers of this
-  process with libc ``memcpy`` (``ctypes.memmove``). Single-threaded on purpose:
+- :class:`MemcpyLimit` / :func:`memcpy_seconds`: one thread copying N bytes between
+  two buffers of this process with libc ``memcpy`` (``ctypes.memmove``). Single-threaded on purpose:
   a same-host transfer (UCX cma, ``process_vm_writev``) is one thread copying too.
   ``torch`` copies are avoided because torch splits large copies over its thread
   pool, which would make the limit depend on ``torch.get_num_threads()``.
@@ -52,29 +52,48 @@ def _call_overhead(dst_ptr: int, src_ptr: int, reps: int) -> float:
     return sorted(per_call)[2]
 
 
-def memcpy_seconds(nbytes: int, iters: int, warmup: int = 2) -> list[float]:
-    """Seconds per single-thread ``memcpy`` of ``nbytes`` (``iters`` samples, warm-up dropped).
+class MemcpyLimit:
+    """Two page-aligned, pre-faulted buffers of ``nbytes`` kept for a whole measurement,
+    so limit samples can be taken *between* the transfers they bound (interleaved: load
+    from other processes and the host's memory bandwidth drift hit both alike).
 
     Copies below 4 MiB are repeated inside one sample (the clock cannot resolve a
     4 KiB copy) and the measured cost of the Python call itself is subtracted, so a
     small copy's figure is libc's, not the interpreter's. Buffers are reused, as the
     transfers they bound reuse theirs, so caches are equally warm on both sides.
     """
+
+    def __init__(self, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        self.nbytes = nbytes
+        self._src, self._dst = _buffer(nbytes), _buffer(nbytes)
+        self._src_ptr, self._dst_ptr = self._src.ctypes.data, self._dst.ctypes.data
+        self._reps = max(1, (4 << 20) // nbytes)
+        self._overhead = _call_overhead(self._dst_ptr, self._src_ptr, self._reps) if self._reps > 1 else 0.0
+
+    def sample(self) -> float:
+        """Seconds for one single-thread ``memcpy`` of ``nbytes``."""
+        t0 = time.perf_counter()
+        for _ in range(self._reps):
+            ctypes.memmove(self._dst_ptr, self._src_ptr, self.nbytes)
+        return max((time.perf_counter() - t0) / self._reps - self._overhead, 1e-9)
+
+    def seconds(self, iters: int, warmup: int = 2) -> list[float]:
+        """``iters`` samples after ``warmup`` discarded ones."""
+        if iters <= 0:
+            raise ValueError("iters must be positive")
+        for _ in range(warmup):
+            self.sample()
+        return [self.sample() for _ in range(iters)]
+
+
+def memcpy_seconds(nbytes: int, iters: int, warmup: int = 2) -> list[float]:
+    """Seconds per single-thread ``memcpy`` of ``nbytes`` (``iters`` samples, warm-up dropped);
+    see :class:`MemcpyLimit`."""
     if nbytes <= 0 or iters <= 0:
         raise ValueError("nbytes and iters must be positive")
-    src, dst = _buffer(nbytes), _buffer(nbytes)
-    src_ptr, dst_ptr = src.ctypes.data, dst.ctypes.data
-    reps = max(1, (4 << 20) // nbytes)
-    overhead = _call_overhead(dst_ptr, src_ptr, reps) if reps > 1 else 0.0
-    samples = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            ctypes.memmove(dst_ptr, src_ptr, nbytes)
-        dt = (time.perf_counter() - t0) / reps - overhead
-        if i >= warmup:
-            samples.append(max(dt, 1e-9))
-    return samples
+    return MemcpyLimit(nbytes).seconds(iters, warmup)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, nbytes: int) -> None:

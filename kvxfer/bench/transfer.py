@@ -117,21 +117,24 @@ def _merge(parts: list[dict]) -> dict:
 
 
 def _sweep(args, sizes: list[int], kvx, nixl, sock) -> list[dict]:
-    from .limits import memcpy_seconds
+    from .limits import MemcpyLimit
 
     rounds = args.rounds if nixl is not None else 1
     per_round = max(1, args.iters // rounds)
     rows = []
     with report.progress(len(sizes), "transfer sweep", enabled=not args.no_progress) as advance:
         for bs in sizes:
-            kvx_parts, nixl_parts = [], []
-            for _ in range(rounds):  # A B A B: drift (other load, clocks) hits both alike
+            kvx_parts, nixl_parts, mem = [], [], []
+            nbytes = bs * args.batch_size
+            limit = MemcpyLimit(nbytes)
+            limit.seconds(1, warmup=2)
+            for _ in range(rounds):  # A B A B (+ memcpy): drift (other load, clocks) hits all alike
                 kvx_parts.append(kvx.measure(bs, args.batch_size, args.op, per_round, args.warmup,
                                              path=args.path, check=args.check))
+                mem += limit.seconds(per_round, warmup=1)
                 if nixl is not None:
                     nixl_parts.append(nixl.measure(bs, args.batch_size, args.op, per_round, args.warmup))
-            nbytes = bs * args.batch_size
-            mem = memcpy_seconds(nbytes, per_round * rounds)
+            del limit
             sock_s = sock.seconds(nbytes, min(per_round * rounds, 20)) if sock is not None else None
             rows.append(_row(bs, args.batch_size, _merge(kvx_parts), kvx.transport, mem, sock_s,
                              _merge(nixl_parts) if nixl_parts else None))

@@ -50,8 +50,21 @@ class FrameReader:
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         """Append ``data``; return every complete ``(msg_type, payload)``."""
-        self._buf += data
         frames = []
+        if not self._buf and self._need is None:
+            # common case: whole frames straight out of ``data``, no buffer copies
+            pos, end = 0, len(data)
+            while end - pos >= HEADER.size:
+                msg_type, length = parse_header(data[pos:pos + HEADER.size])
+                if end - pos - HEADER.size < length:
+                    break
+                pos += HEADER.size
+                frames.append((msg_type, data[pos:pos + length]))
+                pos += length
+            if pos == end:
+                return frames
+            data = data[pos:]
+        self._buf += data
         while True:
             if self._need is None:
                 if len(self._buf) < HEADER.size:

@@ -21,6 +21,8 @@ from .framing import FrameReader
 from .messages import decode
 
 MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
+import os as _os
+_MSG_MORE = 0 if _os.environ.get("XNOMORE") else getattr(socket, "MSG_MORE", 0)
 
 
 class Conn:
@@ -37,20 +39,31 @@ class Conn:
         self._out = bytearray()  # bytes the socket did not take yet; the loop flushes them
         sock.setblocking(False)
 
-    def send(self, frame: bytes) -> bool:
+    def send(self, frame: bytes, more: bool = False) -> bool:
         """Queue one whole frame and write what the socket takes now; never blocks.
 
         Returns False (and the connection closes) if the peer is gone or stopped
         reading. Frames keep their order; the I/O thread flushes the rest.
+        ``more``: another frame follows shortly from this thread; the kernel may hold
+        this one back (``MSG_MORE``, at most ~200 ms) to send both in one segment. A
+        held frame still reaches the peer if this process dies (close flushes it).
         """
         err = None
         with self._send_lock:
             if self.closed:
                 return False
             was_idle = not self._out
-            self._out += frame
-            if was_idle:
-                err = self._flush_locked()
+            if was_idle:  # common case: hand the frame to the kernel without copying it
+                try:
+                    sent = self.sock.send(frame, _MSG_MORE if more else 0)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError as exc:
+                    err, sent = exc, len(frame)
+                if sent < len(frame):
+                    self._out += memoryview(frame)[sent:]
+            else:
+                self._out += frame
             if err is None and len(self._out) > MAX_OUTBUF:
                 err = ConnectionError("peer stopped reading its control connection")
             need_write = err is None and was_idle and bool(self._out)

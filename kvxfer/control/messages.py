@@ -67,16 +67,30 @@ SCHEMAS: dict[Msg, dict[str, str]] = {
 }
 
 
+def _ints_ok(value) -> bool:
+    # json only yields int, float, bool, str, None, list, dict: one type check over the
+    # whole list in C (bool is its own type), then the range from min/max
+    return (type(value) is list and len(value) <= MAX_LIST
+            and (not value or (set(map(type, value)) == {int} and min(value) >= 0 and max(value) < (1 << 62))))
+
+
 def _check(kind: str, value):
     """Return the validated (and for b64, decoded) value or raise ProtocolError."""
     if kind == "int":
         if type(value) is int and 0 <= value < (1 << 63):
             return value
-    elif kind == "bool":
-        if type(value) is bool:
-            return value
     elif kind == "str":
         if type(value) is str and len(value) <= MAX_STR:
+            return value
+    elif kind == "ints":
+        if _ints_ok(value):
+            return value
+    elif kind == "range":
+        if (type(value) is list and len(value) == 2 and type(value[0]) is int and type(value[1]) is int
+                and 0 <= value[0] <= value[1] < (1 << 31)):
+            return (value[0], value[1])
+    elif kind == "bool":
+        if type(value) is bool:
             return value
     elif kind == "hex32":
         if type(value) is str and len(value) == 64:
@@ -90,15 +104,6 @@ def _check(kind: str, value):
                 return base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError):
                 pass
-    elif kind == "ints":
-        if type(value) is list and len(value) <= MAX_LIST and all(
-            type(v) is int and 0 <= v < (1 << 62) for v in value
-        ):
-            return value
-    elif kind == "range":
-        if (type(value) is list and len(value) == 2 and all(type(v) is int for v in value)
-                and 0 <= value[0] <= value[1] < (1 << 31)):
-            return (value[0], value[1])
     elif kind == "obj":
         if type(value) is dict:
             return value
@@ -111,19 +116,25 @@ def _wire(kind: str, value):
     if kind == "b64":
         return base64.b64encode(bytes(value)).decode("ascii")
     if kind == "ints":
-        return [int(v) for v in value]
+        return list(map(int, value))
     if kind == "range":
         return [int(value[0]), int(value[1])]
     return value
 
 
+# one encoder, built once (json.dumps with separators builds a new one per call)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+_SCHEMA_ITEMS = {t: tuple(s.items()) for t, s in SCHEMAS.items()}
+_PASS = frozenset(("int", "str", "bool", "obj"))  # encoded as given
+
+
 def encode(msg_type: Msg, **fields) -> bytes:
     """One framed message; ``fields`` must match the schema exactly (else ValueError)."""
     schema = SCHEMAS[msg_type]
-    if set(fields) != set(schema):
+    if fields.keys() != schema.keys():
         raise ValueError(f"{msg_type.name} takes fields {sorted(schema)}, got {sorted(fields)}")
-    body = {k: _wire(schema[k], v) for k, v in fields.items()}
-    return encode_frame(int(msg_type), json.dumps(body, separators=(",", ":")).encode())
+    body = {k: v if kind in _PASS else _wire(kind, v) for k, v in fields.items() for kind in (schema[k],)}
+    return encode_frame(int(msg_type), _ENCODER.encode(body).encode())
 
 
 def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
@@ -137,6 +148,6 @@ def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ProtocolError(f"{kind.name}: payload is not JSON") from None
     schema = SCHEMAS[kind]
-    if type(body) is not dict or set(body) != set(schema):
+    if type(body) is not dict or body.keys() != schema.keys():
         raise ProtocolError(f"{kind.name}: fields do not match the schema")
-    return kind, {k: _check(schema[k], body[k]) for k in schema}
+    return kind, {k: _check(t, body[k]) for k, t in _SCHEMA_ITEMS[kind]}

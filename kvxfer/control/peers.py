@@ -36,8 +36,8 @@ class Peer:
         """What actually carries the bytes (e.g. ``vm``, ``ucx:cma``, ``loopback``)."""
         return self.bconn.transport if self.bconn is not None else "none"
 
-    def send(self, frame: bytes) -> bool:
-        return self.is_connected and self.conn.send(frame)
+    def send(self, frame: bytes, more: bool = False) -> bool:
+        return self.is_connected and self.conn.send(frame, more)
 
     def __repr__(self) -> str:
         state = "connected" if self.is_connected else "disconnected"

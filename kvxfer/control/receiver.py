@@ -83,15 +83,20 @@ class ReceiverSide:
             if hi <= lo:
                 return
             bits = ((1 << (hi - lo)) - 1) << lo
-            full, landed = op.full_mask, []
-            for layer in layers:
-                if layer in op.handle._layers and op.covered.get(layer, 0) != full:
-                    op.covered[layer] = op.covered.get(layer, 0) | bits
-                    if op.covered[layer] == full:
-                        landed.append(layer)
+            full, covered, wanted = op.full_mask, op.covered, op.handle._layers
+            if bits == full and not covered and wanted.issubset(layers):
+                landed = op.layers  # the common single piece: every layer, every head
+                covered.update(dict.fromkeys(landed, full))
+            else:
+                landed = []
+                for layer in layers:
+                    if layer in wanted and covered.get(layer, 0) != full:
+                        covered[layer] = covered.get(layer, 0) | bits
+                        if covered[layer] == full:
+                            landed.append(layer)
             op.handle.nbytes += nbytes
             op.handle._mark_layers(landed)
-            if all(op.covered.get(layer, 0) == full for layer in op.layers):
+            if all(covered.get(layer, 0) == full for layer in op.layers):
                 # book-keeping first: whoever wakes on the handle sees the lease gone
                 del self._recvs[req]
                 self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")

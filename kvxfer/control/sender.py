@@ -99,11 +99,14 @@ class SenderSide(Shipper):
         self._check_open()
         if self._layout is None:
             raise KVXferError("call register_kv before moving blocks")
-        ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1))
+        if type(block_ids) in (list, tuple) and block_ids and set(map(type, block_ids)) == {int}:
+            ids = tuple(block_ids)  # the common case, without a numpy round trip
+        else:
+            ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1))
         if not ids:
             raise ValueError("block_ids is empty")
-        bad = [b for b in ids if not 0 <= b < self._layout.num_blocks]
-        if bad:
+        if min(ids) < 0 or max(ids) >= self._layout.num_blocks:
+            bad = [b for b in ids if not 0 <= b < self._layout.num_blocks]
             raise ValueError(f"block id {bad[0]} out of range [0, {self._layout.num_blocks})")
         return ids
 
@@ -150,8 +153,7 @@ class SenderSide(Shipper):
                 f"{op.key[1]!r}: receiver expects {len(post.blocks)} blocks, sender has {len(op.ids)}"), "failed")
             return
         op.post = post
-        if send_matched:
-            op.peer.send(encode(Msg.MATCHED, req=post.req, xid=post.xid))
+        matched = encode(Msg.MATCHED, req=post.req, xid=post.xid) if send_matched else None
         wanted = set(post.layers)
         op.target = frozenset(wanted if op.ready is None or op.streaming else wanted & set(op.ready))
         if op.ready is None:
@@ -159,17 +161,23 @@ class SenderSide(Shipper):
         if op.streaming:
             op.handle._layers = op.target
         ship = [l for l in op.ready if l in wanted]
-        if not op.target:
-            self._finish_send(op)
-        elif op.streaming:
+        if not op.target or op.streaming:
+            if matched is not None:
+                op.peer.send(matched)
+            if not op.target:
+                self._finish_send(op)
             for layer in ship:
                 self._enqueue_ship(op, [layer])
         else:
-            self._enqueue_ship(op, ship)
+            self._enqueue_ship(op, ship, matched)
 
-    def _enqueue_ship(self, op: SendOp, layers: list) -> None:
+    def _enqueue_ship(self, op: SendOp, layers: list, matched: bytes | None = None) -> None:
         """Queue a piece for the send worker; a small zero-copy piece runs right here
-        (lock held, no waiting on the peer), saving a thread hop on the latency path."""
+        (lock held, no waiting on the peer), saving a thread hop on the latency path.
+        ``matched``: the MATCHED frame to send first. Ahead of an inline piece it goes
+        out with ``MSG_MORE``, so it shares a segment with the DATA_DONE that follows
+        (one wake-up on D instead of two); it is in the kernel before the write starts,
+        so D still learns who matched if this process dies mid-write."""
         op.shipped.update(layers)
         op.inflight += 1
         layers = tuple(layers)
@@ -177,7 +185,10 @@ class SenderSide(Shipper):
             choice = self._choose(op, layers)
         except KVXferError as exc:
             choice = exc
-        if not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES:
+        inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
+        if matched is not None:
+            op.peer.send(matched, more=inline)
+        if inline:
             self._ship(op, layers, choice)
         else:
             self._send_q.put(lambda: self._ship(op, layers, choice))

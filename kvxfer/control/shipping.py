@@ -40,7 +40,19 @@ class Shipper:
         return max(0.0, lease.deadline - time.monotonic())
 
     def _choose(self, op: SendOp, layers: tuple) -> tuple:
-        """``(heads, path, nbytes)`` of one piece: the head overlap and the cost model's pick."""
+        """``(heads, path, nbytes)`` of one piece: the head overlap and the cost model's pick
+        (a pure function of the peer's geometry and the piece's shape: cached)."""
+        key = (op.peer.geometry, len(op.ids), layers, op.post.heads)
+        cache = self.__dict__.setdefault("_choice_cache", {})
+        choice = cache.get(key)
+        if choice is None:
+            choice = self._choose_uncached(op, layers)
+            if len(cache) >= 256:
+                cache.clear()
+            cache[key] = choice
+        return choice
+
+    def _choose_uncached(self, op: SendOp, layers: tuple) -> tuple:
         heads = plan.overlap(self._geometry.head_range, op.post.heads)
         if heads is None:
             raise LayoutMismatch(f"no kv heads in common: sender {self._geometry.head_range}, "
@@ -84,12 +96,13 @@ class Shipper:
         self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
         self._remaining(op)  # stop here if cancelled meanwhile
         self._post_and_wait(op, "write", descs)
-        self.metrics.inc("bytes_sent", nbytes, path="zero_copy")
         with self._lock:
+            pending = op.pending
             for layer in layers:
-                op.pending[layer] = op.pending.get(layer, 0) + 1
+                pending[layer] = pending.get(layer, 0) + 1
         op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
-                            blocks=[], layers=list(layers), heads=heads, offset=0, nbytes=nbytes))
+                            blocks=[], layers=layers, heads=heads, offset=0, nbytes=nbytes))
+        self.metrics.inc("bytes_sent", nbytes, path="zero_copy")
         self._pieces_visible(op, layers)
 
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple) -> None:
@@ -143,11 +156,13 @@ class Shipper:
     def _pieces_visible(self, op: SendOp, layers) -> None:
         with self._lock:
             done = []
+            pending = op.pending
             for layer in layers:
-                op.pending[layer] -= 1
-                if op.pending[layer] == 0:
-                    op.visible.add(layer)
+                n = pending[layer] - 1
+                pending[layer] = n
+                if n == 0:
                     done.append(layer)
+            op.visible.update(done)
             op.handle._mark_layers(done)
             if op.ended is None and op.target <= op.visible:
                 self._finish_send(op)

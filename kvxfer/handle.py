@@ -40,6 +40,7 @@ class TransferHandle:
         self._error: BaseException | None = None
         self._on_cancel = on_cancel
         self._cond = threading.Condition()
+        self._layer_waiters = 0  # wait(layer=) calls blocked now; a landed layer wakes only them
 
     # ---- caller API -------------------------------------------------------------
     @property
@@ -73,7 +74,14 @@ class TransferHandle:
             return self._state != PENDING or (layer is not None and layer in self._layers_done)
 
         with self._cond:
-            if not self._cond.wait_for(ready, timeout):
+            if layer is not None:
+                self._layer_waiters += 1
+            try:
+                ok = self._cond.wait_for(ready, timeout)
+            finally:
+                if layer is not None:
+                    self._layer_waiters -= 1
+            if not ok:
                 raise TransferTimeout(f"{self!r} still pending after {timeout} s")
             if layer is not None and layer in self._layers_done:
                 return
@@ -119,13 +127,21 @@ class TransferHandle:
 
     def _succeed(self) -> bool:
         with self._cond:
+            if self._state != PENDING:
+                return False
             self._layers_done |= self._layers
-        return self._finish(DONE, None)
+            self._state = DONE
+            self.finished = time.monotonic()
+            self._cond.notify_all()
+            return True
 
     def _fail(self, error: KVXferError) -> bool:
         return self._finish(FAILED, error)
 
     def _mark_layers(self, layers) -> None:
+        if not layers:
+            return
         with self._cond:
             self._layers_done.update(layers)
-            self._cond.notify_all()
+            if self._layer_waiters:  # a whole-transfer wait would only wake to sleep again
+                self._cond.notify_all()

@@ -53,13 +53,13 @@ class Metrics:
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
         assert name in COUNTERS, name
-        key = (name, tuple(sorted(labels.items())))
+        key = (name, tuple(sorted(labels.items())) if len(labels) > 1 else tuple(labels.items()))
         with self._lock:
             self._counters[key] = self._counters.get(key, 0) + value
 
     def observe(self, name: str, seconds: float, **labels) -> None:
         assert name in HISTOGRAMS, name
-        key = (name, tuple(sorted(labels.items())))
+        key = (name, tuple(sorted(labels.items())) if len(labels) > 1 else tuple(labels.items()))
         with self._lock:
             hist = self._hists.get(key)
             if hist is None:

@@ -215,17 +215,17 @@ def zero_copy_descs(src: Geometry, src_ids, dst: Geometry, dst_ids, layers, head
 
     ``src_regions``/``dst_regions`` map region index -> backend region id.
     """
+    layers = tuple(layers)
+    if len(src_ids) == 1 and len(dst_ids) == 1 and layers and _uniform(src) and _uniform(dst):
+        # one block: coalescing is invariant under shifting every row by the same
+        # offsets, so the coalesced template is cached and only shifted per request
+        out = _template1(src, dst, layers, heads, tuple(src_regions), tuple(dst_regions)).copy()
+        out[:, 1] += int(src_ids[0]) * src.planes[0][2]
+        out[:, 3] += int(dst_ids[0]) * dst.planes[0][2]
+        return out
     sids = np.asarray(src_ids, dtype=np.int64)
     dids = np.asarray(dst_ids, dtype=np.int64)
-    layers = tuple(layers)
     if _uniform(src) and _uniform(dst) and layers:
-        if sids.size == 1 and dids.size == 1:
-            # one block: coalescing is invariant under shifting every row by the same
-            # offsets, so the coalesced template is cached and only shifted per request
-            out = _template1(src, dst, layers, heads, tuple(src_regions), tuple(dst_regions)).copy()
-            out[:, 1] += int(sids[0]) * src.planes[0][2]
-            out[:, 3] += int(dids[0]) * dst.planes[0][2]
-            return out
         base = _template(src, dst, layers, heads, tuple(src_regions), tuple(dst_regions))
         out = np.repeat(base[:, None], sids.size, axis=1)  # [plane, block, run, 5]
         out[..., 1] += (sids * src.planes[0][2])[None, :, None]

@@ -21,8 +21,7 @@ from .framing import FrameReader
 from .messages import decode
 
 MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
-import os as _os
-_MSG_MORE = 0 if _os.environ.get("XNOMORE") else getattr(socket, "MSG_MORE", 0)
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)
 
 
 class Conn:

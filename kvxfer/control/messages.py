@@ -128,21 +128,57 @@ _SCHEMA_ITEMS = {t: tuple(s.items()) for t, s in SCHEMAS.items()}
 _PASS = frozenset(("int", "str", "bool", "obj"))  # encoded as given
 
 
+def _fast_ints(value) -> str | None:
+    if type(value) is tuple:  # layer lists repeat on every request: format each once
+        text = _INTS_CACHE.get(value)
+        if text is None and (not value or set(map(type, value)) == {int}):
+            text = "[" + ",".join(map(str, value)) + "]"
+            if len(_INTS_CACHE) >= 1024:
+                _INTS_CACHE.clear()
+            _INTS_CACHE[value] = text
+        return text
+    if type(value) is list and (not value or set(map(type, value)) == {int}):
+        return "[" + ",".join(map(str, value)) + "]"
+    return None
+
+
+_INTS_CACHE: dict = {}
+_MSGS = {int(m): m for m in Msg}
+# JSON text of a field straight from plain Python values; None: let the general path convert it
+_FAST = {
+    "int": lambda v: str(v) if type(v) is int else None,
+    "str": lambda v: _ENCODER.encode(v) if type(v) is str else None,
+    "bool": lambda v: ("true" if v else "false") if type(v) is bool else None,
+    "ints": _fast_ints,
+    "range": lambda v: (f"[{v[0]},{v[1]}]" if type(v) in (tuple, list) and len(v) == 2
+                        and type(v[0]) is int and type(v[1]) is int else None),
+}
+_KEYS = {k: _ENCODER.encode(k) + ":" for schema in SCHEMAS.values() for k in schema}
+
+
 def encode(msg_type: Msg, **fields) -> bytes:
     """One framed message; ``fields`` must match the schema exactly (else ValueError)."""
     schema = SCHEMAS[msg_type]
     if fields.keys() != schema.keys():
         raise ValueError(f"{msg_type.name} takes fields {sorted(schema)}, got {sorted(fields)}")
+    parts = []
+    for k, kind in _SCHEMA_ITEMS[msg_type]:
+        fast = _FAST.get(kind)
+        text = fast(fields[k]) if fast is not None else None
+        if text is None:
+            break
+        parts.append(_KEYS[k] + text)
+    else:
+        return encode_frame(int(msg_type), ("{" + ",".join(parts) + "}").encode())
     body = {k: v if kind in _PASS else _wire(kind, v) for k, v in fields.items() for kind in (schema[k],)}
     return encode_frame(int(msg_type), _ENCODER.encode(body).encode())
 
 
 def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
     """Validate one received frame; return ``(type, fields)`` with decoded values."""
-    try:
-        kind = Msg(msg_type)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {msg_type}") from None
+    kind = _MSGS.get(msg_type)
+    if kind is None:
+        raise ProtocolError(f"unknown message type {msg_type}")
     try:
         body = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -150,4 +186,14 @@ def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
     schema = SCHEMAS[kind]
     if type(body) is not dict or body.keys() != schema.keys():
         raise ProtocolError(f"{kind.name}: fields do not match the schema")
-    return kind, {k: _check(t, body[k]) for k, t in _SCHEMA_ITEMS[kind]}
+    out = {}
+    for k, t in _SCHEMA_ITEMS[kind]:
+        v = body[k]
+        # the hot kinds inline; everything else (and every invalid value) through _check
+        if t == "int" and type(v) is int and 0 <= v < (1 << 63):
+            out[k] = v
+        elif t == "ints" and _ints_ok(v):
+            out[k] = v
+        else:
+            out[k] = _check(t, v)
+    return kind, out

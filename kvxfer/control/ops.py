@@ -55,6 +55,7 @@ class RecvOp:
     quiescing: set = field(default_factory=set)  # peers that must CANCEL_ACK before blocks are free
     reason: str = "done"
     started: float = field(default_factory=time.monotonic)
+    post_frame: bytes | None = None  # the encoded RECV_POST
 
     @property
     def full_mask(self) -> int:

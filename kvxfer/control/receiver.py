@@ -48,11 +48,13 @@ class ReceiverSide:
             if req in self._recvs:
                 raise ValueError(f"request {req!r} is already being received")
             op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle)
-            lease = self.leases.acquire(("recv", req, op.xid), req, ids, timeout)
             self._recvs[req] = op
             handle._on_cancel = lambda h: self._end_recv(op, None, "cancelled")
             for peer in list(self._peers.values()):
                 self._post_to(peer, op)
+            # still under the lock: nothing that could end this op (a DATA_DONE, a cancel,
+            # a disconnect) runs before its lease exists; the RECV_POST left a bit earlier
+            lease = self.leases.acquire(("recv", req, op.xid), req, ids, timeout)
         self._loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
             op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
         return handle
@@ -62,8 +64,10 @@ class ReceiverSide:
         if peer.geometry is None or not peer.is_connected:
             return
         op.posted_to.add(peer)
-        peer.send(encode(Msg.RECV_POST, req=op.req, xid=op.xid, blocks=list(op.blocks),
-                         layers=list(op.layers), heads=op.heads))
+        if op.post_frame is None:  # the same frame goes to every peer
+            op.post_frame = encode(Msg.RECV_POST, req=op.req, xid=op.xid, blocks=op.blocks,
+                                   layers=op.layers, heads=op.heads)
+        peer.send(op.post_frame)
 
     def _post_pending_recvs(self, peer) -> None:
         for op in list(self._recvs.values()):

@@ -88,9 +88,11 @@ class ReceiverSide:
                 return
             bits = ((1 << (hi - lo)) - 1) << lo
             full, covered, wanted = op.full_mask, op.covered, op.handle._layers
+            op.handle.nbytes += nbytes
             if bits == full and not covered and wanted.issubset(layers):
-                landed = op.layers  # the common single piece: every layer, every head
-                covered.update(dict.fromkeys(landed, full))
+                # the common single piece: every layer, every head (_succeed marks the layers)
+                covered.update(dict.fromkeys(op.layers, full))
+                complete = True
             else:
                 landed = []
                 for layer in layers:
@@ -98,9 +100,9 @@ class ReceiverSide:
                         covered[layer] = covered.get(layer, 0) | bits
                         if covered[layer] == full:
                             landed.append(layer)
-            op.handle.nbytes += nbytes
-            op.handle._mark_layers(landed)
-            if all(covered.get(layer, 0) == full for layer in op.layers):
+                op.handle._mark_layers(landed)
+                complete = all(covered.get(layer, 0) == full for layer in op.layers)
+            if complete:
                 # book-keeping first: whoever wakes on the handle sees the lease gone
                 del self._recvs[req]
                 self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")

@@ -205,3 +205,26 @@ def test_connect_rejects_garbage_metadata_with_typed_errors(backend):
     with pytest.raises(TypeError):
         backend.connect("not bytes")
     assert backend.connect(good).transport  # the engine is still healthy
+
+
+@pytest.mark.parametrize("mode", ["advise", "collapse", "off"])
+def test_huge_page_preference_keeps_contents(mode, monkeypatch):
+    # KVXFER_HUGEPAGES asks for transparent huge pages at registration (collapse rebuilds
+    # the pages already present); whether the kernel grants them varies, the bytes must not.
+    import mmap
+
+    monkeypatch.setenv("KVXFER_HUGEPAGES", mode)
+    size = 8 << 20
+    buf = mmap.mmap(-1, size + (2 << 20))  # untouched anonymous memory, not 2 MiB aligned inside
+    arr = np.frombuffer(buf, np.uint8)[4096 : 4096 + size]
+    want = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    arr[: size // 2] = want[: size // 2]  # half touched before registration, half after
+    b = make_backend("vm")
+    try:
+        b.register(arr.ctypes.data, arr.nbytes)
+        arr[size // 2 :] = want[size // 2 :]
+        assert np.array_equal(arr, want)
+    finally:
+        b.close()
+        del arr
+        buf.close()

@@ -94,14 +94,16 @@ class Shipper:
         descs = plan.zero_copy_descs(self._geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
                                      heads, self._region_ids, op.peer.region_ids)
         self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
+        # ready before the write, so only the send is left between completion and D
+        done_frame = encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
+                            blocks=[], layers=layers, heads=heads, offset=0, nbytes=nbytes)
         self._remaining(op)  # stop here if cancelled meanwhile
         self._post_and_wait(op, "write", descs)
+        op.peer.send(done_frame)
         with self._lock:
             pending = op.pending
             for layer in layers:
                 pending[layer] = pending.get(layer, 0) + 1
-        op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
-                            blocks=[], layers=layers, heads=heads, offset=0, nbytes=nbytes))
         self.metrics.inc("bytes_sent", nbytes, path="zero_copy")
         self._pieces_visible(op, layers)
 

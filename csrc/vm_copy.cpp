@@ -217,7 +217,11 @@ void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
     size_t parts = 1;
     if (!ops.empty() && split > 0 && total >= split) {
         CopyPool& pool = CopyPool::instance();
-        parts = std::min(pool.helpers() + 1, total / (split / 2 ? split / 2 : 1));
+        // More slices than threads, taken in turn: a helper that wakes late (or shares
+        // its core with other work) takes fewer, and the caller is never left waiting
+        // on a big slice. Slices of at least 1 MiB keep the per-slice cost negligible.
+        const size_t threads = pool.helpers() + 1;
+        parts = threads == 1 ? 1 : std::max(threads, std::min<size_t>(total >> 20, 8 * threads));
         if (parts > 1) {
             // Byte-balanced slices, cut at page boundaries (an op may be split between two threads).
             const size_t page = 4096;

@@ -38,10 +38,10 @@ private:
 // True when this process may read the token at probe_addr and write a scratch byte after it.
 bool vm_probe(pid_t pid, uint64_t probe_addr, uint64_t probe_length, const std::string& token);
 
-// Batches of at least vm_split_bytes() are split byte-evenly (at page boundaries)
-// across the calling thread and a small persistent pool of copy threads
-// (vm_copy_threads() helpers, started on first use, parked between batches; a
-// caller that finds the pool busy copies alone). Smaller batches stay on the
+// Batches of at least vm_split_bytes() are split into byte-even slices (cut at page
+// boundaries, >= 1 MiB, up to 8 per thread) taken in turn by the calling thread and
+// a small persistent pool of copy threads (vm_copy_threads() helpers, started on
+// first use, parked between batches; a caller that finds the pool busy copies alone). Smaller batches stay on the
 // calling thread. Environment: KVXFER_VM_THREADS (copying threads including the
 // caller, default min(cores, 2); 1 disables the pool) and KVXFER_VM_SPLIT_BYTES
 // (default 4 MiB; 0 disables splitting).

@@ -84,7 +84,8 @@ PYBIND11_MODULE(_C, m) {
                                   r.mapping->device_id, r.mapping->is_pinned, r.is_cached);
         };
         py::class_<Engine>(m, "Engine", "UCP context+worker, memory registry and connections (see ucx_engine.h)")
-            .def(py::init<bool>(), py::arg("allow_vm") = true)
+            .def(py::init<bool, const std::string&>(), py::arg("allow_vm") = true,
+                 py::arg("net_devices") = std::string())
             .def_property_readonly("uid", &Engine::uid)
             .def_property_readonly("closed", &Engine::closed)
             .def("register", [=](Engine& e, uintptr_t addr, size_t length, int kind, int device_id, bool pin) {

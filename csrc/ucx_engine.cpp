@@ -144,7 +144,7 @@ void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     if (st != UCS_OK) throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
 }
 
-Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
+Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_vm) {
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
@@ -164,6 +164,15 @@ Engine::Engine(bool allow_vm) : allow_vm_(allow_vm) {
     // keepalive on the am lane, the pidfd). UCX_CMA_MEMORY_INVALIDATE=n restores
     // UCX's choice. See docs/registration.md.
     if (!std::getenv("UCX_CMA_MEMORY_INVALIDATE")) ucp_config_modify(config, "CMA_MEMORY_INVALIDATE", "y");
+    // UCX's TCP transport listens on every interface it opens; the agent narrows
+    // the devices to the one holding its own address (kvxfer/transport/netdev.py).
+    if (!net_devices.empty() && !std::getenv("UCX_NET_DEVICES")) {
+        st = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+        if (st != UCS_OK) {
+            ucp_config_release(config);
+            throw Error(ucs_error("ucp_config_modify(NET_DEVICES)", st));
+        }
+    }
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

@@ -57,7 +57,9 @@ struct XferRequest {
 
 class Engine {
 public:
-    explicit Engine(bool allow_vm);
+    // net_devices: a UCX_NET_DEVICES value ("" keeps UCX's default of every device);
+    // an explicit UCX_NET_DEVICES in the environment wins.
+    Engine(bool allow_vm, const std::string& net_devices);
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;

@@ -67,14 +67,14 @@ class Agent(SenderSide, ReceiverSide):
         self._handshakes = 0
         self._progress_on = False
         self._notifications: collections.deque = collections.deque()
-        self._backend = make_backend(backend)
+        host, port = split_address(listen)
+        self._backend = make_backend(backend, host)
         caps = self._backend.capabilities()
         # Backends quote their per-descriptor cost for large runs; for runs of a few hundred
         # bytes process_vm_writev measured ~0.75 us each (Llama-3-8B NHD->HND, 1M runs), so
         # that is the floor the zero-copy vs pack choice uses.
         self._cost = cost_model or CostModel(per_desc_us=max(caps.per_desc_overhead_us, 0.75))
         self.metrics.info["backend"] = caps.name
-        host, port = split_address(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         lsock = socket.socket(family, socket.SOCK_STREAM)
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

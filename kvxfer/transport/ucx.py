@@ -67,15 +67,18 @@ class UcxBackend(Backend):
 
     ``allow_vm=False`` forces UCX even on one host; ``require_vm=True`` makes
     :meth:`connect` raise :class:`~kvxfer.errors.KVXferError` unless the vm
-    path is available; ``pin`` is the default for host-memory pinning.
+    path is available; ``pin`` is the default for host-memory pinning;
+    ``net_devices`` narrows the network devices UCX opens (a ``UCX_NET_DEVICES``
+    value, see :mod:`kvxfer.transport.netdev`; None keeps UCX's default).
     """
 
-    def __init__(self, *, allow_vm: bool = True, require_vm: bool = False, pin: bool = True):
+    def __init__(self, *, allow_vm: bool = True, require_vm: bool = False, pin: bool = True,
+                 net_devices: str | None = None):
         from .._native import load
 
         self._allow_vm = allow_vm or require_vm
         self._require_vm = require_vm
-        self._engine = load().Engine(self._allow_vm)
+        self._engine = load().Engine(self._allow_vm, net_devices or "")
         self.registry = MemoryRegistry(self._engine, pin=pin)
         self._conns: dict[int, UcxConnection] = {}
 

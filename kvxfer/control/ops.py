@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .pieces import Coverage
+
 
 @dataclass(frozen=True)
 class Post:
@@ -51,7 +53,7 @@ class RecvOp:
     heads: tuple  # this rank's global (start, stop)
     handle: object
     skip: int = 0  # the sender's first `skip` blocks are not moved (D holds them already)
-    covered: dict = field(default_factory=dict)  # layer -> bitmask of local heads landed
+    coverage: Coverage | None = None  # which (layer, head, block) cells landed
     posted_to: set = field(default_factory=set)  # peers holding our RECV_POST
     matched: set = field(default_factory=set)  # peers that said they will write
     quiescing: set = field(default_factory=set)  # peers that must CANCEL_ACK before blocks are free
@@ -59,6 +61,6 @@ class RecvOp:
     started: float = field(default_factory=time.monotonic)
     post_frame: bytes | None = None  # the encoded RECV_POST
 
-    @property
-    def full_mask(self) -> int:
-        return (1 << (self.heads[1] - self.heads[0])) - 1
+    def __post_init__(self) -> None:
+        if self.coverage is None:
+            self.coverage = Coverage(self.layers, self.heads[1] - self.heads[0], self.blocks)

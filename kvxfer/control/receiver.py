@@ -83,7 +83,9 @@ class ReceiverSide:
             self._post_to(peer, op)
 
     # ---- completion and failure ----------------------------------------------------------
-    def _delivered(self, req: str, xid: int, layers, heads: tuple, nbytes: int) -> None:
+    def _delivered(self, req: str, xid: int, layers, heads: tuple, nbytes: int, blocks=None) -> None:
+        """One piece landed: ``layers`` x global ``heads`` x ``blocks`` (D's ids; None: every
+        block of the request). Completes the recv once every cell it asked for landed."""
         self.metrics.inc("bytes_received", nbytes)
         if not req:
             return  # a one-sided write; nothing to track
@@ -95,29 +97,21 @@ class ReceiverSide:
             hi = min(heads[1], op.heads[1]) - op.heads[0]
             if hi <= lo:
                 return
-            bits = ((1 << (hi - lo)) - 1) << lo
-            full, covered, wanted = op.full_mask, op.covered, op.handle._layers
+            cov = op.coverage
+            pos = None if blocks is None else cov.positions(blocks)
+            if blocks is not None and pos is None:
+                return
             op.handle.nbytes += nbytes
-            if bits == full and not covered and wanted.issubset(layers):
-                # the common single piece: every layer, every head (_succeed marks the layers)
-                covered.update(dict.fromkeys(op.layers, full))
-                complete = True
-            else:
-                landed = []
-                for layer in layers:
-                    if layer in wanted and covered.get(layer, 0) != full:
-                        covered[layer] = covered.get(layer, 0) | bits
-                        if covered[layer] == full:
-                            landed.append(layer)
+            landed = cov.add(layers, lo, hi, pos)
+            if not cov.complete:
                 op.handle._mark_layers(landed)
-                complete = all(covered.get(layer, 0) == full for layer in op.layers)
-            if complete:
-                # book-keeping first: whoever wakes on the handle sees the lease gone
-                del self._recvs[req]
-                self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
-                self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
-                self.leases.release(("recv", req, xid), "done")
-                op.handle._succeed()
+                return
+            # book-keeping first: whoever wakes on the handle sees the lease gone
+            del self._recvs[req]
+            self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
+            self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
+            self.leases.release(("recv", req, xid), "done")
+            op.handle._succeed()
 
     def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str) -> None:
         """Fail (or, with ``error=None``, cancel) a recv, then quiesce its writers."""
@@ -209,7 +203,7 @@ class ReceiverSide:
             self._stage_in.free(off)
         peer.send(encode(Msg.ACK, tag=f["tag"]))
         if live:
-            self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes)
+            self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes, f["blocks"])
 
     def _on_sender_cancelled(self, peer, f) -> None:
         with self._lock:
@@ -243,8 +237,7 @@ class ReceiverSide:
         """True if every head ``peer`` holds for ``op`` already landed (its share is done)."""
         lo = max(peer.geometry.head_range[0], op.heads[0]) - op.heads[0]
         hi = min(peer.geometry.head_range[1], op.heads[1]) - op.heads[0]
-        bits = ((1 << max(hi - lo, 0)) - 1) << max(lo, 0)
-        return all(op.covered.get(layer, 0) & bits == bits for layer in op.layers)
+        return op.coverage.heads_landed(max(lo, 0), hi)
 
     def _receiver_close(self, err: KVXferError) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ class VllmServer:
     """One ``vllm serve MODEL`` process; ``role`` None (plain), ``producer`` or ``consumer``."""
 
     def __init__(self, model: str, dtype: str, role: str | None = None, *, policy: str = "fail",
-                 extra_env: dict | None = None) -> None:
+                 extra_env: dict | None = None, connector: str = "kvxfer") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.role = role
@@ -42,14 +42,20 @@ class VllmServer:
                "--host", "127.0.0.1", "--dtype", dtype, "--block-size", str(BLOCK_SIZE),
                "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--max-num-seqs", "8"]
-        if role is not None:
+        extra_env = dict(extra_env or {})
+        if role is not None and connector == "nixl":  # vLLM's own NixlConnector, for comparison
+            extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": policy})]
+        elif role is not None:
             cmd += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
                 "kv_role": f"kv_{role}", "kv_load_failure_policy": policy,
                 "kv_connector_extra_config": {"listen": "127.0.0.1:0", "lease_timeout": 60,
                                               "recv_timeout": 60}})]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", KVXFER_SECRET=SECRET,
-                   VLLM_LOGGING_LEVEL="INFO", **(extra_env or {}))
+                   VLLM_LOGGING_LEVEL="INFO", **extra_env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

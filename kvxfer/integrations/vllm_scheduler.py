@@ -15,11 +15,7 @@ D's prefix cache did not supply (the tail) and how many it skipped.
 """
 from __future__ import annotations
 
-import logging
-
 from .vllm_meta import RecvSpec, SendSpec, XferMeta
-
-log = logging.getLogger("kvxfer.vllm")
 
 
 def _group0(block_ids) -> list:

@@ -19,7 +19,8 @@ import logging
 import queue
 import threading
 
-log = logging.getLogger("kvxfer.vllm")
+# a child of vLLM's logger, so transfers show in the engine's own log at INFO
+log = logging.getLogger("vllm.kvxfer")
 
 
 class WorkerHalf:
@@ -112,10 +113,13 @@ class WorkerHalf:
 
     def _account(self, handle, key: str) -> None:
         if handle.state == "done":
+            seconds = (handle.finished or handle.created) - handle.created
             self.stats[key] += 1
             self.stats["bytes"] += handle.nbytes
-            if handle.finished is not None:
-                self.stats["seconds"] += handle.finished - handle.created
+            self.stats["seconds"] += seconds
+            if key == "recvs":
+                log.info("kvxfer: loaded %s: %d B in %.6f s (path %s)", handle.request_id, handle.nbytes,
+                         seconds, handle.path)
 
     def close(self) -> None:
         if self.agent is not None:

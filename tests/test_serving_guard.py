@@ -2,7 +2,8 @@
 
 The app is the real one (``create_app``) with a real :class:`Router` (tokenizer
 from the embedded GGUF) whose workers are not started: every request here is
-decided before a worker would be asked, and ``/health`` answers ``down``.
+decided before a worker would be asked (no live worker: 503), and ``/health``
+answers ``down``.
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def test_body_limit_by_length_and_by_stream(app):
     small = json.dumps({"prompt": "word " * 100, "max_tokens": 1}).encode()
     r = call(app, "POST", "/v1/completions", content=small,
              headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]  # past the limit check
+    assert r.status_code == 503 and "no live" in r.json()["error"]["message"]  # past the limit
 
 
 class _GatedCodec:
@@ -159,4 +160,4 @@ def test_tokenization_does_not_block_the_event_loop(app):
         router.codec = gated._codec
         gated.release.set()
     assert health.status_code == 503 and answered_during_encode
-    assert done.status_code == 400  # no started workers: the KV pool check answers
+    assert done.status_code == 503  # no started workers

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -150,14 +151,24 @@ def test_killed_decode_worker_fails_its_requests_then_is_restarted(server):
 def test_killed_prefill_worker_mid_request_then_is_restarted(server):
     reference = server.complete("The sea is", max_tokens=3)["kvxfer"]["token_ids"]
     prefill = next(w for w in server.health()["workers"] if w["role"] == "prefill")
-    # a long prompt keeps the prefill worker busy; whatever phase the kill hits,
-    # the request ends (an error, or tokens recomputed by the decode worker)
-    with server.client.stream("POST", "/v1/completions",
-                              json={"prompt": "word " * 1500, "max_tokens": 2, "stream": True,
-                                    "temperature": 0}) as r:
-        os.kill(prefill["pid"], signal.SIGKILL)
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert r.status_code in (200, 500, 503) and (r.status_code != 200 or lines[-1] == "data: [DONE]")
+    result: list = []
+    body = {"prompt": "word " * 300, "max_tokens": 2, "temperature": 0}
+    sender = threading.Thread(target=lambda: result.append(
+        server.client.post("/v1/completions", json=body)))
+    sender.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the prefill worker holds the request: kill it
+        entry = next(w for w in server.health()["workers"] if w["role"] == "prefill")
+        if entry["inflight"] or not sender.is_alive():
+            break
+        time.sleep(0.05)
+    os.kill(prefill["pid"], signal.SIGKILL)
+    sender.join(timeout=300)
+    assert not sender.is_alive() and result, "the request hung"
+    r = result[0]  # an error, or the decode worker recomputed the prompt
+    assert r.status_code in (200, 500), r.text
+    if r.status_code == 500:
+        assert "died" in r.json()["error"]["message"]
     entry = _wait_restarted(server, prefill["name"], prefill["pid"])
     assert entry["restarts"] == 1
     again = server.complete("The sea is", max_tokens=3)

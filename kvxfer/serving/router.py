@@ -53,6 +53,7 @@ class Router:
         self.dispatcher = Dispatcher(config, self.registry)
         self.codec = TextCodec.load(config.model_path)
         self.model_name = self.codec.model_name
+        self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
         self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.")
         self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).")
         self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.")
@@ -136,10 +137,10 @@ class Router:
             if w.info:
                 self._pool_tokens = w.info.get("num_blocks", 0) * w.info.get("block_size", 0)
                 break
-        pool_tokens = self._pool_tokens
+        pool_tokens = self._pool_tokens  # 0 until a worker reported: submit() then says 503
         for limit, what in ((self.codec.max_position, "the context length"),
                             (pool_tokens, "a worker's KV pool")):
-            if len(prompt_ids) + max_tokens > limit:
+            if limit and len(prompt_ids) + max_tokens > limit:  # 0: no worker seen yet
                 raise RequestFailed(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
                                     f"exceeds {what} ({limit} tokens)", "invalid_request_error", 400)
 

@@ -12,6 +12,7 @@ Threads per agent: one I/O thread (control sockets, timers; blocks in
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import socket
 import threading
@@ -28,6 +29,8 @@ from .errors import KVXferError, PeerDisconnected, ProtocolError, RegistrationEr
 from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
+
+log = logging.getLogger("kvxfer")
 
 MAX_PENDING_HANDSHAKES = 32
 
@@ -280,11 +283,16 @@ class Agent(SenderSide, ReceiverSide):
     # ---- workers ----------------------------------------------------------------------
     @staticmethod
     def _work(q: queue.SimpleQueue) -> None:
+        """Worker loop. Jobs fail their own request on error; should one still raise, it
+        is logged and the worker goes on (a dead worker would stall every later transfer)."""
         while True:
             job = q.get()
             if job is None:
                 return
-            job()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - second line of defence, logged
+                log.exception("kvxfer worker job raised")
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _check_open(self) -> None:

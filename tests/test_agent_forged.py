@@ -69,7 +69,7 @@ def test_bad_recv_post_fails_that_request_on_both_sides_and_no_worker(agents, pa
                    "dup_block": dict(blocks=[2, 2])}[bad])
     hr = d.recv("evil", [1, 2], timeout=60.0)  # before any peer: the post goes out on connect
     op = d._recvs["evil"]
-    op.post_frame = encode(Msg.RECV_POST, req="evil", xid=op.xid, **fields)
+    op.post_frame = encode(Msg.RECV_POST, req="evil", xid=op.xid, skip=0, **fields)
     peer = p.connect(d.address)
     hs = p.send(peer, "evil", [3, 4])
     with pytest.raises(InvalidDescriptor):

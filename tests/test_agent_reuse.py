@@ -25,7 +25,12 @@ def pair():
     d = Agent("d", secret=SECRET, backend="loopback")
     p.register_kv(make_pool("2 N B H D", 1))
     d.register_kv(make_pool("N 2 H B D", None))
-    yield p, d, p.connect(d.address)
+    peer = p.connect(d.address)
+    for _ in range(2000):  # D posts recvs only to peers it registered
+        if d.peers():
+            break
+        time.sleep(0.005)
+    yield p, d, peer
     p.close()
     d.close()
 

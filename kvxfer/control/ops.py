@@ -16,6 +16,7 @@ class Post:
     blocks: tuple
     layers: tuple
     heads: tuple  # D's global (start, stop)
+    skip: int = 0  # D already holds the sender's first `skip` blocks; `blocks` takes the rest
 
 
 @dataclass(eq=False)
@@ -23,9 +24,9 @@ class SendOp:
     """P side of a send, streaming send, or one-sided write."""
 
     peer: object
-    key: tuple  # (peer serial, request id) in Agent._sends
+    key: tuple  # (peer serial, request id) in Agent._sends; (None, id) for send(None, ...)
     wire_req: str  # request id on the wire ("" for one-sided writes)
-    ids: tuple  # P's block ids
+    ids: tuple  # P's block ids (after matching: only the ones shipped, ids[post.skip:])
     handle: object
     ready: list | None  # layers the caller released for shipping; None: all D asks for
     streaming: bool = False
@@ -51,6 +52,7 @@ class RecvOp:
     layers: tuple
     heads: tuple  # this rank's global (start, stop)
     handle: object
+    skip: int = 0  # the sender's first `skip` blocks are not moved (D holds them already)
     coverage: Coverage | None = None  # which (layer, head, block) cells landed
     posted_to: set = field(default_factory=set)  # peers holding our RECV_POST
     matched: set = field(default_factory=set)  # peers that said they will write

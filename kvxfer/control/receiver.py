@@ -31,8 +31,15 @@ class ReceiverSide:
         self._xids = itertools.count(1)
 
     # ---- public API -------------------------------------------------------------------
-    def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None):
+    def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None,
+             skip_blocks: int = 0):
         """Receive ``request_id`` into ``block_ids`` of this pool (this rank's kv heads).
+
+        ``skip_blocks``: this side already holds the first ``skip_blocks`` of the
+        sender's blocks (e.g. a prefix found in its own prefix cache); ``block_ids``
+        receive the sender's blocks ``[skip_blocks:]``, so the sender names all of
+        its blocks and the receiver only the tail: ``skip_blocks + len(block_ids)``
+        must equal the sender's count, or the transfer fails with ``InvalidDescriptor``.
 
         Async: returns a :class:`TransferHandle`; ``wait()`` returns once every
         requested layer is visible in these blocks, ``wait(layer=l)`` once layer
@@ -43,13 +50,15 @@ class ReceiverSide:
         ids = self._check_ids(block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("recv block_ids must be distinct")
+        if type(skip_blocks) is not int or skip_blocks < 0:
+            raise ValueError(f"skip_blocks must be an int >= 0, got {skip_blocks!r}")
         req = str(request_id)
         lay = tuple(self._layout.resolve_layers(layers))
         handle = TransferHandle("recv", req, None, layers=lay)
         with self._lock:
             if req in self._recvs:
                 raise ValueError(f"request {req!r} is already being received")
-            op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle)
+            op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle, skip_blocks)
             self._recvs[req] = op
             handle._on_cancel = lambda h: self._end_recv(op, None, "cancelled")
             for peer in list(self._peers.values()):
@@ -68,7 +77,7 @@ class ReceiverSide:
         op.posted_to.add(peer)
         if op.post_frame is None:  # the same frame goes to every peer
             op.post_frame = encode(Msg.RECV_POST, req=op.req, xid=op.xid, blocks=op.blocks,
-                                   layers=op.layers, heads=op.heads)
+                                   layers=op.layers, heads=op.heads, skip=op.skip)
         peer.send(op.post_frame)
 
     def _post_pending_recvs(self, peer) -> None:

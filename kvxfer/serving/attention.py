@@ -123,20 +123,19 @@ class StepBatch:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
             scale: float) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[n, Hq, D]`` (positions ``start_pos..``) over
-    ``k``/``v`` ``[ctx, Hkv, D]`` (positions ``0..ctx-1``); returns ``[n, Hq, D]``."""
-    n, num_heads, head_dim = q.shape
-    ctx, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    # query head h reads kv head h // group; rows ordered (token, head-in-group)
-    qh = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
-    scores = torch.matmul(qh, k.permute(1, 2, 0)) * scale  # [Hkv, n*group, ctx]
-    if n > 1:
-        query_pos = torch.arange(start_pos, start_pos + n).repeat_interleave(group)
-        future = torch.arange(ctx).unsqueeze(0) > query_pos.unsqueeze(1)  # [n*group, ctx]
-        scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.transpose(0, 1))  # [Hkv, n*group, D]
-    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+    ``k``/``v`` ``[ctx, Hkv, D]`` (positions ``0..ctx-1``); returns ``[n, Hq, D]``.
+
+    torch's fused CPU kernel (blocked, no ``[n, ctx]`` score matrix in memory);
+    a chunk after a cached prefix gets an explicit bottom-right causal mask.
+    """
+    n, ctx = q.shape[0], k.shape[0]
+    mask = None
+    if start_pos:
+        mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(start_pos, start_pos + n).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=not start_pos, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 def _attend_single(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,

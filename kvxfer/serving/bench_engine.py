@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--dtypes", action="store_true", help="also compare matmul dtypes")
+    ap.add_argument("--mixed-chunk", type=int, nargs="*", default=[], metavar="N",
+                    help="decode steps of the last --batch with an N-token prompt chunk added "
+                         "(the cost of prefilling N tokens on a decode worker)")
     args = ap.parse_args(argv)
 
     import os
@@ -93,6 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         per_step = (time.perf_counter() - began) / args.steps
         print(f"threads={args.threads} decode batch {batch}: {per_step * 1e3:.1f} ms/step "
               f"(TPOT), {batch / per_step:.1f} tok/s")
+    for n in args.mixed_chunk:
+        prompt_table = tuple(range(len(table) + len(tables) * per_seq,
+                                   len(table) + len(tables) * per_seq + -(-n // bs)))
+        began = time.perf_counter()
+        for step in range(args.steps):
+            model.forward([Chunk([ids[step]], 65 + step, t) for t in tables]
+                          + [Chunk(ids[100:100 + n], 0, prompt_table)])
+        mixed = (time.perf_counter() - began) / args.steps
+        print(f"threads={args.threads} decode batch {batch} + {n}-token prompt chunk: "
+              f"{mixed * 1e3:.1f} ms/step ({mixed / per_step:.2f}x the decode step)")
     return 0
 
 

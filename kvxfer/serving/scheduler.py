@@ -55,6 +55,13 @@ class Scheduler:
             raise ValueError(f"only decoding sequences with blocks can run, got {seq!r}")
         self.running.append(seq)
 
+    def add_allocated(self, seq: Sequence) -> None:
+        """Add a sequence whose blocks are already allocated (prefix hits counted in
+        ``num_computed_tokens``); its remaining prompt is prefilled by later steps."""
+        if seq.status is not SequenceStatus.PREFILLING or not seq.block_table:
+            raise ValueError(f"only prefilling sequences with blocks can be added, got {seq!r}")
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

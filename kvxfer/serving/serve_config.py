@@ -63,6 +63,9 @@ class ServeConfig:
     num_blocks: int = 1024
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    schedule: str = "mixed"  # EngineConfig.schedule of every worker
+    local_prefill_tokens: int = 0  # prefill uncached prompts shorter than this on the decode worker
+    local_prefill_queue: int = 0  # ... and every prompt while the prefill worker holds this many
     startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
@@ -80,6 +83,10 @@ class ServeConfig:
                 raise ValueError("--colocated excludes --prefill/--decode")
         elif self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("disaggregated serving needs >= 1 prefill and >= 1 decode worker")
+        if self.schedule not in ("mixed", "separate"):
+            raise ValueError(f"schedule must be 'mixed' or 'separate', got {self.schedule!r}")
+        if self.local_prefill_tokens < 0 or self.local_prefill_queue < 0:
+            raise ValueError("local prefill thresholds must be >= 0 (0: off)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         num_workers = self.num_colocated or self.num_prefill + self.num_decode

@@ -34,6 +34,7 @@ _LAZY = {
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
     "TransferHandle": "kvxfer.handle",
+    "HandleState": "kvxfer.handle",
 }
 
 __all__ = [*errors.__all__, *_LAZY]

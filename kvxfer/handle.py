@@ -1,20 +1,39 @@
 """``TransferHandle``: the caller's view of one asynchronous transfer.
 
-States: ``pending`` -> ``done`` | ``failed`` | ``cancelled`` (final, set once).
+States (:class:`HandleState`): ``PENDING`` -> ``DONE`` | ``FAILED`` | ``CANCELLED``
+(final, set once). A state compares equal to its lower-case name (``h.state == "done"``).
 ``done`` promises what the operation promised: for ``send``/``recv``/``write``,
 the bytes are visible in the destination blocks (flushed, and for the pack path
 unpacked); for ``read``, the bytes are in the local blocks. A handle that
 streams layers also records each layer as it lands, so ``wait(layer=l)`` can
-return before the whole request has arrived.
+return before the whole request has arrived. :meth:`TransferHandle.add_done_callback`
+runs a function once the handle is final (for engines that poll nothing).
 """
 from __future__ import annotations
 
+import enum
+import logging
 import threading
 import time
 
 from .errors import KVXferError, TransferCancelled, TransferTimeout
 
-PENDING, DONE, FAILED, CANCELLED = "pending", "done", "failed", "cancelled"
+log = logging.getLogger("kvxfer")
+
+
+class HandleState(str, enum.Enum):
+    """State of a :class:`TransferHandle`; equal to its value (``HandleState.DONE == "done"``)."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PENDING, DONE, FAILED, CANCELLED = HandleState
 
 
 class TransferHandle:
@@ -41,10 +60,11 @@ class TransferHandle:
         self._on_cancel = on_cancel
         self._cond = threading.Condition()
         self._layer_waiters = 0  # wait(layer=) calls blocked now; a landed layer wakes only them
+        self._callbacks: list = []
 
     # ---- caller API -------------------------------------------------------------
     @property
-    def state(self) -> str:
+    def state(self) -> HandleState:
         return self._state
 
     @property
@@ -92,6 +112,32 @@ class TransferHandle:
             raise error
         return
 
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` once, when the handle reaches a final state (now, in this
+        thread, if it already has). It runs on the agent thread that finished the
+        transfer, possibly with the agent's lock held: keep it short, never wait on the
+        agent from it. An exception it raises is logged (logger ``kvxfer``) with its
+        traceback; the transfer and other callbacks are unaffected."""
+        if not callable(fn):
+            raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
+        with self._cond:
+            if self._state == PENDING:
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def _run_callback(self, fn) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - a caller's bug must not break the agent thread
+            log.exception("done callback %r of %r raised", fn, self)
+
+    def _run_callbacks(self) -> None:
+        with self._cond:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._run_callback(fn)
+
     def cancel(self) -> bool:
         """Cancel if still pending (frees its leases, tells the peer); True if it did."""
         if not self._finish(CANCELLED, None):
@@ -113,17 +159,18 @@ class TransferHandle:
         if self._error is not None:
             extra += f" error={type(self._error).__name__}"
         return (f"<TransferHandle {self.kind} {self.request_id!r} peer={self.peer} "
-                f"{self._state} {self.nbytes} B{extra}>")
+                f"{self._state.value} {self.nbytes} B{extra}>")
 
     # ---- agent side -------------------------------------------------------------
-    def _finish(self, state: str, error: BaseException | None) -> bool:
+    def _finish(self, state: HandleState, error: BaseException | None) -> bool:
         with self._cond:
             if self._state != PENDING:
                 return False
             self._state, self._error = state, error
             self.finished = time.monotonic()
             self._cond.notify_all()
-            return True
+        self._run_callbacks()
+        return True
 
     def _succeed(self) -> bool:
         with self._cond:
@@ -133,7 +180,8 @@ class TransferHandle:
             self._state = DONE
             self.finished = time.monotonic()
             self._cond.notify_all()
-            return True
+        self._run_callbacks()
+        return True
 
     def _fail(self, error: KVXferError) -> bool:
         return self._finish(FAILED, error)

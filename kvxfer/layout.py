@@ -212,12 +212,24 @@ class KVLayout:
         offset = base.storage_offset() + plane.offset // item
         return torch.as_strided(base, shape, [s // item for s in plane.strides], offset)
 
-    def regions(self) -> tuple:
-        """Distinct memory spans ``((address, nbytes), ...)`` covering the pool, sorted;
-        register each once. Views of one storage share the hull of what they touch."""
+    def regions(self, allocation_range=None) -> tuple:
+        """Distinct memory spans ``((address, nbytes), ...)`` covering the pool, sorted.
+        Views of one storage share the hull of what they touch; on CUDA, spans are never
+        merged across a device allocation boundary (``allocation_range(addr) -> (start,
+        size)``, default: the driver's; see :mod:`kvxfer.cuda_ranges`)."""
         from . import runs
 
-        return runs.regions(self)
+        return runs.regions(self, allocation_range)
+
+    def region_parts(self, allocation_range=None) -> tuple:
+        """Per region of :meth:`regions`, the ``((address, nbytes), ...)`` pieces to register:
+        the region cut at every device allocation boundary inside it (one piece on CPU and
+        for ``cudaMalloc`` pools; several where a tensor spans the physical chunks of
+        ``expandable_segments``)."""
+        from .cuda_ranges import oracle_for, split_parts
+
+        oracle = allocation_range if allocation_range is not None else oracle_for(self.device)
+        return split_parts(self.regions(oracle), oracle)
 
     def block_runs(self, block_ids, *, layers=None, heads=None):
         """Contiguous byte runs of the given blocks, in wire order.

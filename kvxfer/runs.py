@@ -107,8 +107,8 @@ def make_plan(layout, block_ids, *, layers=None, heads=None, unique: bool = Fals
                     tuple(d[0] for d in dims), row, tile, len(planes) * ids.size * tile)
 
 
-def regions(layout) -> tuple:
-    """``((address, nbytes), ...)`` sorted, non-overlapping: one hull per storage, overlaps merged."""
+def storage_hulls(layout) -> list:
+    """``[(lo, hi), ...]``: per storage, the hull of the bytes the layout's tensors touch."""
     hulls = {}
     for t in layout.tensors:
         lo = t.data_ptr()
@@ -116,13 +116,17 @@ def regions(layout) -> tuple:
         key = t.untyped_storage().data_ptr()
         a, b = hulls.get(key, (lo, hi))
         hulls[key] = (min(a, lo), max(b, hi))
-    merged = []
-    for lo, hi in sorted(hulls.values()):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return tuple((lo, hi - lo) for lo, hi in merged)
+    return list(hulls.values())
+
+
+def regions(layout, allocation_range=None) -> tuple:
+    """``((address, nbytes), ...)`` sorted, non-overlapping: one hull per storage, overlaps
+    merged, touching hulls merged unless a device allocation boundary separates them
+    (see :mod:`kvxfer.cuda_ranges`; ``allocation_range`` defaults to the driver's for CUDA)."""
+    from .cuda_ranges import oracle_for, split_regions
+
+    oracle = allocation_range if allocation_range is not None else oracle_for(layout.device)
+    return split_regions(storage_hulls(layout), oracle)
 
 
 def block_runs(layout, block_ids, *, layers=None, heads=None) -> np.ndarray:

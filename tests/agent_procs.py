@@ -38,13 +38,15 @@ def make_pool(dims: str, seed: int | None, *, dtype="float16", tp_rank=0, tp_siz
 
 
 def prefill(address, request_ids, block_ids, out_q, *, dims="2 N B H D", seed=1, tp_rank=0, tp_size=1,
-            backend="auto", path="auto", dtype="float16", stream_then_hang=False):
+            backend="auto", path="auto", dtype="float16", stream_then_hang=False, shape=None,
+            staging_bytes=32 << 20):
     """P: connect to D, send each request, report ("ok", stats) or ("err", repr)."""
     from kvxfer import Agent
 
     try:
-        layout = make_pool(dims, seed, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
-        with Agent(f"p{tp_rank}", secret=SECRET, backend=backend, path=path) as agent:
+        layout = make_pool(dims, seed, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, shape=shape)
+        with Agent(f"p{tp_rank}", secret=SECRET, backend=backend, path=path,
+                   staging_bytes=staging_bytes) as agent:
             agent.register_kv(layout)
             peer = agent.connect(address)
             if stream_then_hang:

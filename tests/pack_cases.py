@@ -1,8 +1,10 @@
 """Engine layouts for the pack/layout tests: tiny, random bytes, every dims kind.
 
-Each maker takes (dtype, seed, **sizes) and returns a KVLayout over fresh
-tensors whose every byte (padding included) is random, so copies that read or
-write the wrong bytes show up in byte-wise comparisons.
+Each maker takes (dtype, seed, **sizes, device) and returns a KVLayout over
+fresh tensors whose every byte (padding included) is random, so copies that
+read or write the wrong bytes show up in byte-wise comparisons. The bytes come
+from a CPU generator (the same for every device) and are moved once, before
+any view is taken, so views, transposes and slices are made on the device.
 """
 from __future__ import annotations
 
@@ -15,16 +17,16 @@ INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
-def _rand(shape, dtype, gen):
+def _rand(shape, dtype, gen, device):
     item = torch.empty(0, dtype=dtype).element_size()
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * item), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype)
+    return raw.to(device).view(dtype)
 
 
 def make(kind: str, dtype=torch.bfloat16, seed: int = 0, *, layers=L, blocks=N, bs=B, heads=H, hd=D,
-         tp_rank=0, tp_size=1) -> KVLayout:
+         tp_rank=0, tp_size=1, device="cpu") -> KVLayout:
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: _rand(s, dtype, g)  # noqa: E731
+    r = lambda *s: _rand(s, dtype, g, device)  # noqa: E731
     kw = dict(tp_rank=tp_rank, tp_size=tp_size)
     if kind == "vllm":  # [2, N, B, H, D] per layer
         return KVLayout.vllm([r(2, blocks, bs, heads, hd) for _ in range(layers)], **kw)
@@ -74,7 +76,7 @@ def storage_bytes(layout) -> list:
         s = t.untyped_storage()
         if s.data_ptr() not in seen:
             seen.add(s.data_ptr())
-            out.append(torch.empty(0, dtype=torch.uint8).set_(s).clone())
+            out.append(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).clone())
     return out
 
 

@@ -102,7 +102,7 @@ def _closed_by_server(sock) -> bool:
     HEADER.pack(b"KX", 7, int(Msg.HELLO), 2) + b"{}",  # other protocol version
     encode(Msg.HELLO, nonce=b"\0" * 32)[:-3],  # truncated, then hang up
     encode(Msg.INFO, name="x", agent_id="y", layout={}, backend=b"", staging=1),  # skips auth
-    encode(Msg.RECV_POST, req="r", xid=1, blocks=[0], layers=[0], heads=(0, 1)),
+    encode(Msg.RECV_POST, req="r", xid=1, blocks=[0], layers=[0], heads=(0, 1), skip=0),
 ])
 def test_garbage_on_control_port(server, blob):
     s = _raw(server.address)

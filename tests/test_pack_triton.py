@@ -72,37 +72,96 @@ def test_compiles_for_sm90_with_16_byte_vectors():
     assert compiled.asm.get("cubin")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["vllm", "vllm_hnd_strides", "flashinfer_kv_pair", "cross_layer_blocks_outer",
-                                  "strided_dim", "padded_rows", "mla", "sglang"])
-def test_gpu_matches_reference(kind):
-    layout = _cuda_layout(kind)
-    heads = None if layout.is_mla else (2, 6)
-    ids = torch.randperm(64)[:17]
+GPU_KINDS = ["vllm", "vllm_hnd_strides", "flashinfer_kv_pair", "cross_layer_blocks_outer", "strided_dim",
+             "padded_rows", "mla", "sglang"]
+
+
+def check_matches_reference(kind, device, sizes, num_ids):
+    """Triton pack/unpack on ``device`` (default backend) equal the reference, byte for byte."""
+    layout = make(kind, device=device, **sizes)
+    assert layout.device.type == torch.device(device).type
+    heads = None if layout.is_mla else (sizes["heads"] // 4, 3 * sizes["heads"] // 4)
+    ids = torch.randperm(sizes["blocks"], generator=torch.Generator().manual_seed(1))[:num_ids]
     for h in (None, heads):
         want = kvxfer.pack(layout, ids, heads=h, backend="reference")
-        assert torch.equal(kvxfer.pack(layout, ids, heads=h), want)
-    got, ref = _cuda_layout(kind, seed=3), _cuda_layout(kind, seed=3)
-    wire = kvxfer.pack(layout, ids)
-    kvxfer.unpack(got, wire, ids.flip(0))
+        assert torch.equal(kvxfer.pack(layout, ids, heads=h, backend="triton"), want)
+    got, ref = make(kind, seed=3, device=device, **sizes), make(kind, seed=3, device=device, **sizes)
+    wire = kvxfer.pack(layout, ids, backend="triton")
+    kvxfer.unpack(got, wire, ids.flip(0), backend="triton")
     kvxfer.unpack(ref, wire, ids.flip(0), backend="reference")
-    torch.cuda.synchronize()
+    if layout.device.type == "cuda":
+        torch.cuda.synchronize(layout.device)
     assert same_storage(got, ref)
 
 
-def _cuda_layout(kind, seed=0):
-    """The same kind of layout with its storages moved to the GPU."""
-    host = make(kind, seed=seed, blocks=64, bs=16, heads=8, hd=128)
-    moved = {}
-    tensors = []
-    for t in host.tensors:
-        s = t.untyped_storage()
-        if s.data_ptr() not in moved:
-            moved[s.data_ptr()] = s.cuda()
-        tensors.append(torch.empty(0, dtype=t.dtype, device="cuda").set_(moved[s.data_ptr()], t.storage_offset(),
-                                                                        t.shape, t.stride()))
-    remap = dict(zip([id(t) for t in host.tensors], tensors))
-    planes = host.planes  # tensor indices and byte offsets are storage-relative, so they carry over
-    return type(host)(dims=host.dims, tensors=tuple(remap[id(t)] for t in host.tensors), planes=planes,
-                      num_layers=host.num_layers, num_kv=host.num_kv, num_blocks=host.num_blocks,
-                      block_size=host.block_size, num_heads=host.num_heads, head_dim=host.head_dim)
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "pool_views"])
+def test_device_check_in_interpreter(kind):
+    """The GPU test's own body, on CPU tensors: the case builders and checks work off-GPU too."""
+    check_matches_reference(kind, "cpu", dict(layers=2, blocks=6, bs=2, heads=4, hd=4), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_gpu_matches_reference(kind):
+    check_matches_reference(kind, "cuda", dict(layers=3, blocks=64, bs=16, heads=8, hd=128), 17)
+
+
+@needs_interpreter
+def test_tables_planned_once_per_request(monkeypatch):
+    """Per-layer calls of one request reuse the device ids and slices of one table: no
+    planning and no new host->device tensor after the first call."""
+    from kvxfer import runs
+    from kvxfer.kernels.tables import PoolTables
+
+    layout = make("vllm", layers=4, **{k: v for k, v in TINY.items() if k != "layers"})
+    ids = [4, 0, 2]
+    whole = kvxfer.pack(layout, ids, backend="reference")
+    tables = PoolTables.of(layout)
+    plans = []
+    real = runs.make_plan
+    monkeypatch.setattr("kvxfer.kernels.tables.make_plan", lambda *a, **k: plans.append(1) or real(*a, **k))
+    made = []
+    real_make = tables._make
+    monkeypatch.setattr(tables, "_make", lambda host, stream: made.append(host.shape) or real_make(host, stream))
+    step = layout.wire_nbytes(len(ids), layers=[0])
+    for layer in range(4):
+        part = kvxfer.pack(layout, ids, layers=[layer], backend="triton")
+        assert torch.equal(part, whole[layer * step:(layer + 1) * step])
+    assert len(plans) == 1 and len(made) == 2  # one plan, one table, one ids tensor
+    full = tables.table(layout.head_range, 8, (0, 1, 2, 3), None)
+    assert tables.table(layout.head_range, 8, (2, 3), None).data_ptr() == full[4:].data_ptr()  # a view
+    assert torch.equal(kvxfer.pack(layout, ids, layers=[3, 1], backend="triton"),
+                       kvxfer.pack(layout, ids, layers=[3, 1], backend="reference"))  # gathered table
+    assert torch.equal(kvxfer.pack(layout, ids[::-1], backend="triton"),
+                       kvxfer.pack(layout, ids[::-1], backend="reference"))  # ids keyed by contents
+
+
+def test_device_guard_names_the_pool_device():
+    from kvxfer.kernels.common import device_guard
+
+    guard = device_guard(torch.device("cuda", 3))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 3
+    with device_guard(torch.device("cpu")):
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_launch_follows_pool_device_not_current():
+    """A thread whose current device is 0 packs a pool on device 1 correctly."""
+    import threading
+
+    layout = make("vllm", device="cuda:1", layers=2, blocks=16, bs=16, heads=8, hd=128)
+    out = {}
+
+    def worker():
+        torch.cuda.set_device(0)
+        out["wire"] = kvxfer.pack(layout, [5, 1, 9])
+        torch.cuda.synchronize(1)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert out["wire"].device == torch.device("cuda", 1)
+    assert torch.equal(out["wire"], kvxfer.pack(layout, [5, 1, 9], backend="reference"))

@@ -52,7 +52,7 @@ SCHEMAS: dict[Msg, dict[str, str]] = {
                "staging": "int"},
     Msg.REJECT: {"code": "str", "reason": "str"},
     Msg.RECV_POST: {"req": "str", "xid": "int", "blocks": "ints", "layers": "ints",
-                    "heads": "range"},
+                    "heads": "range", "skip": "int"},
     Msg.MATCHED: {"req": "str", "xid": "int"},
     Msg.STAGE_REQ: {"tag": "int", "nbytes": "int"},
     Msg.STAGE_GRANT: {"tag": "int", "region": "int", "offset": "int"},

@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .pieces import Coverage
+
 
 @dataclass(frozen=True)
 class Post:
@@ -14,6 +16,7 @@ class Post:
     blocks: tuple
     layers: tuple
     heads: tuple  # D's global (start, stop)
+    skip: int = 0  # D already holds the sender's first `skip` blocks; `blocks` takes the rest
 
 
 @dataclass(eq=False)
@@ -21,9 +24,9 @@ class SendOp:
     """P side of a send, streaming send, or one-sided write."""
 
     peer: object
-    key: tuple  # (peer serial, request id) in Agent._sends
+    key: tuple  # (peer serial, request id) in Agent._sends; (None, id) for send(None, ...)
     wire_req: str  # request id on the wire ("" for one-sided writes)
-    ids: tuple  # P's block ids
+    ids: tuple  # P's block ids (after matching: only the ones shipped, ids[post.skip:])
     handle: object
     ready: list | None  # layers the caller released for shipping; None: all D asks for
     streaming: bool = False
@@ -49,7 +52,8 @@ class RecvOp:
     layers: tuple
     heads: tuple  # this rank's global (start, stop)
     handle: object
-    covered: dict = field(default_factory=dict)  # layer -> bitmask of local heads landed
+    skip: int = 0  # the sender's first `skip` blocks are not moved (D holds them already)
+    coverage: Coverage | None = None  # which (layer, head, block) cells landed
     posted_to: set = field(default_factory=set)  # peers holding our RECV_POST
     matched: set = field(default_factory=set)  # peers that said they will write
     quiescing: set = field(default_factory=set)  # peers that must CANCEL_ACK before blocks are free
@@ -57,6 +61,6 @@ class RecvOp:
     started: float = field(default_factory=time.monotonic)
     post_frame: bytes | None = None  # the encoded RECV_POST
 
-    @property
-    def full_mask(self) -> int:
-        return (1 << (self.heads[1] - self.heads[0])) - 1
+    def __post_init__(self) -> None:
+        if self.coverage is None:
+            self.coverage = Coverage(self.layers, self.heads[1] - self.heads[0], self.blocks)

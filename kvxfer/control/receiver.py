@@ -29,8 +29,15 @@ class ReceiverSide:
         self._xids = itertools.count(1)
 
     # ---- public API -------------------------------------------------------------------
-    def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None):
+    def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None,
+             skip_blocks: int = 0):
         """Receive ``request_id`` into ``block_ids`` of this pool (this rank's kv heads).
+
+        ``skip_blocks``: this side already holds the first ``skip_blocks`` of the
+        sender's blocks (e.g. a prefix found in its own prefix cache); ``block_ids``
+        receive the sender's blocks ``[skip_blocks:]``, so the sender names all of
+        its blocks and the receiver only the tail: ``skip_blocks + len(block_ids)``
+        must equal the sender's count, or the transfer fails with ``InvalidDescriptor``.
 
         Async: returns a :class:`TransferHandle`; ``wait()`` returns once every
         requested layer is visible in these blocks, ``wait(layer=l)`` once layer
@@ -41,13 +48,15 @@ class ReceiverSide:
         ids = self._check_ids(block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("recv block_ids must be distinct")
+        if type(skip_blocks) is not int or skip_blocks < 0:
+            raise ValueError(f"skip_blocks must be an int >= 0, got {skip_blocks!r}")
         req = str(request_id)
         lay = tuple(self._layout.resolve_layers(layers))
         handle = TransferHandle("recv", req, None, layers=lay)
         with self._lock:
             if req in self._recvs:
                 raise ValueError(f"request {req!r} is already being received")
-            op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle)
+            op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle, skip_blocks)
             self._recvs[req] = op
             handle._on_cancel = lambda h: self._end_recv(op, None, "cancelled")
             for peer in list(self._peers.values()):
@@ -66,7 +75,7 @@ class ReceiverSide:
         op.posted_to.add(peer)
         if op.post_frame is None:  # the same frame goes to every peer
             op.post_frame = encode(Msg.RECV_POST, req=op.req, xid=op.xid, blocks=op.blocks,
-                                   layers=op.layers, heads=op.heads)
+                                   layers=op.layers, heads=op.heads, skip=op.skip)
         peer.send(op.post_frame)
 
     def _post_pending_recvs(self, peer) -> None:
@@ -74,7 +83,9 @@ class ReceiverSide:
             self._post_to(peer, op)
 
     # ---- completion and failure ----------------------------------------------------------
-    def _delivered(self, req: str, xid: int, layers, heads: tuple, nbytes: int) -> None:
+    def _delivered(self, req: str, xid: int, layers, heads: tuple, nbytes: int, blocks=None) -> None:
+        """One piece landed: ``layers`` x global ``heads`` x ``blocks`` (D's ids; None: every
+        block of the request). Completes the recv once every cell it asked for landed."""
         self.metrics.inc("bytes_received", nbytes)
         if not req:
             return  # a one-sided write; nothing to track
@@ -86,29 +97,21 @@ class ReceiverSide:
             hi = min(heads[1], op.heads[1]) - op.heads[0]
             if hi <= lo:
                 return
-            bits = ((1 << (hi - lo)) - 1) << lo
-            full, covered, wanted = op.full_mask, op.covered, op.handle._layers
+            cov = op.coverage
+            pos = None if blocks is None else cov.positions(blocks)
+            if blocks is not None and pos is None:
+                return
             op.handle.nbytes += nbytes
-            if bits == full and not covered and wanted.issubset(layers):
-                # the common single piece: every layer, every head (_succeed marks the layers)
-                covered.update(dict.fromkeys(op.layers, full))
-                complete = True
-            else:
-                landed = []
-                for layer in layers:
-                    if layer in wanted and covered.get(layer, 0) != full:
-                        covered[layer] = covered.get(layer, 0) | bits
-                        if covered[layer] == full:
-                            landed.append(layer)
+            landed = cov.add(layers, lo, hi, pos)
+            if not cov.complete:
                 op.handle._mark_layers(landed)
-                complete = all(covered.get(layer, 0) == full for layer in op.layers)
-            if complete:
-                # book-keeping first: whoever wakes on the handle sees the lease gone
-                del self._recvs[req]
-                self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
-                self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
-                self.leases.release(("recv", req, xid), "done")
-                op.handle._succeed()
+                return
+            # book-keeping first: whoever wakes on the handle sees the lease gone
+            del self._recvs[req]
+            self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
+            self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
+            self.leases.release(("recv", req, xid), "done")
+            op.handle._succeed()
 
     def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str) -> None:
         """Fail (or, with ``error=None``, cancel) a recv, then quiesce its writers."""
@@ -200,7 +203,7 @@ class ReceiverSide:
             self._stage_in.free(off)
         peer.send(encode(Msg.ACK, tag=f["tag"]))
         if live:
-            self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes)
+            self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes, f["blocks"])
 
     def _on_sender_cancelled(self, peer, f) -> None:
         with self._lock:
@@ -234,8 +237,7 @@ class ReceiverSide:
         """True if every head ``peer`` holds for ``op`` already landed (its share is done)."""
         lo = max(peer.geometry.head_range[0], op.heads[0]) - op.heads[0]
         hi = min(peer.geometry.head_range[1], op.heads[1]) - op.heads[0]
-        bits = ((1 << max(hi - lo, 0)) - 1) << max(lo, 0)
-        return all(op.covered.get(layer, 0) & bits == bits for layer in op.layers)
+        return op.coverage.heads_landed(max(lo, 0), hi)
 
     def _receiver_close(self, err: KVXferError) -> None:
         with self._lock:

@@ -46,7 +46,12 @@ class SenderSide(Shipper):
         """Ship ``block_ids`` (this pool) of ``request_id`` to whichever blocks ``peer``'s
         recv names. ``layers``: None = every layer the receiver asks for. Async: returns a
         :class:`TransferHandle` done when the data is visible in the receiver's blocks.
-        The blocks stay leased until then (or cancel / failure / lease expiry)."""
+        The blocks stay leased until then (or cancel / failure / lease expiry).
+
+        ``peer=None``: whichever connected peer posts a recv for ``request_id`` first
+        (before or after this call) receives it; ``handle.peer`` names it once matched.
+        A receiver that holds a prefix already (``recv(..., skip_blocks=k)``) gets only
+        ``block_ids[k:]``; the lease covers all of ``block_ids`` either way."""
         ids = self._check_ids(block_ids)
         ready = None if layers is None else list(self._layout.resolve_layers(layers))
         return self._start_send(peer, str(request_id), ids, ready, False, lease_timeout)
@@ -59,7 +64,7 @@ class SenderSide(Shipper):
         with self._lock:
             op = self._sends.get((peer.serial, str(request_id)))
             if op is not None and op.streaming:
-                if op.ids != ids:
+                if op.ids != ids[op.post.skip if op.post is not None else 0:]:
                     raise ValueError("send_layer: block_ids differ from the stream's first call")
                 if layer in op.shipped or layer in op.ready:
                     raise ValueError(f"layer {layer} of {request_id!r} was already sent")
@@ -110,6 +115,13 @@ class SenderSide(Shipper):
             raise ValueError(f"block id {bad[0]} out of range [0, {self._layout.num_blocks})")
         return ids
 
+    def pending_recvs(self) -> list:
+        """``[(peer, request_id, num_blocks), ...]``: recvs connected peers posted that no
+        send of ours matched yet (``num_blocks`` counts the sender's blocks, skipped ones too)."""
+        with self._lock:
+            return [(self._peers[s], p.req, p.skip + len(p.blocks)) for (s, _), p in self._posts.items()
+                    if s in self._peers]
+
     @staticmethod
     def _check_remote(peer, remote: tuple, n: int) -> None:
         if peer.geometry is None:
@@ -119,9 +131,9 @@ class SenderSide(Shipper):
 
     # ---- op lifecycle ---------------------------------------------------------------
     def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind) -> SendOp:
-        if not peer.is_connected:
+        if peer is not None and not peer.is_connected:
             raise PeerDisconnected(f"peer {peer.name!r} is disconnected")
-        handle = TransferHandle(kind, wire_req or key[1], peer.name,
+        handle = TransferHandle(kind, wire_req or key[1], None if peer is None else peer.name,
                                 layers=ready if ready is not None and not streaming else ())
         op = SendOp(peer, key, wire_req, ids, handle, ready, streaming)
         handle._on_cancel = lambda h: self._cancel_send(op)
@@ -134,9 +146,17 @@ class SenderSide(Shipper):
         return op
 
     def _start_send(self, peer, req, ids, ready, streaming, lease_timeout):
-        op = self._new_op(peer, (peer.serial, req), req, ids, ready, streaming, lease_timeout, "send")
+        op = self._new_op(peer, (None if peer is None else peer.serial, req), req, ids, ready, streaming,
+                          lease_timeout, "send")
         with self._lock:
-            post = self._posts.pop(op.key, None)
+            if peer is None:  # to whoever posted (or will post) this id
+                key = next((k for k in self._posts if k[1] == req), None)
+                if key is None:
+                    return op.handle
+                self._bind(op, self._peers.get(key[0]))
+                post = self._posts.pop(key)
+            else:
+                post = self._posts.pop(op.key, None)
             if post is not None:
                 self._match(op, post)
             elif self._tombstones.pop(op.key, None) is not None:
@@ -144,15 +164,25 @@ class SenderSide(Shipper):
                                 "cancelled")
         return op.handle
 
+    @staticmethod
+    def _bind(op: SendOp, peer) -> None:
+        """A ``send(None, ...)`` learns its receiver (lock held)."""
+        op.peer = peer
+        op.handle.peer = peer.name
+
     def _match(self, op: SendOp, post: Post, send_matched: bool = True) -> None:
         """Both halves known (lock held): validate, tell D, queue the pieces."""
         geo = op.peer.geometry
-        if geo is None or len(post.blocks) != len(op.ids) or not all(
+        if geo is None or post.skip + len(post.blocks) != len(op.ids) or not all(
                 b < geo.num_blocks for b in post.blocks):
+            op.post = post  # so the failure reaches D now, not at its recv timeout
             self._fail_send(op, InvalidDescriptor(
-                f"{op.key[1]!r}: receiver expects {len(post.blocks)} blocks, sender has {len(op.ids)}"), "failed")
+                f"{op.key[1]!r}: receiver expects {post.skip} + {len(post.blocks)} blocks, "
+                f"sender has {len(op.ids)}"), "failed")
             return
         op.post = post
+        if post.skip:
+            op.ids = op.ids[post.skip:]
         matched = encode(Msg.MATCHED, req=post.req, xid=post.xid) if send_matched else None
         wanted = set(post.layers)
         op.target = frozenset(wanted if op.ready is None or op.streaming else wanted & set(op.ready))
@@ -244,12 +274,17 @@ class SenderSide(Shipper):
 
     # ---- messages from D (I/O thread) ---------------------------------------------------
     def _on_recv_post(self, peer, f) -> None:
-        post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"])
+        post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"], f["skip"])
         key = (peer.serial, post.req)
         with self._lock:
             self._tombstones.pop(key, None)
             op = self._sends.get(key)
             if op is not None and op.post is None and op.ended is None:
+                self._match(op, post)
+                return
+            op = self._sends.get((None, post.req))
+            if op is not None and op.peer is None and op.ended is None:
+                self._bind(op, peer)
                 self._match(op, post)
                 return
             if len(self._posts) >= MAX_CACHED_POSTS:
@@ -281,6 +316,9 @@ class SenderSide(Shipper):
             if post is not None and post.xid == f["xid"]:
                 del self._posts[key]
             op = self._sends.get(key)
+            if op is None:  # maybe a send(None, ...) this peer matched
+                op = self._sends.get((None, f["req"]))
+                op = op if op is not None and op.peer is peer else None
             if op is None or (op.post is not None and op.post.xid != f["xid"]):
                 if op is None:
                     self._tombstones[key] = f["xid"]

@@ -13,7 +13,7 @@ Backends: ``"triton"`` (default for CUDA tensors; also CPU tensors under
 from __future__ import annotations
 
 from . import reference
-from .common import plan_pack, plan_unpack
+from .common import check_buffer, check_layout, device_guard, plan_pack, plan_unpack, resolve
 
 __all__ = ["pack", "unpack", "BACKENDS"]
 
@@ -36,18 +36,16 @@ def _pick(layout, backend):
 
 
 def _run(layout, plan, wire, to_wire: bool, backend: str) -> None:
+    """``native`` or ``torch`` (triton goes through :func:`_triton`)."""
     if backend == "native":
         from .cpu import native_copy
 
         native_copy(plan, wire, to_wire=to_wire)
-    elif backend == "torch":
+    else:
         from .cpu import torch_copy
 
-        torch_copy(layout, plan, wire, to_wire=to_wire)
-    else:
-        from .triton_pack import triton_copy
-
-        triton_copy(layout, plan, wire, to_wire=to_wire)
+        with device_guard(layout.device):
+            torch_copy(layout, plan, wire, to_wire=to_wire)
 
 
 def pack(layout, block_ids, *, layers=None, heads=None, out=None, backend=None):
@@ -61,13 +59,17 @@ def pack(layout, block_ids, *, layers=None, heads=None, out=None, backend=None):
     heads)`` bytes. Returns uint8 ``[wire_nbytes]`` (a view of ``out`` if given).
 
     Completion: CPU backends return with the bytes in place; on CUDA the copy
-    is queued on the current stream (stream-ordered, like any torch op).
+    is queued on the current stream of the pool's device (stream-ordered, like
+    any torch op), whichever device is current in the calling thread.
     """
-    chosen = _pick(layout, backend) if backend is not None else None
+    check_layout(layout)
+    chosen = _pick(layout, backend)
     if chosen == "reference":
         return reference.pack(layout, block_ids, layers=layers, heads=heads, out=out)
+    if chosen == "triton":
+        return _triton(layout, block_ids, layers, heads, out, True)
     plan, buf = plan_pack(layout, block_ids, layers, heads, out)
-    _run(layout, plan, buf, True, chosen or _pick(layout, None))
+    _run(layout, plan, buf, True, chosen)
     return buf
 
 
@@ -76,8 +78,31 @@ def unpack(layout, buf, block_ids, *, layers=None, heads=None, backend=None) -> 
     least ``wire_nbytes`` long; the first ``wire_nbytes`` are read) into the
     blocks ``block_ids`` (no repeats), for the same ``layers``/``heads`` the
     sender packed. Completion as for :func:`pack`."""
-    chosen = _pick(layout, backend) if backend is not None else None
+    check_layout(layout)
+    chosen = _pick(layout, backend)
     if chosen == "reference":
         return reference.unpack(layout, buf, block_ids, layers=layers, heads=heads)
+    if chosen == "triton":
+        _triton(layout, block_ids, layers, heads, buf, False)
+        return None
     plan, wire = plan_unpack(layout, buf, block_ids, layers, heads)
-    _run(layout, plan, wire, False, chosen or _pick(layout, None))
+    _run(layout, plan, wire, False, chosen)
+    return None
+
+
+def _triton(layout, block_ids, layers, heads, buf, to_wire: bool):
+    """The Triton path without a per-call plan: validate, then launch from the device
+    caches (:mod:`.tables`), under the pool's device guard."""
+    import torch
+
+    from .triton_pack import copy
+
+    ids, layers, heads, nbytes = resolve(layout, block_ids, layers, heads, unique=not to_wire)
+    with device_guard(layout.device):
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=layout.device)
+        else:
+            check_buffer(layout, nbytes, buf, "out" if to_wire else "buf")
+            buf = buf.reshape(-1)[:nbytes]
+        copy(layout, ids, layers, heads, buf, to_wire=to_wire)
+    return buf

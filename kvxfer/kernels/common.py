@@ -1,10 +1,23 @@
 """Checks shared by every pack/unpack path (all run before memory is touched)."""
 from __future__ import annotations
 
-from ..runs import CopyPlan, make_plan
+from ..runs import make_plan, normalize_ids
 
 # same-size integer dtype per itemsize: lets torch index/copy any dtype (fp8 too) bit-exactly
 INT_DTYPE_NAMES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def device_guard(device):
+    """``torch.cuda.device(device)`` for a CUDA device, else a no-op context: every launch and
+    allocation kvxfer makes for a pool runs under its device, whatever the calling thread's
+    current device is (agent threads start on device 0)."""
+    if device.type != "cuda":
+        import contextlib
+
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
 
 
 def check_layout(layout) -> None:
@@ -21,8 +34,9 @@ def plan_pack(layout, block_ids, layers, heads, out):
     check_layout(layout)
     plan = make_plan(layout, block_ids, layers=layers, heads=heads, unique=False)
     if out is None:
-        return plan, torch.empty(plan.nbytes, dtype=torch.uint8, device=layout.device)
-    _check_buffer(layout, plan, out, "out")
+        with device_guard(layout.device):
+            return plan, torch.empty(plan.nbytes, dtype=torch.uint8, device=layout.device)
+    check_buffer(layout, plan.nbytes, out, "out")
     return plan, out.reshape(-1)[: plan.nbytes]
 
 
@@ -30,11 +44,20 @@ def plan_unpack(layout, buf, block_ids, layers, heads):
     """Validate an unpack call -> (plan, wire bytes uint8 [plan.nbytes])."""
     check_layout(layout)
     plan = make_plan(layout, block_ids, layers=layers, heads=heads, unique=True)
-    _check_buffer(layout, plan, buf, "buf")
+    check_buffer(layout, plan.nbytes, buf, "buf")
     return plan, buf.reshape(-1)[: plan.nbytes]
 
 
-def _check_buffer(layout, plan: CopyPlan, buf, name: str) -> None:
+def resolve(layout, block_ids, layers, heads, *, unique: bool) -> tuple:
+    """Validate a call without planning it -> (ids int64 numpy [n], layers tuple, heads tuple, nbytes)."""
+    check_layout(layout)
+    ids = normalize_ids(block_ids, layout.num_blocks, unique=unique)
+    layers = layout.resolve_layers(layers)
+    heads = layout.resolve_heads(heads)
+    return ids, layers, heads, len(layers) * ids.size * layout.block_nbytes(heads)
+
+
+def check_buffer(layout, nbytes: int, buf, name: str) -> None:
     import torch
 
     if not isinstance(buf, torch.Tensor):
@@ -45,5 +68,5 @@ def _check_buffer(layout, plan: CopyPlan, buf, name: str) -> None:
         raise ValueError(f"{name} is on {buf.device} but the KV pool is on {layout.device}")
     if not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    if buf.numel() < plan.nbytes:
-        raise ValueError(f"{name} holds {buf.numel()} bytes but the wire format needs {plan.nbytes}")
+    if buf.numel() < nbytes:
+        raise ValueError(f"{name} holds {buf.numel()} bytes but the wire format needs {nbytes}")

@@ -59,39 +59,74 @@ def copy_tiles_kernel(
                 tl.store(pool_ptr + eng, tl.load(wire_ptr + wire, mask=mask), mask=mask)
 
 
+def _word(align: int, wire_ptr: int, base_nbytes: int) -> tuple:
+    """(word bytes, vector width in words): the widest word every address, stride and the
+    row divide (at most the base storage's size: its tensor is one word long)."""
+    align = math.gcd(align, int(wire_ptr))
+    word = next(w for w in (8, 4, 2, 1) if align % w == 0 and w <= base_nbytes)
+    return word, (16 // word if align % 16 == 0 else 1)
+
+
 def launch_args(layout, plan: CopyPlan, wire):
-    """Kernel arguments for ``plan``: (args tuple, constexpr dict, grid)."""
+    """Kernel arguments for ``plan``: (args tuple, constexpr dict, grid). Host tensors
+    (tests and the CPU interpreter); the device path is :func:`copy`."""
     import numpy as np
     import torch
 
-    storages = [t.untyped_storage() for t in layout.tensors]
-    base_storage = min(storages, key=lambda s: s.data_ptr())
-    base = base_storage.data_ptr()
-    quantities = [base, wire.data_ptr(), plan.row_bytes, *plan.plane_addrs.tolist(),
-                  *plan.block_strides.tolist(), *plan.outer_strides.reshape(-1).tolist()]
-    align = 0
-    for q in quantities:
-        align = math.gcd(align, int(q))
-    # the base tensor is one word long (an empty tensor's data_ptr() is 0)
-    word = next(w for w in (8, 4, 2, 1) if align % w == 0 and w <= base_storage.nbytes())
-    vec = 16 // word if align % 16 == 0 else 1
+    from .tables import PoolTables
+
+    tables = PoolTables.of(layout)
+    pool_plan = tables.plan(plan.heads)
+    word, vec = _word(pool_plan.align, wire.data_ptr(), pool_plan.base_nbytes)
+    rows = np.array([l * layout.num_kv + k for l in plan.layers for k in range(layout.num_kv)], dtype=np.int64)
+    table = pool_plan.table_bytes[rows].copy()
+    table[:, 0] -= pool_plan.base
     word_dtype = getattr(torch, _WORD_DTYPES[word])
-    pool = torch.empty(0, dtype=word_dtype, device=layout.device).set_(base_storage, 0, (1,), (1,))
-    table = np.concatenate([((plan.plane_addrs - base) // word)[:, None], (plan.block_strides // word)[:, None],
-                            plan.outer_strides // word], axis=1)
-    table = torch.from_numpy(np.ascontiguousarray(table)).to(layout.device)
-    ids = torch.from_numpy(plan.ids).to(layout.device)
-    tile = plan.tile_bytes // word
-    block = min(triton.next_power_of_2(tile), _MAX_BLOCK_BYTES // word)
-    consts = dict(S0=plan.outer_sizes[0], S1=plan.outer_sizes[1], S2=plan.outer_sizes[2],
-                  ROW=plan.row_bytes // word, TILE=tile, BLOCK=block, VEC=vec)
-    args = (pool, wire.view(word_dtype), table, ids, plan.ids.size)
+    consts = _consts(pool_plan, word, vec)
+    args = (tables.pool_words(word, word_dtype), wire.view(word_dtype), torch.from_numpy(table // word),
+            torch.from_numpy(plan.ids.copy()), plan.ids.size)
     return args, consts, (plan.ids.size, plan.num_planes)
 
 
+def _consts(pool_plan, word: int, vec: int) -> dict:
+    tile = pool_plan.tile_bytes // word
+    block = min(triton.next_power_of_2(tile), _MAX_BLOCK_BYTES // word)
+    s0, s1, s2 = pool_plan.outer_sizes
+    return dict(S0=s0, S1=s1, S2=s2, ROW=pool_plan.row_bytes // word, TILE=tile, BLOCK=block, VEC=vec)
+
+
+def copy(layout, ids, layers: tuple, heads: tuple, wire, *, to_wire: bool) -> None:
+    """Launch one copy of validated ``ids`` (int64 numpy), ``layers`` and ``heads`` between the
+    pool and ``wire`` (uint8, exactly the wire bytes) on the current stream of the pool's device.
+
+    Asynchronous on GPU, like any launch; call it under :func:`device_guard` (the caller
+    allocated ``wire`` there too, see :func:`~kvxfer.kernels.common.device_guard`). Tables and ids come from the device caches
+    (:mod:`kvxfer.kernels.tables`), so a call plans nothing and copies nothing host->device
+    once its request's ids were seen.
+    """
+    import torch
+
+    from .tables import PoolTables
+
+    if ids.size == 0:
+        return
+    tables = PoolTables.of(layout)
+    pool_plan = tables.plan(heads)
+    word, vec = _word(pool_plan.align, wire.data_ptr(), pool_plan.base_nbytes)
+    stream = torch.cuda.current_stream(layout.device) if tables.cuda else None
+    table = tables.table(heads, word, layers, stream)
+    dev_ids = tables.ids(ids, stream)
+    word_dtype = getattr(torch, _WORD_DTYPES[word])
+    copy_tiles_kernel[(ids.size, len(layers) * layout.num_kv)](
+        tables.pool_words(word, word_dtype), wire.view(word_dtype), table, dev_ids, ids.size,
+        **_consts(pool_plan, word, vec), TO_WIRE=to_wire, num_warps=4)
+
+
 def triton_copy(layout, plan: CopyPlan, wire, *, to_wire: bool) -> None:
-    """Launch the kernel on the current stream (asynchronous on GPU, like any launch)."""
+    """Launch the kernel for ``plan`` on the current stream of the pool's device."""
     if plan.nbytes == 0:
         return
-    args, consts, grid = launch_args(layout, plan, wire)
-    copy_tiles_kernel[grid](*args, **consts, TO_WIRE=to_wire, num_warps=4)
+    from .common import device_guard
+
+    with device_guard(layout.device):
+        copy(layout, plan.ids, tuple(plan.layers), tuple(plan.heads), wire, to_wire=to_wire)

@@ -1,0 +1,171 @@
+"""Launch tables of the Triton kernel, planned once per pool and kept on its device.
+
+Per ``(layout, heads)`` the geometry of *every* layer's planes is planned once
+(:func:`kvxfer.runs.make_plan` over all layers): row and tile sizes, per-plane
+origin, block stride and outer strides. The kernel reads them from an int64
+``[planes, 5]`` table of word offsets on the pool's device, built once per
+``(heads, word)``; a call for layers ``a..b`` (ascending, consecutive: every
+``send_layer``) uses a row slice of it (a view, no copy), any other selection a
+gathered table cached per layer tuple. Block ids live on the device too,
+cached per contents (a request's ids serve all its layers). So a call does no
+numpy planning and, after the first call of a request, no host->device copy;
+a miss copies through pinned memory with ``non_blocking=True``.
+
+Cached device tensors remember the stream that built them; a launch on another
+stream first waits for that build (``wait_event``) and marks the tensor used
+there (``record_stream``), so neither a stale read nor an early reuse of its
+memory can happen. Caches are bounded and shared by the agent's threads (locked).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..runs import make_plan
+
+MAX_IDS = 256  # cached block-id tensors per pool
+MAX_TABLES = 64  # cached gathered tables per pool
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Geometry of every plane (all layers, K/V) for one head range."""
+
+    row_bytes: int
+    tile_bytes: int
+    outer_sizes: tuple
+    table_bytes: np.ndarray  # int64 [L * kv, 5]: origin (absolute), block stride, outer strides 0..2
+    base: int  # lowest storage address of the pool: table origins are offsets from it
+    base_nbytes: int
+    align: int  # gcd of base, origins, strides and row bytes
+
+
+class _Entry:
+    __slots__ = ("tensor", "event", "stream")
+
+    def __init__(self, tensor, event, stream) -> None:
+        self.tensor, self.event, self.stream = tensor, event, stream
+
+
+class PoolTables:
+    """The caches of one layout (``PoolTables.of(layout)``)."""
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        self.device = layout.device
+        self.cuda = layout.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._plans: dict = {}
+        self._tables: dict = {}  # (heads, word) -> _Entry (all planes); (heads, word, layers) -> _Entry
+        self._ids: collections.OrderedDict = collections.OrderedDict()
+        self._words: dict = {}  # word bytes -> one-word tensor at the pool's base
+        storages = [t.untyped_storage() for t in layout.tensors]
+        self._base_storage = min(storages, key=lambda s: s.data_ptr())
+
+    @classmethod
+    def of(cls, layout) -> "PoolTables":
+        tables = layout.__dict__.get("_kvx_tables")
+        if tables is None:
+            tables = layout.__dict__.setdefault("_kvx_tables", cls(layout))
+        return tables
+
+    # ---- geometry ---------------------------------------------------------------------
+    def plan(self, heads: tuple) -> PoolPlan:
+        got = self._plans.get(heads)
+        if got is None:
+            got = self._make_plan(heads)
+            with self._lock:
+                self._plans[heads] = got
+        return got
+
+    def _make_plan(self, heads: tuple) -> PoolPlan:
+        p = make_plan(self.layout, [0], heads=heads)
+        table = np.concatenate([p.plane_addrs[:, None], p.block_strides[:, None], p.outer_strides], axis=1)
+        base = self._base_storage.data_ptr()
+        align = 0
+        for q in (base, p.row_bytes, *table.reshape(-1).tolist()):
+            align = math.gcd(align, int(q))
+        return PoolPlan(p.row_bytes, p.tile_bytes, p.outer_sizes, np.ascontiguousarray(table), base,
+                        self._base_storage.nbytes(), align)
+
+    def pool_words(self, word: int, word_dtype):
+        """A one-word tensor at the pool's base storage, typed ``word_dtype`` (the kernel's base pointer)."""
+        got = self._words.get(word)
+        if got is None:
+            import torch
+
+            got = torch.empty(0, dtype=word_dtype, device=self.device).set_(self._base_storage, 0, (1,), (1,))
+            self._words[word] = got
+        return got
+
+    # ---- device tensors ---------------------------------------------------------------
+    def table(self, heads: tuple, word: int, layers: tuple, stream):
+        """Device int64 ``[len(layers) * kv, 5]`` table in words for the selected layers, in order."""
+        kv = self.layout.num_kv
+        full = self._tables.get((heads, word))
+        if full is None:
+            plan = self.plan(heads)
+            words = plan.table_bytes.copy()
+            words[:, 0] -= plan.base
+            full = self._upload((heads, word), words // word, stream)
+        first, count = layers[0], len(layers)
+        if layers == tuple(range(first, first + count)):
+            return self._use(full, stream)[first * kv:(first + count) * kv]
+        key = (heads, word, layers)
+        entry = self._tables.get(key)
+        if entry is None:
+            rows = np.array([l * kv + k for l in layers for k in range(kv)], dtype=np.int64)
+            plan = self.plan(heads)
+            words = plan.table_bytes[rows].copy()
+            words[:, 0] -= plan.base
+            if len(self._tables) >= MAX_TABLES:
+                with self._lock:
+                    for k in [k for k in self._tables if len(k) == 3]:
+                        del self._tables[k]
+            entry = self._upload(key, words // word, stream)
+        return self._use(entry, stream)
+
+    def ids(self, ids: np.ndarray, stream):
+        """Device int64 ``[n]`` copy of ``ids`` (cached by contents, LRU)."""
+        key = ids.tobytes()
+        entry = self._ids.get(key)
+        if entry is None:
+            entry = self._make(ids, stream)
+            with self._lock:
+                self._ids[key] = entry
+                while len(self._ids) > MAX_IDS:
+                    self._ids.popitem(last=False)
+        else:
+            with self._lock:
+                if key in self._ids:
+                    self._ids.move_to_end(key)
+        return self._use(entry, stream)
+
+    def _upload(self, key, host: np.ndarray, stream) -> _Entry:
+        entry = self._make(np.ascontiguousarray(host, dtype=np.int64), stream)
+        with self._lock:
+            self._tables[key] = entry
+        return entry
+
+    def _make(self, host: np.ndarray, stream) -> _Entry:
+        import torch
+
+        if not self.cuda:
+            return _Entry(torch.from_numpy(host.copy()), None, None)
+        pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
+        pinned.numpy()[...] = host
+        tensor = pinned.to(self.device, non_blocking=True)  # on `stream`, the current one
+        event = torch.cuda.Event()
+        event.record(stream)
+        return _Entry(tensor, event, stream)
+
+    @staticmethod
+    def _use(entry: _Entry, stream):
+        if entry.stream is not None and stream != entry.stream:
+            stream.wait_event(entry.event)
+            entry.tensor.record_stream(stream)
+        return entry.tensor

@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.kvxfer-installed
 
-.PHONY: setup build test bench bench-compare demo clean
+.PHONY: setup build test bench bench-compare demo clean test-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,15 @@ setup: $(STAMP)
 build: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 
-test: build
+# The namespace ("two hosts") tests need `ip` (iproute2); as root on Debian it is
+# installed when missing, elsewhere those tests skip with the reason.
+test-tools:
+	@if ! command -v ip >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing iproute2 for the namespace tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; \
+	fi
+
+test: build test-tools
 	$(BIN)/python -m pytest -q -ra tests
 
 bench: build

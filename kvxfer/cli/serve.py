@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+API_KEY_ENV = "KVXFER_API_KEY"
 
 
 def add_parser(sub) -> None:
@@ -25,6 +28,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics "
+                        f"(default: ${API_KEY_ENV}; prefer the variable: a command line is visible in ps)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="larger request bodies get HTTP 413 (default 1 MiB)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -43,7 +51,9 @@ def config_from_args(args: argparse.Namespace):
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        transfer_timeout_s=args.transfer_timeout, log_level=args.log_level)
+        transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,6 +68,11 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)  # bearer token for /v1/* and /metrics
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    restart_workers: bool = True  # supervise: start a dead worker again (launcher.py)
+    restart_backoff_s: float = 1.0  # first delay; doubles per quick death
+    restart_backoff_max_s: float = 30.0
     worker_env: tuple[tuple[str, str], ...] = field(default=())  # extra env (test hooks)
 
     def __post_init__(self) -> None:
@@ -80,6 +85,10 @@ class ServeConfig:
                 raise ValueError("--colocated excludes --prefill/--decode")
         elif self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("disaggregated serving needs >= 1 prefill and >= 1 decode worker")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         num_workers = self.num_colocated or self.num_prefill + self.num_decode

@@ -70,6 +70,11 @@ class Tokenizer:
             add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
         )
 
+    def save_json(self, path: str) -> None:
+        """Write the tokenizer as a Hugging Face ``tokenizer.json`` (vocab, merges,
+        pre-tokenizer, decoder, special tokens)."""
+        self._tok.save(str(path))
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text`` (special-token text such as ``<|im_end|>`` maps to its id)."""
         if not isinstance(text, str):

@@ -42,6 +42,10 @@ def add_parser(sub) -> None:
                         f"(default: ${API_KEY_ENV}; prefer the variable: a command line is visible in ps)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="larger request bodies get HTTP 413 (default 1 MiB)")
+    p.add_argument("--discovery", default=None, metavar="URL",
+                   help="etcd://HOST:PORT[/prefix] or static://HOST:PORT,...: route to workers "
+                        "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
+    p.add_argument("--secret-file", default=None, metavar="PATH")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -51,10 +55,11 @@ def config_from_args(args: argparse.Namespace):
 
     if args.colocated and (args.prefill or args.decode):
         raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
+    default = 0 if args.colocated or args.discovery else 1
     return ServeConfig(
-        host=args.host, port=args.port,
-        num_prefill=0 if args.colocated else (args.prefill or 1),
-        num_decode=0 if args.colocated else (args.decode or 1),
+        host=args.host, port=args.port, discovery=args.discovery, secret_file=args.secret_file,
+        num_prefill=args.prefill or default if not args.colocated else 0,
+        num_decode=args.decode or default if not args.colocated else 0,
         num_colocated=args.colocated, model_path=args.model,
         cpu_groups=tuple(parse_cpu_group(g) for g in args.cpus),
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,

@@ -30,8 +30,6 @@ from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
 
-log = logging.getLogger("kvxfer")
-
 MAX_PENDING_HANDSHAKES = 32
 
 log = logging.getLogger("kvxfer.agent")

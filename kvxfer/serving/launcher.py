@@ -97,6 +97,7 @@ class WorkerProcess:
                 "--num-blocks", str(config.num_blocks),
                 "--max-num-seqs", str(config.max_num_seqs),
                 "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+                "--schedule", config.schedule,
                 "--transfer-timeout", str(config.transfer_timeout_s),
                 "--request-timeout", str(config.request_timeout_s),
                 "--on-transfer-failure", config.on_transfer_failure,

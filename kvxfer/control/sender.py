@@ -9,22 +9,21 @@ visible: zero-copy at write completion, pack when D ACKs the unpack.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 
 import numpy as np
 
-from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, ProtocolError,
+from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected,
                       TransferCancelled, TransferTimeout)
 from ..handle import TransferHandle
 from .checks import check_post, code_of, error_from
+from .limits import MAX_NOTIFY_BYTES
 from .messages import Msg, encode
 from .ops import Post, SendOp
 from .shipping import INLINE_BYTES, Shipper
 from .staging import StagingRing
 
-MAX_CACHED_POSTS = 65536
 TOMBSTONE_GRACE_S = 5.0  # an unmatched send for a request id D ended waits this long for a new post
 
 
@@ -36,8 +35,7 @@ class SenderSide(Shipper):
         self._acks: dict[int, tuple] = {}  # tag -> (op, layers)
         self._tags = itertools.count(1)
         self._wids = itertools.count(1)
-        # requests a receiver cancelled before we sent them: a late send fails fast
-        self._tombstones: collections.OrderedDict = collections.OrderedDict()
+        # requests a receiver ended before we sent them live in each peer's book (limits.py)
 
     def _init_staging(self, nbytes: int) -> None:
         self._stage_out = StagingRing(nbytes)
@@ -83,6 +81,8 @@ class SenderSide(Shipper):
         remote = tuple(int(b) for b in remote_ids)
         self._check_remote(peer, remote, len(ids))
         lay = tuple(self._layout.resolve_layers(layers))
+        if notify is not None and len(notify) > MAX_NOTIFY_BYTES:
+            raise ValueError(f"notify payload of {len(notify)} B exceeds {MAX_NOTIFY_BYTES} B")
         post = Post("", 0, remote, lay, peer.geometry.head_range)
         key = (peer.serial, f"#write-{next(self._wids)}")
         op = self._new_op(peer, key, "", ids, list(lay), False, None, "write")
@@ -156,13 +156,13 @@ class SenderSide(Shipper):
                 if key is None:
                     return op.handle
                 self._bind(op, self._peers.get(key[0]))
-                post = self._posts.pop(key)
+                post = self._take_post(key)
             else:
-                post = self._posts.pop(op.key, None)
+                post = self._take_post(op.key)
             if post is not None:
                 self._match(op, post)
             else:
-                tomb = self._tombstones.pop(op.key, None)
+                tomb = peer.book.tombstones.pop(req, None)
                 if tomb is not None:
                     self._bury(op, tomb[1])
         return op.handle
@@ -307,7 +307,7 @@ class SenderSide(Shipper):
         except InvalidDescriptor as exc:
             return self._refuse_post(peer, key, post, exc)
         with self._lock:
-            self._tombstones.pop(key, None)
+            peer.book.tombstones.pop(post.req, None)
             op = self._sends.get(key)
             if op is not None and op.post is None and op.ended is None:
                 self._match(op, post)
@@ -317,9 +317,17 @@ class SenderSide(Shipper):
                 self._bind(op, peer)
                 self._match(op, post)
                 return
-            if len(self._posts) >= MAX_CACHED_POSTS:
-                raise ProtocolError("too many unmatched RECV_POSTs from one peer")
+            for old in peer.book.add_post(post.req, len(post.blocks)):  # bounded per peer: oldest go
+                del self._posts[(peer.serial, old)]
             self._posts[key] = post
+
+    def _take_post(self, key):
+        """Remove and return the cached post of ``key`` (lock held)."""
+        post = self._posts.pop(key, None)
+        peer = self._peers.get(key[0])
+        if post is not None and peer is not None:
+            peer.book.drop_post(key[1])
+        return post
 
     def _refuse_post(self, peer, key, post: Post, exc: KVXferError) -> None:
         """A RECV_POST we cannot serve: fail D's recv (and a send waiting for it) with ``exc``."""
@@ -329,7 +337,7 @@ class SenderSide(Shipper):
                 op.post = post
                 self._fail_send(op, exc, "failed")  # tells D
                 return
-            self._tombstones[key] = (post.xid, exc)  # a send that comes later fails the same way
+            peer.book.bury(post.req, post.xid, exc)  # a send that comes later fails the same way
         peer.send(encode(Msg.FAIL, req=post.req, xid=post.xid, to_sender=False, code=code_of(exc) or "protocol",
                          reason=str(exc)[:200]))
 
@@ -356,7 +364,7 @@ class SenderSide(Shipper):
         with self._lock:
             post = self._posts.get(key)
             if post is not None and post.xid == f["xid"]:
-                del self._posts[key]
+                self._take_post(key)
             op = self._sends.get(key)
             if op is None:  # maybe a send(None, ...) this peer matched
                 op = self._sends.get((None, f["req"]))
@@ -367,10 +375,8 @@ class SenderSide(Shipper):
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
                 if op is not None:
                     self._bury(op, error)  # unless a new post for this id comes first
-                elif self._tombstones.get(key, (None,))[0] != f["xid"]:  # keep a refused post's error
-                    self._tombstones[key] = (f["xid"], error)
-                    while len(self._tombstones) > MAX_CACHED_POSTS:
-                        self._tombstones.popitem(last=False)
+                elif peer.book.tombstones.get(f["req"], (None,))[0] != f["xid"]:  # keep a refused post's error
+                    peer.book.bury(f["req"], f["xid"], error)
                 return
             if op.post.xid != f["xid"]:
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
@@ -386,8 +392,6 @@ class SenderSide(Shipper):
             ops = [op for op in self._sends.values() if op.peer is peer]
             for key in [k for k in self._posts if k[0] == peer.serial]:
                 del self._posts[key]
-            for key in [k for k in self._tombstones if k[0] == peer.serial]:
-                del self._tombstones[key]
             for tag, wait in list(self._grant_waits.items()):
                 if wait.peer is peer:
                     wait.error = err

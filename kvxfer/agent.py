@@ -31,8 +31,6 @@ from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
 
-log = logging.getLogger("kvxfer")
-
 
 log = logging.getLogger("kvxfer.agent")
 

@@ -142,3 +142,22 @@ def test_worker_channel_authenticates_and_aborts_on_router_loss():
         chan.close()
     with pytest.raises(ValueError):
         NetWorkerChannel("127.0.0.1:0", b"short")
+
+
+@pytest.mark.slow
+def test_serve_with_discovery_starts_local_workers(etcd):
+    from serving_server import Server
+
+    url = etcd + "/local"
+    server = Server("--discovery", url, "--prefill", "1", "--decode", "1",
+                    env={"KVXFER_SECRET": SECRET.decode()})
+    try:
+        health = server.health()
+        assert health["status"] == "ok" and health["discovery"] == url
+        assert sorted(w["role"] for w in health["workers"]) == ["decode", "prefill"]
+        body = server.complete("The capital of France is", max_tokens=3)
+        assert body["kvxfer"]["kv_bytes"] > 0 and body["kvxfer"]["recomputed"] is False
+        assert {m.role for m in open_discovery(url).members()} == {"prefill", "decode"}
+    finally:
+        server.stop()
+    _until(lambda: open_discovery(url).members() == [], 15, "local workers withdrawn")

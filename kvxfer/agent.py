@@ -25,6 +25,8 @@ from .control.receiver import ReceiverSide
 from .control.sender import SenderSide
 from .control import auth
 from .errors import KVXferError, PeerDisconnected, ProtocolError, RegistrationError, TransferTimeout
+from .kernels.common import device_guard
+from .kernels.device import device_for
 from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
@@ -43,18 +45,21 @@ class Agent(SenderSide, ReceiverSide):
     with the agent's lock held, so it must be quick and must not wait on the
     agent (hand the ids to your scheduler's queue). ``staging_bytes``: size of each of the
     two registered staging buffers (pack path). ``path``: ``"auto"`` (cost
-    model), ``"zero_copy"`` or ``"pack"`` to force one.
+    model), ``"zero_copy"`` or ``"pack"`` to force one. ``device``: where pack/unpack
+    run and how their completion is awaited (a :class:`kvxfer.kernels.device.Device`;
+    default: the pool's, chosen at :meth:`register_kv`; tests plug in a deferred one).
     """
 
     def __init__(self, name: str, listen: str = "127.0.0.1:0", *, secret, backend="auto",
                  lease_timeout: float = 30.0, on_release=None, staging_bytes: int = 32 << 20,
-                 path: str = "auto", cost_model: CostModel | None = None) -> None:
+                 path: str = "auto", cost_model: CostModel | None = None, device=None) -> None:
         if path not in ("auto", "zero_copy", "pack"):
             raise ValueError(f"path must be auto, zero_copy or pack, got {path!r}")
         self.name = str(name)
         self.agent_id = uuid.uuid4().hex
         self._secret = auth.normalize_secret(secret)
         self._path = path
+        self._device = device
         self._staging_bytes = int(staging_bytes)
         self.metrics = Metrics(self.name)
         self.leases = LeaseTable(lease_timeout, on_release)
@@ -114,8 +119,11 @@ class Agent(SenderSide, ReceiverSide):
                 for addr, nbytes in layout.regions():
                     ids.append(self._backend.register(addr, nbytes, device=layout.device.type,
                                                       device_id=layout.device.index or 0))
-                self._stage_in_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
-                self._stage_out_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                with device_guard(layout.device):  # agent threads must not default to device 0
+                    self._stage_in_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                    self._stage_out_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                if self._device is None:
+                    self._device = device_for(layout)
                 for t in (self._stage_in_t, self._stage_out_t):
                     ids.append(self._backend.register(t.data_ptr(), t.numel(), device=layout.device.type,
                                                       device_id=layout.device.index or 0))
@@ -317,6 +325,8 @@ class Agent(SenderSide, ReceiverSide):
         for t in self._workers:
             if t is not threading.current_thread():
                 t.join(10.0)
+        if self._device is not None:
+            self._device.close()  # nothing it launched still touches the staging buffers or the pool
         for key in self.leases.keys():
             self.leases.release(key, "closed")
         for rid in self._region_ids + ([self._stage_in_region, self._stage_out_region] if self._layout else []):

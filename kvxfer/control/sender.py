@@ -142,12 +142,14 @@ class SenderSide(Shipper):
             raise ValueError("remote_ids must be as many as local_ids and inside the peer's pool")
 
     # ---- op lifecycle ---------------------------------------------------------------
-    def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind) -> SendOp:
+    def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind, token=None) -> SendOp:
         if peer is not None and not peer.is_connected:
             raise PeerDisconnected(f"peer {peer.name!r} is disconnected")
         handle = TransferHandle(kind, wire_req or key[1], None if peer is None else peer.name,
                                 layers=ready if ready is not None and not streaming else ())
         op = SendOp(peer, key, wire_req, ids, handle, ready, streaming)
+        if token is not None:  # before the op is published: a RECV_POST may match it at once
+            op.after.append(token)
         handle._on_cancel = lambda h: self._cancel_send(op)
         with self._lock:
             if key in self._sends:
@@ -159,9 +161,7 @@ class SenderSide(Shipper):
 
     def _start_send(self, peer, req, ids, ready, streaming, lease_timeout, token=None):
         op = self._new_op(peer, (None if peer is None else peer.serial, req), req, ids, ready, streaming,
-                          lease_timeout, "send")
-        if token is not None:
-            op.after.append(token)
+                          lease_timeout, "send", token)
         with self._lock:
             if peer is None:  # to whoever posted (or will post) this id
                 key = next((k for k in self._posts if k[1] == req), None)

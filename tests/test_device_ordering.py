@@ -50,7 +50,7 @@ def _same(want, src_ids, dst_layout, dst_ids, layers=None) -> bool:
 
 @pytest.mark.parametrize("path", ["zero_copy", "pack"])
 def test_send_waits_for_the_producer_and_recv_for_the_scatter(path):
-XX ``send(after=...)``; D checks its blocks the
+    """The engine's write lands 1 s after ``send(after=...)``; D checks its blocks the
     moment its recv completes. Fails if the zero-copy post does not host-wait for the
     producer, the pack is not queued behind it, the post does not wait for the pack, or
     the recv completes before the unpack ran."""

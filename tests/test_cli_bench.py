@@ -1,6 +1,7 @@
-"""kvxfer bench: statistics, limits, the transfer CLI on tiny sizes (loopback backend,
-and the spawned-process UCX/vm backends where they are built), --json schema,
---check catching a corrupted byte, --compare nixl (skipped without NIXL).
+"""kvxfer bench: statistics, limits (native copy on the path's threads, native TCP loop),
+the transfer CLI on tiny sizes (loopback backend, and the spawned-process UCX/vm
+backends where they are built), --json schema, --check catching a byte corrupted by
+a faulty backend the test injects, --compare nixl (skipped without NIXL).
 Timing is never asserted."""
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import math
 
 import pytest
 
-from kvxfer.bench import envinfo, limits
-from kvxfer.bench.stats import gbps, percentile, summarize
+from kvxfer.bench import copy_limit, resources, tcp_limit
+from kvxfer.report import envinfo
+from kvxfer.report.stats import gbps, percentile, summarize
 from kvxfer.cli import main
 
 TINY = ["--start-block-size", "4K", "--max-block-size", "8K", "--batch-size", "4",
@@ -28,11 +30,48 @@ def test_stats_median_p99_and_empty():
         percentile([1], 101)
 
 
-def test_limits_return_steady_state_samples():
-    assert len(limits.memcpy_seconds(4096, 3, warmup=1)) == 3
-    with limits.SocketLimit(timeout=20) as sock:
-        samples = sock.seconds(1 << 16, 3, warmup=1)
+@pytest.mark.parametrize("nbytes,threads,streaming", [(4096, 1, False), (5 << 20, 2, False),
+                                                      (5 << 20, 2, True), (1000, 2, True)])
+def test_memcpy_limit_copies_every_byte(nbytes, threads, streaming):
+    limit = copy_limit.MemcpyLimit(nbytes, threads=threads, streaming=streaming)
+    assert limit.check()  # the timed copy is not a no-op, whatever the split
+    samples = limit.seconds(3, warmup=1)
     assert len(samples) == 3 and all(s > 0 for s in samples)
+    with pytest.raises(ValueError):
+        copy_limit.MemcpyLimit(0)
+
+
+def test_tcp_limit_is_native_and_returns_steady_state_samples():
+    with tcp_limit.SocketLimit(timeout=30) as sock:
+        samples = sock.seconds(1 << 16, 3, warmup=1)
+        assert len(samples) == 3 and all(s > 0 for s in samples)
+        with pytest.raises(ValueError):
+            sock.seconds(0, 3)
+    assert tcp_limit.build().read_bytes()[:4] == b"\x7fELF"
+
+
+def test_tcp_limit_without_compiler_raises(monkeypatch, tmp_path):
+    from kvxfer.errors import KVXferError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(KVXferError, match="native TCP limit"):
+        tcp_limit.build()
+
+
+def test_vm_resources_follow_the_environment(monkeypatch):
+    monkeypatch.delenv("KVXFER_VM_THREADS", raising=False)
+    monkeypatch.delenv("KVXFER_VM_SPLIT_BYTES", raising=False)
+    monkeypatch.setattr(resources, "num_cores", lambda: 8)
+    assert resources.for_path("vm", 64 << 20).threads == 2       # csrc default: min(cores, 2)
+    assert resources.for_path("vm", 1 << 20).threads == 1        # below the 4 MiB split
+    assert resources.for_path("ucx:cma", 64 << 20).threads == 1
+    assert resources.for_path("vm", 64 << 20, senders=2).threads == 4
+    monkeypatch.setenv("KVXFER_VM_THREADS", "9")
+    assert resources.for_path("vm", 64 << 20).threads == 4       # capped as in csrc
+    monkeypatch.setenv("KVXFER_VM_SPLIT_BYTES", "0")
+    assert resources.for_path("vm", 64 << 20).threads == 1       # 0: never split
+    assert resources.for_path("vm", 64 << 20, path="pack").streaming
 
 
 def test_envinfo_busy_threshold(monkeypatch):
@@ -44,7 +83,7 @@ def test_envinfo_busy_threshold(monkeypatch):
     assert info["transport"] == "x" and info["num_cores"] >= 1 and "ucx_tls" in info
 
 
-@pytest.mark.parametrize("op,path", [("write", "zero-copy"), ("read", "pack"), ("write", "auto")])
+@pytest.mark.parametrize("op,path", [("write", "zero-copy"), ("read", "pack"), ("write", "pack")])
 def test_transfer_loopback_json_schema(tmp_path, op, path):
     out = tmp_path / "t.json"
     png = tmp_path / "t.png"
@@ -59,19 +98,50 @@ def test_transfer_loopback_json_schema(tmp_path, op, path):
     for row in doc["rows"]:
         assert row["transport"] == "loopback" and row["path"] in ("zero-copy", "pack")
         assert len(row["samples"]["kvxfer"]["latency_s"]) == 3      # warm-up excluded
-        assert len(row["samples"]["memcpy_s"]) == 3
+        assert len(row["samples"]["memcpy_s"]) == 3 and row["memcpy_threads"] == 1
         assert row["gbps"] > 0 and row["memcpy_gbps"] > 0 and row["ratio_to_limit"] > 0
         assert row["gbps_min"] <= row["gbps"] <= row["gbps_max"]
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_check_catches_a_corrupted_byte(monkeypatch, capsys):
-    monkeypatch.setenv("KVXFER_BENCH_CORRUPT_BYTE", "4097")
-    rc = main(["bench", "transfer", "--backend", "loopback", "--check", *TINY])
+def _faulty_loopback(bad_post: int):
+    """A loopback backend whose ``bad_post``-th post (counted over all instances) flips
+    the first byte it wrote: a transport that lands one wrong byte in one iteration."""
+    import ctypes
+
+    from kvxfer.transport.loopback import LoopbackBackend
+
+    posts = []
+
+    class Faulty(LoopbackBackend):
+        def post(self, conn, op, descs):
+            req = super().post(conn, op, descs)
+            posts.append(op)
+            if len(posts) == bad_post:
+                import numpy as np
+
+                d = np.asarray(descs, dtype=np.int64).reshape(-1, 5)[0]
+                peer = conn.remote_regions
+                addr = (peer._regions[int(d[2])][0] + int(d[3]) if op == "write"
+                        else self._regions[int(d[0])][0] + int(d[1]))
+                ctypes.c_uint8.from_address(int(addr)).value ^= 0xFF
+            return req
+
+    return Faulty
+
+
+@pytest.mark.parametrize("path", ["zero-copy", "pack"])
+def test_check_catches_a_byte_corrupted_in_a_middle_iteration(monkeypatch, capsys, path):
+    import kvxfer.transport as transport
+
+    faulty = _faulty_loopback(bad_post=3)  # warm-up 1, then measured iteration 1 (of 3), first row
+    monkeypatch.setattr(transport, "make_backend", lambda name, **kw: faulty())
+    rc = main(["bench", "transfer", "--backend", "loopback", "--path", path, "--check", *TINY])
     assert rc == 1
-    assert "byte 4097 differs" in capsys.readouterr().err
-    monkeypatch.delenv("KVXFER_BENCH_CORRUPT_BYTE")  # without the check the hook is inert
-    assert main(["bench", "transfer", "--backend", "loopback", *TINY]) == 0
+    assert "iteration 2: byte 0 differs" in capsys.readouterr().err
+    # the same fault without --check goes unnoticed: the check is what catches it
+    monkeypatch.setattr(transport, "make_backend", lambda name, **kw: _faulty_loopback(3)())
+    assert main(["bench", "transfer", "--backend", "loopback", "--path", path, *TINY]) == 0
 
 
 def _native_backend_available() -> bool:
@@ -90,8 +160,7 @@ def test_transfer_spawned_processes_check(tmp_path, monkeypatch):
     assert main(["bench", "transfer", "--backend", "auto", "--check", "--json", str(out), *TINY]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["transport"] not in ("", "?")
-    monkeypatch.setenv("KVXFER_BENCH_CORRUPT_BYTE", "0")  # inherited by the spawned target
-    assert main(["bench", "transfer", "--backend", "auto", "--check", *TINY]) == 1
+    assert rows[0]["socket_gbps"] > 0 and rows[0]["memcpy_threads"] >= 1
 
 
 def test_compare_nixl_without_nixl_exits_nonzero(monkeypatch, capsys):

@@ -15,36 +15,19 @@ Paths (one timed iteration each):
   them (counted in latency as ``unpack``). The agent's staging-grant round trip
   is not part of this microbenchmark.
 
-Endpoints run in two spawned processes, or in this process for backends that
-cannot cross processes (``loopback``). ``--check`` fills the source from a seed
-before every iteration and the destination re-derives and compares every byte.
-The hidden test hook ``KVXFER_BENCH_CORRUPT_BYTE=N`` flips byte N of the
-destination before that comparison, to prove the check catches it.
+Endpoints run in two spawned processes (:class:`SpawnedEndpoint`), in this
+process for backends that cannot cross processes (:class:`LocalEndpoint`,
+``loopback``), or on another host (:class:`RemoteEndpoint`, ``--listen``).
+``--check`` fills the source from a seed and the destination with other bytes
+before every iteration, and the destination re-derives and compares every byte.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
 from ..errors import KVXferError, PeerDisconnected, TransferTimeout
 
-CORRUPT_ENV = "KVXFER_BENCH_CORRUPT_BYTE"
 IN_PROCESS_BACKENDS = ("loopback",)
-
-
-def make_backend(name: str):
-    """A kvxfer backend by name: ``loopback`` (in-process, for tests) or whatever
-    ``kvxfer.transport.make_backend`` builds (``auto``, ``ucx``, ``vm``)."""
-    if name == "loopback":
-        from ..transport.loopback import LoopbackBackend
-
-        return LoopbackBackend()
-    try:
-        from ..transport import make_backend as factory
-    except ImportError as exc:
-        raise KVXferError(f"backend {name!r} unavailable: {exc}") from exc
-    return factory(name)
 
 
 def _pattern(seed: int, nbytes: int):
@@ -57,11 +40,12 @@ class Endpoint:
     """One side: backend, registered pool + staging, and the commands the session sends."""
 
     def __init__(self, backend: str, slot_bytes: int, batch: int):
-        from .limits import _buffer
+        from ..transport import make_backend
+        from .copy_limit import page_aligned
 
         self.backend = make_backend(backend)
-        self.pool = _buffer(2 * batch * slot_bytes)
-        self.staging = _buffer(batch * slot_bytes)
+        self.pool = page_aligned(2 * batch * slot_bytes)
+        self.staging = page_aligned(batch * slot_bytes)
         self.pool_rid = self.backend.register(self.pool.ctypes.data, self.pool.nbytes)
         self.staging_rid = self.backend.register(self.staging.ctypes.data, self.staging.nbytes)
         self.conn = None
@@ -76,9 +60,6 @@ class Endpoint:
         self.remote = (pool_rid, staging_rid)
         return self.conn.transport
 
-    def per_desc_us(self) -> float:
-        return self.backend.capabilities().per_desc_overhead_us
-
     # -- data
     def _slots(self, block_size: int, batch: int):
         return [self.pool[2 * i * block_size:(2 * i + 1) * block_size] for i in range(batch)]
@@ -92,10 +73,6 @@ class Endpoint:
         """Index (into the batch's bytes) of the first wrong byte, or None."""
         import numpy as np
 
-        hook = os.environ.get(CORRUPT_ENV)
-        if hook is not None:
-            slot = self._slots(block_size, batch)[int(hook) // block_size]
-            slot[int(hook) % block_size] ^= 0xFF
         want = _pattern(seed, block_size * batch)
         for i, slot in enumerate(self._slots(block_size, batch)):
             bad = np.flatnonzero(slot != want[i * block_size:(i + 1) * block_size])
@@ -185,7 +162,9 @@ def _serve(conn, backend: str, slot_bytes: int, batch: int) -> None:
         ep.close()
 
 
-class _Spawned:
+class SpawnedEndpoint:
+    """An :class:`Endpoint` in a spawned process, driven through a pipe."""
+
     def __init__(self, ctx, backend: str, slot_bytes: int, batch: int, timeout: float):
         self.timeout = timeout
         self.pipe, child = ctx.Pipe()
@@ -219,7 +198,9 @@ class _Spawned:
             self.proc.join(timeout=5)
 
 
-class _Local:
+class LocalEndpoint:
+    """An :class:`Endpoint` in this process (in-process backends)."""
+
     def __init__(self, backend: str, slot_bytes: int, batch: int):
         self.ep = Endpoint(backend, slot_bytes, batch)
 
@@ -230,7 +211,7 @@ class _Local:
         self.ep.close()
 
 
-class _Remote:
+class RemoteEndpoint:
     """An endpoint on another host, started by ``kvxfer bench transfer --listen``."""
 
     def __init__(self, address: str, backend: str, slot_bytes: int, batch: int, timeout: float,
@@ -241,10 +222,10 @@ class _Remote:
         self.timeout = timeout
         self.pipe = Client((host, int(port)), authkey=authkey)
         self.pipe.send((backend, slot_bytes, batch))
-        self._reply = _Spawned._reply.__get__(self)  # same framing and errors as a spawned peer
+        self._reply = SpawnedEndpoint._reply.__get__(self)  # same framing and errors as a spawned peer
         self._reply("start")
 
-    call = _Spawned.call
+    call = SpawnedEndpoint.call
 
     def close(self) -> None:
         try:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 
 from ..errors import KVXferError
-from .endpoint import IN_PROCESS_BACKENDS, _Local, _Remote, _Spawned
+from .endpoint import IN_PROCESS_BACKENDS, LocalEndpoint, RemoteEndpoint, SpawnedEndpoint
 
-PATHS = ("zero-copy", "pack", "auto")
+PATHS = ("zero-copy", "pack")
 
 
 class KvxSession:
@@ -25,39 +25,26 @@ class KvxSession:
         self.slot_bytes, self.batch, self.timeout = slot_bytes, batch, timeout
         self.init = self.target = None
         self.transport = "?"
-        self._per_desc_us = 1.0
 
     def __enter__(self) -> "KvxSession":
         try:
             if self.connect_to:  # target on another host (``--listen`` there)
-                self.target = _Remote(self.connect_to, self.backend, self.slot_bytes, self.batch,
+                self.target = RemoteEndpoint(self.connect_to, self.backend, self.slot_bytes, self.batch,
                                       self.timeout, self.authkey)
-                self.init = _Spawned(mp.get_context("spawn"), self.backend, self.slot_bytes,
+                self.init = SpawnedEndpoint(mp.get_context("spawn"), self.backend, self.slot_bytes,
                                      self.batch, self.timeout)
             elif self.backend in IN_PROCESS_BACKENDS:
-                self.target = _Local(self.backend, self.slot_bytes, self.batch)
-                self.init = _Local(self.backend, self.slot_bytes, self.batch)
+                self.target = LocalEndpoint(self.backend, self.slot_bytes, self.batch)
+                self.init = LocalEndpoint(self.backend, self.slot_bytes, self.batch)
             else:
                 ctx = mp.get_context("spawn")
-                self.target = _Spawned(ctx, self.backend, self.slot_bytes, self.batch, self.timeout)
-                self.init = _Spawned(ctx, self.backend, self.slot_bytes, self.batch, self.timeout)
+                self.target = SpawnedEndpoint(ctx, self.backend, self.slot_bytes, self.batch, self.timeout)
+                self.init = SpawnedEndpoint(ctx, self.backend, self.slot_bytes, self.batch, self.timeout)
             self.transport = self.init.call("connect", *self.target.call("hello"))
-            self._per_desc_us = self.init.call("per_desc_us")
         except BaseException:
             self.close()
             raise
         return self
-
-    def choose_path(self, path: str, block_size: int, batch: int) -> str:
-        """``auto`` asks the agent's cost model (:class:`kvxfer.plan.CostModel`)."""
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}")
-        if path != "auto":
-            return path
-        from ..plan import CostModel
-
-        choice = CostModel(per_desc_us=self._per_desc_us).choose(batch, batch * block_size)
-        return "zero-copy" if choice == "zero_copy" else "pack"
 
     def measure(self, block_size: int, batch: int, op: str, iters: int, warmup: int,
                 *, path: str = "zero-copy", check: bool = False) -> dict:
@@ -67,7 +54,8 @@ class KvxSession:
             raise ValueError("op must be 'write' or 'read'")
         if block_size > self.slot_bytes or batch > self.batch:
             raise ValueError("block size / batch exceed the session's pool")
-        path = self.choose_path(path, block_size, batch)
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}")
         src, dst = (self.init, self.target) if op == "write" else (self.target, self.init)
         names = ("prepare_s", "post_s", "transfer_s", "unpack_s", "latency_s")
         samples: dict = {k: [] for k in names}

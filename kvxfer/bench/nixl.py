@@ -12,6 +12,18 @@ Blocks are every other slot of the pool, so adjacent descriptors never merge
 into one larger copy (real KV block ids are scattered). After each block size
 the written slots are compared by CRC on both sides, so a silent no-op cannot
 pass for a fast transfer.
+
+Fair configuration (the same threads kvxfer's bench endpoints run):
+
+- no NIXL progress thread (``enable_prog_thread=False``). NIXL's default one polls
+  with no delay (``pthrDelay = 0``) and kept both cores of a 2-core host busy
+  while idle; kvxfer has no such thread. The initiator drives UCX from its own
+  thread through ``check_xfer_state``, as kvxfer's initiator polls ``Backend.test``,
+  and the target progresses UCX (``get_new_notifs``) between 0.5 ms naps, exactly
+  as kvxfer's target endpoint calls ``Backend.progress``.
+- ``threads``: NIXL's UCX backend ``num_threads`` option, set by the caller to the
+  copy threads kvxfer's path uses (:mod:`kvxfer.bench.resources`); 0 keeps
+  NIXL's default.
 """
 from __future__ import annotations
 
@@ -19,7 +31,6 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import os
-import signal
 import time
 import zlib
 
@@ -55,9 +66,9 @@ def _slot_offsets(block_size: int, batch: int):
 
 class _Pool:
     def __init__(self, nbytes: int):
-        from .limits import _buffer
+        from .copy_limit import page_aligned
 
-        self.buf = _buffer(nbytes)
+        self.buf = page_aligned(nbytes)
         self.addr = int(self.buf.ctypes.data)
         self.nbytes = nbytes
 
@@ -73,22 +84,26 @@ class _Pool:
         return crc
 
 
-def _make_agent(name: str, pool: _Pool):
+def _make_agent(name: str, pool: _Pool, threads: int):
     api = _api()
-    agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"], num_threads=threads)
+    agent = api.nixl_agent(name, config)
     if "UCX" not in agent.backends:
         raise KVXferError("NIXL has no UCX backend plugin")
     agent.register_memory([(pool.addr, pool.nbytes, 0, "kv")], "DRAM")
     return agent
 
 
-def _target_main(conn, pool_bytes: int) -> None:
-    """Target process: own a pool, publish metadata, answer fill/crc requests."""
+def _target_main(conn, pool_bytes: int, threads: int) -> None:
+    """Target process: own a pool, publish metadata, answer fill/crc requests; between
+    requests progress UCX every 0.5 ms (kvxfer's target endpoint does the same)."""
     try:
         pool = _Pool(pool_bytes)
-        agent = _make_agent("kvxfer-bench-nixl-target", pool)
+        agent = _make_agent("kvxfer-bench-nixl-target", pool, threads)
         conn.send(("ready", agent.get_agent_metadata(), pool.addr))
         while True:
+            while not conn.poll(0.0005):
+                agent.get_new_notifs()  # progresses the UCX worker (emulated RMA needs it)
             cmd, *rest = conn.recv()
             if cmd == "stop":
                 return
@@ -101,13 +116,13 @@ def _target_main(conn, pool_bytes: int) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _initiator_main(conn, pool_bytes: int, timeout: float) -> None:
+def _initiator_main(conn, pool_bytes: int, timeout: float, threads: int) -> None:
     """Initiator process: run timed iterations on request, return the samples."""
     import numpy as np
 
     try:
         pool = _Pool(pool_bytes)
-        agent = _make_agent("kvxfer-bench-nixl-initiator", pool)
+        agent = _make_agent("kvxfer-bench-nixl-initiator", pool, threads)
         conn.send(("ready",))
         remote_name, remote_addr = None, 0
         while True:
@@ -166,19 +181,15 @@ class NixlSession:
 
     ``measure(block_size, batch, op, iters, warmup)`` returns per-iteration samples
     (seconds) of prepare, post, transfer and latency, warm-up dropped, after
-    checking that the batch's bytes arrived.
-
-    NIXL's agents run a progress thread that polls without sleeping: an idle session
-    kept two cores busy on a 2-core host, slowing whatever else the bench timed
-    (kvxfer rounds and the memcpy limit). Its processes are therefore stopped
-    (SIGSTOP) whenever the session is not measuring, and continued for ``measure``.
+    checking that the batch's bytes arrived. ``threads``: see the module doc.
     """
 
     transport = "nixl:UCX"
 
-    def __init__(self, pool_bytes: int, *, timeout: float = 60.0):
+    def __init__(self, pool_bytes: int, *, timeout: float = 60.0, threads: int = 0):
         self.pool_bytes = pool_bytes
         self.timeout = timeout
+        self.threads = int(threads)
         self._procs: list = []
         self._init = self._target = None
 
@@ -201,8 +212,9 @@ class NixlSession:
         self._target, t_child = ctx.Pipe()
         self._init, i_child = ctx.Pipe()
         self._procs = [
-            ctx.Process(target=_target_main, args=(t_child, self.pool_bytes), daemon=True),
-            ctx.Process(target=_initiator_main, args=(i_child, self.pool_bytes, self.timeout), daemon=True),
+            ctx.Process(target=_target_main, args=(t_child, self.pool_bytes, self.threads), daemon=True),
+            ctx.Process(target=_initiator_main, args=(i_child, self.pool_bytes, self.timeout, self.threads),
+                        daemon=True),
         ]
         for p in self._procs:
             p.start()
@@ -213,37 +225,22 @@ class NixlSession:
         except BaseException:
             self.close()
             raise
-        self._signal(signal.SIGSTOP)
         return self
-
-    def _signal(self, sig) -> None:
-        """Stop (SIGSTOP) or continue (SIGCONT) the session's processes."""
-        for p in self._procs:
-            if p.pid is not None and p.is_alive():
-                try:
-                    os.kill(p.pid, sig)
-                except ProcessLookupError:
-                    pass
 
     def measure(self, block_size: int, batch: int, op: str, iters: int, warmup: int) -> dict:
         if 2 * batch * block_size > self.pool_bytes:
             raise ValueError("batch of blocks does not fit the NIXL pool")
         seed = block_size * 1009 + batch
-        self._signal(signal.SIGCONT)
-        try:
-            self._call(self._init, "fill", seed)
-            self._call(self._target, "fill", seed + 1)
-            _, samples = self._call(self._init, "measure", block_size, batch, op, iters, warmup)
-            _, mine = self._call(self._init, "crc", block_size, batch)
-            _, theirs = self._call(self._target, "crc", block_size, batch)
-        finally:
-            self._signal(signal.SIGSTOP)
+        self._call(self._init, "fill", seed)
+        self._call(self._target, "fill", seed + 1)
+        _, samples = self._call(self._init, "measure", block_size, batch, op, iters, warmup)
+        _, mine = self._call(self._init, "crc", block_size, batch)
+        _, theirs = self._call(self._target, "crc", block_size, batch)
         if mine != theirs:
             raise KVXferError(f"NIXL {op} of {batch}x{block_size} B: data mismatch after transfer")
         return samples
 
     def close(self) -> None:
-        self._signal(signal.SIGCONT)
         for conn in (self._init, self._target):
             if conn is not None:
                 try:

@@ -4,7 +4,8 @@ For each model shape and block count, a pool of ``1.25 x blocks`` blocks is
 allocated (vLLM per-layer ``[2, N, B, H, D]`` by default), ``blocks`` random
 block ids in random order are packed into a wire buffer and unpacked back; the
 limit is a contiguous copy of the same number of bytes with the same resources
-(CPU: the same thread count through ``_C.memcpy_parallel``; GPU: ``copy_``
+(CPU: :class:`~kvxfer.bench.copy_limit.MemcpyLimit` on the kernels' thread count,
+with non-temporal stores where the kernels use them, from 32 MiB; GPU: ``copy_``
 device to device). Ratios are median pack (unpack) GB/s over median copy GB/s.
 """
 from __future__ import annotations
@@ -75,23 +76,23 @@ def measure(model: str, num_blocks: int, args) -> dict:
     import torch
 
     from .. import kernels
-    from .._native import load
-    from ..kernels.cpu import num_threads
-    from ..runs import make_plan
-    from .stats import gbps, summarize
+    from ..report.stats import gbps, summarize
+    from . import resources
+    from .copy_limit import MemcpyLimit
 
     pool_blocks = num_blocks + num_blocks // 4
     layout = _make_layout(model, pool_blocks, args.layout, args.device)
     ids = torch.from_numpy(np.random.default_rng(0).choice(pool_blocks, num_blocks, replace=False))
     nbytes = layout.wire_nbytes(num_blocks)
     wire = torch.empty(nbytes, dtype=torch.uint8, device=args.device).fill_(1)
-    dst = torch.empty_like(wire).fill_(2)
     gpu = args.device != "cpu"
     if gpu:
+        dst = torch.empty_like(wire).fill_(2)
         copy = lambda: dst.copy_(wire)  # noqa: E731
     else:
-        c, threads = load(), num_threads()
-        copy = lambda: c.memcpy_parallel(dst.data_ptr(), wire.data_ptr(), nbytes, threads)  # noqa: E731
+        res = resources.for_path("local", nbytes, path="pack")
+        limit = MemcpyLimit(nbytes, threads=res.threads, streaming=res.streaming)
+        copy = limit.sample
     fns = {
         "copy": copy,
         "pack": lambda: kernels.pack(layout, ids, out=wire),
@@ -105,7 +106,7 @@ def measure(model: str, num_blocks: int, args) -> dict:
     else:
         times = _cpu_seconds(fns, args.iters)
     row = {"model": model, "blocks": num_blocks, "mib": round(nbytes / 2**20, 1), "layout": args.layout,
-           "run_kib": make_plan(layout, ids[:1]).row_bytes / 1024, "device": args.device,
+           "run_kib": int(layout.block_runs(ids[:1])[:, 3].max()) / 1024, "device": args.device,
            "samples_s": times}
     for key, samples in times.items():
         row[f"{key}_gbps"] = gbps(nbytes, summarize(samples).median)
@@ -115,7 +116,8 @@ def measure(model: str, num_blocks: int, args) -> dict:
 
 
 def run(args) -> int:
-    from . import envinfo, report
+    from .. import report
+    from ..report import envinfo
 
     if args.quick:
         args.blocks, args.iters = "128", min(args.iters, 5)
@@ -137,8 +139,9 @@ def run(args) -> int:
         for model, num_blocks in todo:
             layers, heads, head_dim, block = MODELS[model]
             wire_gib = layers * num_blocks * 2 * block * heads * head_dim * 2 / 2**30
-            if wire_gib * 3.25 > args.max_gib:  # pool (1.25x) + wire + copy target
-                report.warn(f"skipping {model} x {num_blocks} blocks: needs {wire_gib * 3.25:.1f} GiB "
+            need = wire_gib * 4.25  # pool (1.25x) + wire + the copy limit's two buffers
+            if need > args.max_gib:
+                report.warn(f"skipping {model} x {num_blocks} blocks: needs {need:.1f} GiB "
                             f"(> --max-gib {args.max_gib})")
             else:
                 rows.append(measure(model, num_blocks, args))

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import time
 
-from . import envinfo, report
-from .stats import gbps, summarize
+from .. import report
+from ..report import envinfo
+from ..report.stats import gbps, summarize
 
 SIZE = 64 << 20
 TARGET_RATIO = 0.9

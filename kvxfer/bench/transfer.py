@@ -5,16 +5,19 @@
     kvxfer bench transfer --check --iters 5                 # verify every byte
     kvxfer bench transfer --vs-perftest                     # 64 MiB vs ucx_perftest put_bw
 
-Every row prints its ratio to the limit measured in the same run: single-thread
-memcpy of the row's bytes, or a TCP loopback socket when the transport is TCP.
+Every row prints its ratio to the limit measured in the same run: a native
+copy of the row's bytes on as many threads as the path copies with
+(:mod:`kvxfer.bench.resources`, :mod:`kvxfer.bench.copy_limit`), or, when the
+transport is TCP, a native loopback TCP socket loop (:mod:`kvxfer.bench.tcp_limit`).
 With ``--compare nixl`` kvxfer and NIXL alternate in rounds (A B A B) per row.
 """
 from __future__ import annotations
 
 import os
 
-from . import envinfo, report
-from .stats import gbps, summarize
+from .. import report
+from ..report import envinfo
+from ..report.stats import gbps, summarize
 
 SAMPLE_KEYS = ("prepare_s", "post_s", "transfer_s", "latency_s")
 
@@ -35,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-block-size", type=parse_size, default=1 << 20)
     p.add_argument("--batch-size", type=int, default=32, help="descriptors (blocks) per transfer")
     p.add_argument("--op", choices=("write", "read"), default="write")
-    p.add_argument("--path", choices=("zero-copy", "pack", "auto"), default="zero-copy")
+    p.add_argument("--path", choices=("zero-copy", "pack"), default="zero-copy")
     p.add_argument("--iters", type=int, default=50, help="measured iterations per row (all rounds)")
     p.add_argument("--warmup", type=int, default=5, help="discarded iterations before each round")
     p.add_argument("--rounds", type=int, default=2, help="A/B rounds per row with --compare")
@@ -65,8 +68,8 @@ def _us(values) -> dict:
     return summarize(v * 1e6 for v in values).as_dict()
 
 
-def _row(block_size: int, batch: int, kvx: dict, transport: str, mem: list, sock: list | None,
-         nixl: dict | None) -> dict:
+def _row(block_size: int, batch: int, kvx: dict, transport: str, mem: list, limit: dict,
+         sock: list | None, nixl: dict | None) -> dict:
     nbytes = block_size * batch
     lat = summarize(kvx["latency_s"])
     row = {"block_size": block_size, "block": report.human_bytes(block_size), "batch": batch,
@@ -77,6 +80,7 @@ def _row(block_size: int, batch: int, kvx: dict, transport: str, mem: list, sock
         s = _us(kvx[f"{key}_s"])
         row[f"{key}_avg_us"], row[f"{key}_p99_us"] = s["mean"], s["p99"]
     row["memcpy_gbps"] = gbps(nbytes, summarize(mem).median)
+    row["memcpy_threads"], row["memcpy_streaming"] = limit["threads"], limit["streaming"]
     row["socket_gbps"] = gbps(nbytes, summarize(sock).median) if sock else None
     use_socket = "tcp" in transport and sock
     row["limit"] = "socket" if use_socket else "memcpy"
@@ -95,7 +99,8 @@ def _row(block_size: int, batch: int, kvx: dict, transport: str, mem: list, sock
 COLUMNS = [("block", "block"), ("batch", "batch"), ("GB/s", "gbps"), ("GB/s min-max", "_noise"),
            ("lat avg µs", "latency_avg_us"), ("prep avg/p99 µs", "_prep"), ("post avg/p99 µs", "_post"),
            ("xfer avg/p99 µs", "_xfer"), ("transport", "transport"), ("path", "path"),
-           ("memcpy GB/s", "memcpy_gbps"), ("socket GB/s", "socket_gbps"), ("/limit", "ratio_to_limit")]
+           ("memcpy GB/s", "memcpy_gbps"), ("thr", "memcpy_threads"), ("socket GB/s", "socket_gbps"),
+           ("/limit", "ratio_to_limit")]
 NIXL_COLUMNS = [("NIXL GB/s", "nixl_gbps"), ("kvxfer/NIXL", "ratio_vs_nixl")]
 
 
@@ -117,7 +122,8 @@ def _merge(parts: list[dict]) -> dict:
 
 
 def _sweep(args, sizes: list[int], kvx, nixl, sock) -> list[dict]:
-    from .limits import MemcpyLimit
+    from . import resources
+    from .copy_limit import MemcpyLimit
 
     rounds = args.rounds if nixl is not None else 1
     per_round = max(1, args.iters // rounds)
@@ -126,7 +132,8 @@ def _sweep(args, sizes: list[int], kvx, nixl, sock) -> list[dict]:
         for bs in sizes:
             kvx_parts, nixl_parts, mem = [], [], []
             nbytes = bs * args.batch_size
-            limit = MemcpyLimit(nbytes)
+            res = resources.for_path(kvx.transport, nbytes)
+            limit = MemcpyLimit(nbytes, threads=res.threads, streaming=res.streaming)
             limit.seconds(1, warmup=2)
             for _ in range(rounds):  # A B A B (+ memcpy): drift (other load, clocks) hits all alike
                 kvx_parts.append(kvx.measure(bs, args.batch_size, args.op, per_round, args.warmup,
@@ -134,10 +141,11 @@ def _sweep(args, sizes: list[int], kvx, nixl, sock) -> list[dict]:
                 mem += limit.seconds(per_round, warmup=1)
                 if nixl is not None:
                     nixl_parts.append(nixl.measure(bs, args.batch_size, args.op, per_round, args.warmup))
-            del limit
             sock_s = sock.seconds(nbytes, min(per_round * rounds, 20)) if sock is not None else None
-            rows.append(_row(bs, args.batch_size, _merge(kvx_parts), kvx.transport, mem, sock_s,
-                             _merge(nixl_parts) if nixl_parts else None))
+            rows.append(_row(bs, args.batch_size, _merge(kvx_parts), kvx.transport, mem, res.as_dict(),
+                             sock_s, _merge(nixl_parts) if nixl_parts else None))
+            rows[-1]["memcpy_wins_by_threads"] = {str(k): v for k, v in limit.wins.items()}
+            del limit
             advance()
     return rows
 
@@ -158,7 +166,7 @@ def run(args) -> int:
 
     from ..errors import KVXferError
     from .kvx_session import KvxSession
-    from .limits import SocketLimit
+    from .tcp_limit import SocketLimit
 
     secret = os.environ.get("KVXFER_BENCH_SECRET", "kvxfer-bench").encode()
     if args.listen:
@@ -190,8 +198,16 @@ def run(args) -> int:
             if args.compare == "nixl":
                 from .nixl import NixlSession
 
-                nixl = stack.enter_context(NixlSession(2 * args.batch_size * sizes[-1], timeout=args.timeout))
-            sock = stack.enter_context(SocketLimit(args.timeout))
+                from .resources import for_path
+
+                threads = for_path(kvx.transport, sizes[-1] * args.batch_size).threads  # kvxfer's, at most
+                nixl = stack.enter_context(NixlSession(2 * args.batch_size * sizes[-1], timeout=args.timeout,
+                                                       threads=threads))
+            try:
+                sock = stack.enter_context(SocketLimit(args.timeout))
+            except KVXferError as exc:  # no C compiler: the row says "-", not a Python stand-in
+                report.warn(f"TCP limit not measured: {exc}")
+                sock = None
             rows = _sweep(args, sizes, kvx, nixl, sock)
     except KVXferError as exc:
         report.warn(str(exc))
@@ -199,7 +215,8 @@ def run(args) -> int:
     columns = COLUMNS + (NIXL_COLUMNS if args.compare else [])
     report.print_table(title, columns, [_display(r) for r in rows],
                        caption="GB/s = 1e9 B/s from the median latency; min/max = noise; µs columns: "
-                               "avg and p99 over measured iterations (warm-up excluded)")
+                               "avg and p99 over measured iterations (warm-up excluded); memcpy: native "
+                               "copy on thr threads, as many as the path copies with; socket: native TCP loop")
     if warning:
         report.warn(warning)
     if args.json:

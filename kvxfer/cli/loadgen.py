@@ -58,7 +58,7 @@ _TABLE = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"), 
 
 
 def _print_summary(label: str, s: dict) -> None:
-    from ..bench import report
+    from .. import report
 
     rows = [{"metric": name, **{k: s[key][k] for k in ("mean", "median", "p90", "p99")}}
             for name, key in _TABLE]
@@ -72,7 +72,7 @@ def _print_summary(label: str, s: dict) -> None:
 
 
 def _plot(path: str, runs: dict[str, list[dict]]) -> None:
-    from ..bench import report
+    from .. import report
     from ..loadgen.metrics import itl_values
 
     def ms(values):
@@ -105,7 +105,8 @@ def run(args) -> int:
             _plot(args.plot, runs)
         return 0
 
-    from ..bench import envinfo, report
+    from .. import report
+    from ..report import envinfo
     from ..loadgen.prompts import PromptBuilder
     from ..loadgen.runner import RunConfig, run as replay
 

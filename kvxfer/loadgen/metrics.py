@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..bench.stats import summarize
+from ..report.stats import summarize
 
 
 @dataclass(frozen=True)

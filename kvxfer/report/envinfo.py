@@ -1,4 +1,4 @@
-"""The environment a benchmark ran in, and whether the machine was busy.
+"""The environment a benchmark or load run ran in, and whether the machine was busy.
 
 Recorded in every ``--json`` file so a number can be traced to the machine,
 the UCX build and the commit that produced it. :func:`busy_warning` checks the

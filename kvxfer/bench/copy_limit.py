@@ -1,0 +1,129 @@
+"""The memcpy limit: the best contiguous copy of N bytes this machine does with the
+resources the measured path uses, in native code, sampled in the same run.
+
+``MemcpyLimit(nbytes, threads=T, streaming=S)`` copies between two page-aligned,
+pre-faulted buffers of this process through ``kvxfer._C``:
+
+- ``streaming=False``: ``_C.memcpy_parallel`` -- glibc ``memcpy`` on T threads,
+  each a contiguous 1/T of the bytes. glibc picks its own store kind per call
+  (ordinary stores, non-temporal ones above its threshold), so this is the best
+  libc does for the same thread count.
+- ``streaming=True``: ``_C.copy_tiles`` over the bytes as T contiguous ranges with
+  non-temporal (SSE2 streaming) stores, the store kind kvxfer's own pack kernels use
+  for large copies.
+
+Both split the bytes statically and start their helper threads per call, while
+the measured paths keep a pool whose helpers take slices in turn, so on a busy
+host a helper that is scheduled late stalls the limit's copy but not the path's.
+Each sample therefore takes the faster of the T-thread copy and the same copy on
+the calling thread alone (both within the path's resources); :attr:`MemcpyLimit.wins`
+counts which one set each sample. Copies below 4 MiB are repeated inside one
+sample (the clock cannot resolve a 4 KiB copy). Buffers are reused across samples, as the transfers they bound reuse
+theirs, so caches are equally warm on both sides. :class:`~.resources.CopyResources`
+says which T and S a path uses.
+"""
+from __future__ import annotations
+
+import time
+
+_REPEAT_BELOW = 4 << 20
+_TILES_PER_THREAD = 64
+
+
+def page_aligned(nbytes: int):
+    """A page-aligned, pre-faulted ``uint8`` numpy buffer of ``nbytes`` (at least 1).
+
+    Page alignment matters: two malloc'd buffers whose addresses differ by a few
+    dozen bytes modulo 4 KiB hit 4K-aliasing in memcpy and measure 10x slow,
+    while KV pools and staging buffers are page aligned.
+    """
+    import numpy as np
+
+    page = 4096
+    raw = np.empty(max(nbytes, 1) + page, dtype=np.uint8)
+    start = (-raw.ctypes.data) % page
+    buf = raw[start:start + max(nbytes, 1)]
+    buf.fill(1)  # fault every page in before anything is timed
+    return buf
+
+
+class MemcpyLimit:
+    """Seconds per native copy of ``nbytes`` on ``threads`` threads (see the module doc)."""
+
+    def __init__(self, nbytes: int, *, threads: int = 1, streaming: bool = False):
+        from .._native import load
+
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        self.nbytes, self.threads, self.streaming = nbytes, int(threads), bool(streaming)
+        self._c = load()
+        self._src, self._dst = page_aligned(nbytes), page_aligned(nbytes)
+        self._reps = max(1, _REPEAT_BELOW // nbytes)
+        make = self._tiles_fn if streaming else self._memcpy_fn
+        counts = sorted({self.threads, 1}, reverse=True)
+        self._copies = [(t, make(t)) for t in counts]  # T threads first, then the caller alone
+        self.wins = {t: 0 for t in counts}
+
+    def _memcpy_fn(self, t: int):
+        c, dst, src, n = self._c, self._dst.ctypes.data, self._src.ctypes.data, self.nbytes
+        return lambda: c.memcpy_parallel(dst, src, n, t)
+
+    def _tiles_fn(self, t: int):
+        """Contiguous streaming copy: consecutive whole tiles, which ``copy_tiles`` merges
+        into one run per thread; the few bytes past the last whole tile go through memcpy."""
+        import numpy as np
+
+        c, n = self._c, self.nbytes
+        num_tiles = t * _TILES_PER_THREAD
+        tile = n // num_tiles // 64 * 64
+        if tile == 0:  # too small to split: one tile
+            num_tiles, tile = 1, n
+        body = num_tiles * tile
+        src, dst = self._src.ctypes.data, self._dst.ctypes.data
+        addr = np.array([src], dtype=np.int64)
+        stride = np.array([tile], dtype=np.int64)
+        outer = np.zeros(3, dtype=np.int64)
+        ids = np.arange(num_tiles, dtype=np.int64)
+
+        def copy() -> None:
+            c.copy_tiles(addr, stride, outer, ids, (1, 1, 1), tile, tile, dst, True, t, True)
+            if body < n:
+                c.memcpy_parallel(dst + body, src + body, n - body, 1)
+
+        return copy
+
+    def _time(self, copy) -> float:
+        t0 = time.perf_counter()
+        for _ in range(self._reps):
+            copy()
+        return max((time.perf_counter() - t0) / self._reps, 1e-9)
+
+    def sample(self) -> float:
+        """Seconds for one copy of ``nbytes``: the faster of the T-thread and 1-thread copy."""
+        best, who = min((self._time(copy), t) for t, copy in self._copies)
+        self.wins[who] += 1
+        return best
+
+    def seconds(self, iters: int, warmup: int = 2) -> list[float]:
+        """``iters`` samples after ``warmup`` discarded ones."""
+        if iters <= 0:
+            raise ValueError("iters must be positive")
+        for _ in range(warmup):
+            self.sample()
+        return [self.sample() for _ in range(iters)]
+
+    def check(self) -> bool:
+        """True when the destination holds the source's bytes (the copy is not a no-op)."""
+        import numpy as np
+
+        pattern = np.random.default_rng(0).integers(0, 256, 4099, dtype=np.uint8)
+        self._src[:] = np.resize(pattern, self.nbytes)
+        ok = True
+        for _, copy in self._copies:
+            self._dst.fill(0)
+            copy()
+            ok &= bool(np.array_equal(self._src, self._dst))
+        self._src.fill(1)
+        return ok

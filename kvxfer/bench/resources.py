@@ -1,0 +1,87 @@
+"""Which copy resources a measured path uses, so its memcpy limit can use the same.
+
+A path's bytes are copied by:
+
+- ``vm`` (``process_vm_writev``): the posting thread plus the vm copy pool's helpers
+  for one batch of at least ``KVXFER_VM_SPLIT_BYTES`` (default 4 MiB; 0: never
+  split); ``KVXFER_VM_THREADS`` copying threads in all (default min(cores, 2),
+  at most 4). The kernel copies with ordinary stores.
+- ``ucx:*`` and ``loopback``: the posting thread alone (UCX's cma is one
+  ``process_vm_writev`` per block on the caller's thread; over TCP the socket
+  limit applies instead).
+- the agent's ``pack`` path: the C++ tile copy on :func:`kvxfer.kernels.cpu.num_threads`
+  threads (those with >= 1 MiB each), non-temporal stores from 32 MiB per call.
+
+The vm figures mirror csrc/vm_copy.cpp (``vm_copy_threads``/``vm_split_bytes``)
+because the library does not expose them yet: if either changes there, change
+it here (``tests/test_cli_bench.py::test_vm_resources_follow_the_environment``
+pins the defaults).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+VM_DEFAULT_THREADS = 2
+VM_MAX_THREADS = 4
+VM_SPLIT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class CopyResources:
+    """``threads`` copying at once and whether they use non-temporal stores."""
+
+    threads: int
+    streaming: bool = False
+
+    def as_dict(self) -> dict:
+        return {"threads": self.threads, "streaming": self.streaming}
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        return default  # the C++ side ignores a malformed value the same way
+
+
+def num_cores() -> int:
+    return os.cpu_count() or 1  # what std::thread::hardware_concurrency reports
+
+
+def vm_threads() -> int:
+    """Copying threads of one split vm batch, the caller included."""
+    want = _env_int("KVXFER_VM_THREADS", min(num_cores(), VM_DEFAULT_THREADS))
+    return min(max(want, 1), VM_MAX_THREADS)
+
+
+def vm_split_bytes() -> int:
+    return _env_int("KVXFER_VM_SPLIT_BYTES", VM_SPLIT_BYTES)
+
+
+def transport_threads(transport: str, batch_bytes: int) -> int:
+    """Threads that copy one posted batch of ``batch_bytes`` over ``transport``."""
+    if transport == "vm":
+        split = vm_split_bytes()
+        return vm_threads() if split > 0 and batch_bytes >= split else 1
+    return 1
+
+
+def for_path(transport: str, nbytes: int, *, path: str = "zero_copy", senders: int = 1,
+             receivers: int = 1) -> CopyResources:
+    """Resources of moving ``nbytes`` in all: ``senders`` processes each posting one batch
+    to each of ``receivers`` peers (the e2e bench's P and D tensor-parallel ranks)."""
+    if senders < 1 or receivers < 1:
+        raise ValueError("senders and receivers must be >= 1")
+    per_batch = nbytes // (senders * receivers)
+    threads = transport_threads(transport, per_batch)
+    streaming = False
+    if path == "pack":
+        from ..kernels.cpu import STREAM_BYTES, num_threads
+
+        threads = max(threads, min(num_threads(), max(1, per_batch >> 20)))
+        streaming = per_batch >= STREAM_BYTES
+    return CopyResources(threads * senders, streaming)

@@ -25,6 +25,9 @@ from .control.receiver import ReceiverSide
 from .control.sender import SenderSide
 from .control import auth
 from .errors import KVXferError, PeerDisconnected, ProtocolError, RegistrationError, TransferTimeout
+from .control.parts import from_wire as parts_from_wire
+from .control.parts import register_parts, to_wire as parts_to_wire
+from .cuda_ranges import oracle_for, split_parts
 from .kernels.common import device_guard
 from .kernels.device import device_for
 from .lease import LeaseTable
@@ -67,7 +70,9 @@ class Agent(SenderSide, ReceiverSide):
         self._closed = False
         self._layout = None
         self._geometry: Geometry | None = None
-        self._region_ids: list = []
+        self._region_ids: list = []  # per region of the layout, its first part's id
+        self._registered: list = []  # every part of every region and staging buffer
+        self._parts: dict = {}  # regions registered in several parts (kvxfer/control/parts.py)
         self._peers: dict[int, Peer] = {}
         self._handshakes = 0
         self._progress_on = False
@@ -114,27 +119,35 @@ class Agent(SenderSide, ReceiverSide):
                 raise RegistrationError("register_kv was already called on this agent")
             if self._peers:
                 raise RegistrationError("register_kv must come before connecting peers")
-            ids = []
+            registered = []
+            kind, index = layout.device.type, layout.device.index or 0
+
+            def register(addr, nbytes):
+                rid = self._backend.register(addr, nbytes, device=kind, device_id=index)
+                registered.append(rid)
+                return rid
+
             try:
-                for addr, nbytes in layout.regions():
-                    ids.append(self._backend.register(addr, nbytes, device=layout.device.type,
-                                                      device_id=layout.device.index or 0))
+                # each region in parts that stay inside one device allocation (kvxfer/control/parts.py)
+                region_ids, region_parts, _ = register_parts(register, layout.region_parts())
                 with device_guard(layout.device):  # agent threads must not default to device 0
                     self._stage_in_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
                     self._stage_out_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
                 if self._device is None:
                     self._device = device_for(layout)
-                for t in (self._stage_in_t, self._stage_out_t):
-                    ids.append(self._backend.register(t.data_ptr(), t.numel(), device=layout.device.type,
-                                                      device_id=layout.device.index or 0))
+                stage = [((t.data_ptr(), t.numel()),) for t in (self._stage_in_t, self._stage_out_t)]
+                stage_ids, stage_parts, _ = register_parts(register, split_parts(
+                    [p[0] for p in stage], oracle_for(layout.device)))
             except Exception as exc:
-                for rid in ids:
+                for rid in registered:
                     self._backend.deregister(rid)
                 if isinstance(exc, KVXferError):
                     raise
                 raise RegistrationError(f"cannot register the KV pool: {exc}") from exc
-            self._region_ids = ids[:-2]
-            self._stage_in_region, self._stage_out_region = ids[-2:]
+            self._registered = registered
+            self._region_ids = region_ids
+            self._parts = {**region_parts, **stage_parts}
+            self._stage_in_region, self._stage_out_region = stage_ids
             self._layout = layout
             self._geometry = Geometry.from_layout(layout)
             self._init_staging(self._staging_bytes)
@@ -143,21 +156,26 @@ class Agent(SenderSide, ReceiverSide):
         layout = {}
         if self._geometry is not None:
             layout = {"geometry": self._geometry.to_wire(), "regions": self._region_ids,
-                      "stage_region": self._stage_in_region}
+                      "stage_region": self._stage_in_region, "parts": parts_to_wire(
+                          {r: p for r, p in self._parts.items() if r != self._stage_out_region})}
         return {"name": self.name, "agent_id": self.agent_id, "layout": layout,
                 "backend": self._backend.metadata(), "staging": self._staging_bytes}
 
     def _parse_info(self, fields: dict) -> dict:
         layout = fields["layout"]
-        out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"]}
+        out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"], "parts": {}}
         if layout:
             try:
                 geometry = Geometry.from_wire(layout["geometry"])
                 regions, stage = layout["regions"], layout["stage_region"]
-                ok = (set(layout) == {"geometry", "regions", "stage_region"} and type(stage) is int
+                ok = (set(layout) == {"geometry", "regions", "stage_region", "parts"} and type(stage) is int
                       and type(regions) is list and all(type(r) is int for r in regions)
-                      and len(regions) == len(geometry.region_sizes))
-            except (KeyError, TypeError):
+                      and len(regions) == len(geometry.region_sizes) and type(fields["staging"]) is int)
+                if ok:
+                    sizes = dict(zip(regions, geometry.region_sizes))
+                    sizes[stage] = fields["staging"]
+                    out["parts"] = parts_from_wire(layout["parts"], sizes)
+            except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
                 raise ProtocolError("invalid layout in INFO")
@@ -329,7 +347,7 @@ class Agent(SenderSide, ReceiverSide):
             self._device.close()  # nothing it launched still touches the staging buffers or the pool
         for key in self.leases.keys():
             self.leases.release(key, "closed")
-        for rid in self._region_ids + ([self._stage_in_region, self._stage_out_region] if self._layout else []):
+        for rid in self._registered:
             self._backend.deregister(rid)
         self._backend.close()
         self._layout = None

@@ -18,6 +18,7 @@ from .. import plan
 from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, TransferCancelled, TransferTimeout
 from .messages import Msg, encode
 from .ops import SendOp
+from .parts import split_descs
 
 INLINE_BYTES = 4 << 20  # zero-copy pieces up to this size are posted by the matching thread
 
@@ -85,6 +86,8 @@ class Shipper:
 
     def _post_and_wait(self, op: SendOp, kind: str, descs) -> None:
         t0 = time.perf_counter()
+        if self._parts or op.peer.parts:
+            descs = split_descs(descs, self._parts, op.peer.parts)
         req = self._backend.post(op.peer.bconn, kind, descs)
         self._backend.wait(req, self._remaining(op))
         self.metrics.observe("post_seconds", time.perf_counter() - t0)
@@ -181,6 +184,8 @@ class Shipper:
             descs = plan.zero_copy_descs(peer.geometry, remote, self._geometry, ids, layers, heads,
                                          peer.region_ids, self._region_ids)
             descs = descs[:, [2, 3, 0, 1, 4]]  # (local, remote) columns for a read
+            if self._parts or peer.parts:
+                descs = split_descs(descs, self._parts, peer.parts)
             self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
             req = self._backend.post(peer.bconn, "read", descs)
             self._backend.wait(req, self.leases.default_ttl_s)

@@ -141,3 +141,44 @@ def test_host_device_refuses_after_on_a_cpu_pool():
     with pytest.raises(TypeError, match="CUDA"):
         HostDevice().capture(DeferredEvent())
     assert HostDevice().capture(None) is None
+
+
+def _cuda_pool(seed):
+    host = make_pool("2 N B H D", seed)
+    return kvxfer.KVLayout.from_tensors([t.cuda() for t in host.tensors], "2 N B H D")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+def test_gpu_send_after_a_busy_producer_stream(path):
+    """Real CUDA pools and kvxfer's CudaDevice over UCX: the engine's stream is busy
+    (``torch.cuda._sleep``) before it writes the KV; ``send(after=stream)`` must wait for
+    it, and D's data must be visible to work queued after its recv completed."""
+    pl, dl, want = _cuda_pool(None), _cuda_pool(None), _cuda_pool(5)
+    p = Agent("p", secret=SECRET, backend="ucx", path=path)
+    d = Agent("d", secret=SECRET, backend="ucx", path=path)
+    try:
+        p.register_kv(pl)
+        d.register_kv(dl)
+        peer = p.connect(d.address)
+        torch.cuda.synchronize()
+        producer = torch.cuda.Stream()
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(500_000_000)  # ~0.25 s of GPU clock cycles before the write
+            for layer in range(pl.num_layers):
+                for kv in range(pl.num_kv):
+                    pl.kv_view(layer, kv)[SRC] = want.kv_view(layer, kv)[SRC]
+        hr = d.recv("g", DST, timeout=T)
+        hs = p.send(peer, "g", SRC, after=producer)
+        hr.wait(T)
+        consumer = torch.cuda.Stream()
+        with torch.cuda.stream(consumer):  # work queued after completion, on another stream
+            got = kvxfer.pack(dl, DST, backend="reference")
+        consumer.synchronize()
+        torch.cuda.synchronize()
+        assert torch.equal(got, kvxfer.pack(want, SRC, backend="reference"))
+        hs.wait(T)
+        assert hs.path == path
+    finally:
+        p.close()
+        d.close()

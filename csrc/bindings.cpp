@@ -129,6 +129,8 @@ PYBIND11_MODULE(_C, m) {
             .def("test", &Engine::test, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
             .def("wait", &Engine::wait, py::arg("request_id"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
             .def("progress", &Engine::progress, py::call_guard<py::gil_scoped_release>())
+            .def_property_readonly("event_fd", &Engine::event_fd)
+            .def("arm", &Engine::arm, py::call_guard<py::gil_scoped_release>())
             .def("notify", [](Engine& e, uint64_t conn, py::bytes payload) {
                     std::string s = payload;
                     py::gil_scoped_release nogil;

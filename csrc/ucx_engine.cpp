@@ -176,7 +176,7 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 0;
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -193,6 +193,8 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
     }
 
     try {
+        st = ucp_worker_get_efd(worker_, &efd_);
+        if (st != UCS_OK) throw Error(ucs_error("ucp_worker_get_efd", st));
         set_am_handler(kNotifyAmId, on_notification);
         set_am_handler(kBatchAmId, on_batch);
         set_am_handler(kBatchAckAmId, on_batch_ack);
@@ -575,6 +577,17 @@ unsigned Engine::progress() {
     return n;
 }
 
+bool Engine::arm() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!worker_) return true;
+    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
+    }
+    ucs_status_t st = ucp_worker_arm(worker_);
+    if (st == UCS_OK) return true;
+    if (st == UCS_ERR_BUSY) return false;
+    throw Error(ucs_error("ucp_worker_arm", st));
+}
+
 void Engine::notify(uint64_t conn_id, const std::string& payload) {
     if (payload.size() > kMaxNotifyBytes)
         throw std::invalid_argument("notification larger than " + std::to_string(kMaxNotifyBytes) + " bytes");
@@ -649,6 +662,7 @@ void Engine::close() {
     registry_->clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
+    efd_ = -1;
     ucp_cleanup(context_);
     context_ = nullptr;
 }

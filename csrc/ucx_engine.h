@@ -1,9 +1,13 @@
 // The transfer engine: one UCP context + worker per agent, the memory registry,
 // connections to peers, batched one-sided writes/reads and small notifications.
 //
-// Progress is explicit (polling): nothing runs unless the owner calls test(),
-// wait(), progress() or poll_notifications(); no background thread. Every
-// public method takes the engine lock, so the engine may be shared by threads.
+// Progress is explicit: nothing runs unless the owner calls test(), wait(),
+// progress(), arm() or poll_notifications(); no background thread. The owner
+// learns when UCX has work from event_fd() (UCP_FEATURE_WAKEUP): it becomes
+// readable after arm() returned true and something arrived (a connection, an
+// active message, a closed socket), so an idle owner can sleep in poll/select
+// and still serve emulated RMA and reap closed connections. Every public method
+// takes the engine lock, so the engine may be shared by threads.
 //
 // Completion: a request is complete when test() returns true / wait() returns.
 // For a write the bytes are then visible in the peer's memory (UCX path: after
@@ -79,6 +83,11 @@ public:
     bool test(uint64_t request_id);                  // throws on failure
     void wait(uint64_t request_id, double timeout);  // throws TransferTimeout
     unsigned progress();
+    // The worker's event fd (an epoll fd; -1 once closed). Owned by the engine.
+    int event_fd() const { return efd_; }
+    // Progress until idle, then ucp_worker_arm: true when armed (sleep on
+    // event_fd()), false when events are still pending (call again).
+    bool arm();
 
     void notify(uint64_t conn_id, const std::string& payload);
     std::vector<std::pair<uint64_t, std::string>> poll_notifications();
@@ -111,6 +120,7 @@ private:
     bool allow_vm_;
     ucp_context_h context_ = nullptr;
     ucp_worker_h worker_ = nullptr;
+    int efd_ = -1;
     std::unique_ptr<Registry> registry_;
     PeerInfo self_;
     alignas(64) char probe_[kProbeBytes] = {0};

@@ -12,6 +12,7 @@ Threads per agent: one I/O thread (control sockets, timers; blocks in
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import socket
 import threading
@@ -35,6 +36,8 @@ from .metrics import Metrics
 from .plan import CostModel, Geometry
 
 MAX_PENDING_HANDSHAKES = 32
+
+log = logging.getLogger("kvxfer.agent")
 
 
 class Agent(SenderSide, ReceiverSide):
@@ -106,6 +109,7 @@ class Agent(SenderSide, ReceiverSide):
         for t in self._workers:
             t.start()
         self._loop = IOLoop(lsock, self._on_accept, self.name)
+        self._watch_backend()
 
     # ---- registration ---------------------------------------------------------------
     def register_kv(self, layout) -> None:
@@ -221,9 +225,35 @@ class Agent(SenderSide, ReceiverSide):
             self._start_progress()
         return peer
 
-    # ---- target-side progress (UCX RMA over TCP needs the target to progress) ----------
+    # ---- target-side progress -----------------------------------------------------------
+    # UCX serves emulated RMA (TCP), and accepts and reaps the connections peers open and
+    # close, only while this process progresses it. The backend's event fd wakes the I/O
+    # thread whenever UCX has such work, so an idle agent sleeps and still completes a
+    # one-sided write into it and closes the sockets of departed peers. Once a peer is
+    # reached through UCX, a timer also progresses every 0.5 ms while a recv, staging
+    # grant or cancellation is pending, and every 50 ms otherwise (a missed wake-up costs
+    # at most that).
     PROGRESS_BUSY_S = 0.0005
     PROGRESS_IDLE_S = 0.05
+
+    def _watch_backend(self) -> None:
+        fd = self._backend.event_fd()
+        if fd is not None:
+            self._loop.add_reader(fd, self._on_backend_event)
+            self._loop.call_soon(self._on_backend_event)  # drain what came before, then arm
+
+    def _on_backend_event(self) -> None:
+        """I/O thread: the backend's fd fired; drive it and re-arm (again soon while busy)."""
+        if self._closed:
+            return
+        try:
+            armed = self._backend.arm()
+        except KVXferError as exc:  # the timer below keeps driving it
+            armed = True
+            self.metrics.inc("failures", kind="progress", error=type(exc).__name__)
+            log.warning("agent %r: arming the backend failed: %s", self.name, exc)
+        if not armed:
+            self._loop.call_soon(self._on_backend_event)
 
     def _start_progress(self) -> None:
         with self._lock:
@@ -233,16 +263,13 @@ class Agent(SenderSide, ReceiverSide):
         self._loop.call_later(self.PROGRESS_BUSY_S, self._progress_tick)
 
     def _progress_tick(self) -> None:
-        """Drive the backend while something may be written into us; back off when idle.
-        Only runs once a peer is reached through UCX (the vm path needs no target progress)."""
         if self._closed:
             return
         busy = bool(self._recvs or self._grants or self._quiet_wait)
         if busy:
-            try:
-                self._backend.progress()
-            except KVXferError:
-                pass  # a failed endpoint surfaces on the initiator's wait and our control socket
+            self._backend.progress()
+        else:
+            self._on_backend_event()
         self._loop.call_later(self.PROGRESS_BUSY_S if busy else self.PROGRESS_IDLE_S, self._progress_tick)
 
     def _peer_ready(self, peer: Peer) -> None:
@@ -326,31 +353,64 @@ class Agent(SenderSide, ReceiverSide):
         return self.leases.held()
 
     def close(self) -> None:
-        """Fail pending handles, release every lease ("closed"), stop threads, deregister. Idempotent."""
+        """Fail pending handles, stop the threads, close the backend (every registration and
+        endpoint), release every remaining lease ("closed"), free the staging buffers.
+
+        Every step runs even when an earlier one fails; the first failure is raised after
+        the last step (a :class:`KVXferError`; later ones are attached as notes). A second
+        call returns at once.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         err = KVXferError(f"agent {self.name!r} closed")
-        self._sender_close(err)
-        self._receiver_close(err)
+        failures: list = []
+
+        def step(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - collected and raised below
+                failures.append(exc)
+
+        step(self._sender_close, err)
+        step(self._receiver_close, err)
         if self._layout is not None:
-            self._stage_out.close()
-            self._stage_in.close()
-        self._loop.stop()
+            step(self._stage_out.close)
+            step(self._stage_in.close)
+        step(self._loop.stop)
         for q in (self._send_q, self._recv_q):
             q.put(None)
         for t in self._workers:
             if t is not threading.current_thread():
                 t.join(10.0)
-        if self._device is not None:
-            self._device.close()  # nothing it launched still touches the staging buffers or the pool
+        if self._device is not None:  # nothing it launched still touches the staging buffers or the pool
+            step(self._device.close)
+        # Closing the backend releases every registration, cancels what is still in
+        # flight (a timed-out transfer) and ends every endpoint, so no peer can write
+        # into a block whose lease ends below.
+        step(self._backend.close)
         for key in self.leases.keys():
-            self.leases.release(key, "closed")
-        for rid in self._registered:
-            self._backend.deregister(rid)
-        self._backend.close()
+            step(self.leases.release, key, "closed")
+        self._release_memory()
+        if failures:
+            first = failures[0]
+            if not isinstance(first, KVXferError):
+                first = KVXferError(f"closing agent {self.name!r} failed: {first!r}").with_traceback(
+                    first.__traceback__)
+            for other in failures[1:]:
+                first.add_note(f"also failed while closing: {other!r}")
+            raise first
+
+    def _release_memory(self) -> None:
+        """Drop the staging buffers and everything a closed agent no longer needs, so they
+        are freed now rather than by the cycle collector (the I/O loop and handles refer
+        back to the agent)."""
         self._layout = None
+        self._geometry = None
+        self._stage_in_t = self._stage_out_t = None
+        self._peers.clear()
+        self._notifications.clear()
 
     def __enter__(self) -> "Agent":
         return self

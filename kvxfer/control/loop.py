@@ -98,6 +98,14 @@ class Conn:
         return f"<Conn fd={self.sock.fileno() if not self.closed else -1} peer={self.peer!r}>"
 
 
+class _FdWatch:
+    """A foreign fd the loop watches for readability (not owned: never closed here)."""
+
+    def __init__(self, fd: int, fn) -> None:
+        self.fd = fd
+        self.fn = fn
+
+
 class IOLoop:
     def __init__(self, listen_sock: socket.socket, on_accept, name: str) -> None:
         self._sel = selectors.DefaultSelector()
@@ -139,6 +147,11 @@ class IOLoop:
         conn.peer = peer
         self.call_soon(lambda: self._register(conn))
         return conn
+
+    def add_reader(self, fd: int, fn) -> None:
+        """Call ``fn()`` on the loop thread whenever ``fd`` is readable (the caller owns ``fd``)."""
+        watch = _FdWatch(fd, fn)
+        self.call_soon(lambda: None if self._stopping else self._sel.register(fd, selectors.EVENT_READ, watch))
 
     def close_conn(self, conn: Conn, exc: BaseException | None = None) -> None:
         self.call_soon(lambda: self._close(conn, exc))
@@ -221,6 +234,8 @@ class IOLoop:
                             pass
                     elif key.data is None:
                         self._accept()
+                    elif isinstance(key.data, _FdWatch):
+                        key.data.fn()
                     else:
                         if mask & selectors.EVENT_WRITE:
                             key.data.flush()
@@ -246,6 +261,10 @@ class IOLoop:
                 except OSError:
                     pass
             self._sel.close()
+            with self._lock:  # drop the callbacks (they refer back to the agent)
+                self._timers.clear()
+                self._pending.clear()
+            self._on_accept = None
 
     def _accept(self) -> None:
         try:

@@ -88,6 +88,23 @@ class Backend(ABC):
     def wait(self, request_id: int, timeout: float) -> None:
         """Block until complete, or raise :class:`~kvxfer.errors.TransferTimeout`."""
 
+    def event_fd(self) -> int | None:
+        """A file descriptor that becomes readable when the backend has work, or None.
+
+        A backend that needs its *target* side driven (UCX emulating RMA over TCP,
+        connections to accept or reap) returns one; the owner watches it and calls
+        :meth:`arm` whenever it is readable. None: the backend needs no driving.
+        """
+        return None
+
+    def arm(self) -> bool:
+        """Drive pending work, then re-arm :meth:`event_fd`.
+
+        True: armed, sleep until the fd is readable; False: work is still pending,
+        call again soon.
+        """
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Release every registration and endpoint; idempotent."""

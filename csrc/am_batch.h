@@ -1,16 +1,28 @@
-// Batched small writes for endpoints whose RMA UCX emulates with active
+// Target-checked transfers for endpoints whose RMA UCX emulates with active
 // messages (ucx:tcp+am-rma; sysv+am-rma without a cma lane).
 //
-// There every ucp_put_nbx is one active message with its own header, target
-// completion and acknowledgement, so a batch of 4 KiB runs moves at a fraction
-// of what the socket carries. kvxfer instead packs up to kBatchMaxBytes of
-// small runs into one active message: the data is a table of (remote address,
-// length) entries followed by the runs' bytes, gathered by UCX straight from
-// the registered source through an iov (no bounce copy). The target, which must
-// progress anyway for emulated RMA, validates every entry against its own host
-// registrations, copies, and acknowledges; the write completes when every
-// message of the batch is acknowledged, so "complete" still means "visible in
-// the peer's memory". Nothing is written when any entry is out of bounds.
+// There UCX's own emulation (ucp_put_nbx/ucp_get_nbx carried on the am lane)
+// writes and reads whatever address the initiator names: the target checks no
+// key and no bound. So kvxfer carries every host-memory put and get of such an
+// endpoint itself, in messages the *target* validates against its own
+// registered host regions (what it advertised; a region deregistered since is
+// gone) before it touches a byte:
+//
+//   write: kBatchAmId  {token, seq, count} + table of (remote address, length)
+//          + the bytes (gathered by UCX from the registered source through an
+//          iov, no bounce copy); the target checks, copies, and answers
+//          kBatchAckAmId {token, seq, status}.
+//   read:  kGetAmId    {token, seq, count} + table; the target checks and
+//          answers kGetReplyAmId {token, seq, status} + the bytes (gathered by
+//          UCX from its memory), which the initiator scatters into the local
+//          ranges of message `seq`.
+//
+// A message carries at most kBatchMaxBytes of data and kBatchMaxEntries
+// entries; longer runs are split. A message with any entry outside the
+// target's regions is refused whole (nothing of it written or sent) and the
+// initiator's request fails with InvalidDescriptor; the request completes when
+// every message was answered, so "complete" still means "visible in the peer's
+// memory" (write) or "in local memory" (read).
 #pragma once
 #include <ucp/api/ucp.h>
 
@@ -23,10 +35,12 @@
 
 namespace kvxfer {
 
-constexpr unsigned kBatchAmId = 18;     // initiator -> target: table + bytes
-constexpr unsigned kBatchAckAmId = 19;  // target -> initiator: token + status
-constexpr size_t kBatchMaxRun = 64 * 1024;       // larger runs go as puts
-constexpr size_t kBatchMaxBytes = 1024 * 1024;   // payload bytes per message
+constexpr unsigned kBatchAmId = 18;     // initiator -> target: write table + bytes
+constexpr unsigned kBatchAckAmId = 19;  // target -> initiator: write answered
+constexpr unsigned kGetAmId = 20;       // initiator -> target: read table
+constexpr unsigned kGetReplyAmId = 21;  // target -> initiator: read answered (+ bytes)
+constexpr size_t kBatchMaxBytes = 1024 * 1024;  // data bytes per message
+constexpr size_t kBatchMaxEntries = 16384;      // table entries per message
 
 struct BatchEntry {
     uint64_t raddr;
@@ -35,33 +49,38 @@ struct BatchEntry {
 
 struct BatchHeader {
     uint64_t token;  // the initiator's request id
-    uint64_t count;  // entries in the table
+    uint32_t seq;    // message index within the request
+    uint32_t count;  // entries in the table
 };
 
 struct BatchAck {
     uint64_t token;
-    uint32_t status;  // 0: written; 1: rejected (nothing written)
-    uint32_t pad;
+    uint32_t seq;
+    uint32_t status;  // 0: done; 1: refused (nothing written / sent)
 };
 
-// One active message: its header, table and iov (table first, then the runs).
-// Kept alive until the request is finished, as UCX may gather lazily.
+// One message of a request, kept alive until the request is finished (UCX may
+// gather lazily). Write: iov = table, then the local sources. Read: iov = the
+// local destinations (the table alone is sent).
 struct BatchMsg {
     BatchHeader header{};
     std::vector<BatchEntry> table;
     std::vector<ucp_dt_iov_t> iov;
+    bool answered = false;
 };
 
-// True for ops the batch path may carry (host memory, small).
-inline bool batchable(const Op& op) { return op.is_host && op.length <= kBatchMaxRun; }
+// Ops this path carries: host memory on both sides (device memory stays UCX RMA).
+inline bool checked_by_target(const Op& op) { return op.is_host; }
 
-// Groups the batchable ops into messages of at most kBatchMaxBytes payload.
-std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token);
+// Splits the host ops into messages (at most kBatchMaxBytes / kBatchMaxEntries each).
+std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, bool is_write);
 
-// Target side: checks the message layout and that every entry lies inside one
-// registered host region, then copies. Returns "" on success, else why it was
-// rejected (and nothing was written).
+// Target side. Each returns "" on success, else why the message was refused.
+// apply_batch checks a write message's layout and every entry, then copies.
 std::string apply_batch(const Registry& registry, const BatchHeader& header, const void* data,
                         size_t length);
+// check_get checks a read request; on success `table` holds its entries.
+std::string check_get(const Registry& registry, const BatchHeader& header, const void* data, size_t length,
+                      std::vector<BatchEntry>& table);
 
 }  // namespace kvxfer

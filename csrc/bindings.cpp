@@ -88,6 +88,7 @@ PYBIND11_MODULE(_C, m) {
                  py::arg("net_devices") = std::string())
             .def_property_readonly("uid", &Engine::uid)
             .def_property_readonly("closed", &Engine::closed)
+            .def_property_readonly("num_rejected", &Engine::num_rejected)
             .def("register", [=](Engine& e, uintptr_t addr, size_t length, int kind, int device_id, bool pin) {
                     if (kind != 0 && kind != 1) throw py::value_error("kind must be 0 (host) or 1 (cuda)");
                     return region_tuple(e.register_region(addr, length, static_cast<kvxfer::MemKind>(kind), device_id, pin));

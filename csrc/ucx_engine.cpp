@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "errors.h"
+#include "ucs_status.h"
 
 namespace kvxfer {
 
@@ -20,16 +21,6 @@ constexpr unsigned kNotifyAmId = 17;
 constexpr size_t kMaxNotifyBytes = 64 * 1024;
 constexpr size_t kMaxRetired = 4096;
 constexpr size_t kMaxInbox = 1 << 20;
-
-std::string ucs_error(const char* what, ucs_status_t st) {
-    return std::string(what) + ": " + ucs_status_string(st);
-}
-
-bool is_peer_failure(ucs_status_t st) {
-    return st == UCS_ERR_CONNECTION_RESET || st == UCS_ERR_ENDPOINT_TIMEOUT ||
-           st == UCS_ERR_UNREACHABLE || st == UCS_ERR_CANCELED || st == UCS_ERR_REJECTED ||
-           st == UCS_ERR_NOT_CONNECTED || st == UCS_ERR_IO_ERROR;
-}
 
 // The transport of the first rma_bw lane in ucp_ep_print_info's text, e.g.
 // "lane[0]:  2:cma/memory.0 md[2] -> md[2]/cma/sysdev[255] rma_bw#0" -> "cma";
@@ -96,38 +87,6 @@ ucs_status_t on_notification(void* arg, const void* header, size_t header_length
     uint64_t sender;
     std::memcpy(&sender, header, sizeof(sender));
     e->inbox_.emplace_back(sender, std::string(static_cast<const char*>(data), length));
-    return UCS_OK;
-}
-
-// Target side of a batched write (am_batch.h): validate, copy, acknowledge.
-ucs_status_t on_batch(void* arg, const void* header, size_t header_length, void* data, size_t length,
-                      const ucp_am_recv_param_t* param) {
-    auto* e = static_cast<Engine*>(arg);
-    if (header_length != sizeof(BatchHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
-    BatchHeader h;
-    std::memcpy(&h, header, sizeof(h));
-    BatchAck ack{h.token, apply_batch(*e->registry_, h, data, length).empty() ? 0u : 1u, 0};
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
-    ucp_request_param_t p;
-    std::memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
-    void* req = ucp_am_send_nbx(param->reply_ep, kBatchAckAmId, &ack, sizeof(ack), nullptr, 0, &p);
-    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);  // header copied; UCX releases it when sent
-    return UCS_OK;
-}
-
-// Initiator side: one acknowledgement per batched-write message.
-ucs_status_t on_batch_ack(void* arg, const void* header, size_t header_length, void*, size_t,
-                          const ucp_am_recv_param_t*) {
-    auto* e = static_cast<Engine*>(arg);
-    if (header_length != sizeof(BatchAck)) return UCS_OK;
-    BatchAck ack;
-    std::memcpy(&ack, header, sizeof(ack));
-    auto it = e->requests_.find(ack.token);
-    if (it == e->requests_.end() || it->second.acks_pending == 0) return UCS_OK;
-    --it->second.acks_pending;
-    if (ack.status != 0) it->second.rejected = true;
     return UCS_OK;
 }
 
@@ -198,6 +157,8 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
         set_am_handler(kNotifyAmId, on_notification);
         set_am_handler(kBatchAmId, on_batch);
         set_am_handler(kBatchAckAmId, on_batch_ack);
+        set_am_handler(kGetAmId, on_get);
+        set_am_handler(kGetReplyAmId, on_get_reply);
     } catch (...) {
         ucp_worker_destroy(worker_);
         ucp_cleanup(context_);
@@ -217,6 +178,7 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
 
     std::random_device rd;
     self_.uid = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    token_salt_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     for (size_t i = 0; i < kProbeTokenBytes; ++i) probe_[i] = static_cast<char>(rd());
     fill_host_identity(self_);
     self_.probe_addr = reinterpret_cast<uint64_t>(probe_);
@@ -249,6 +211,12 @@ void Engine::deregister(uint64_t region_id) {
     if (num_pending_ > 0)
         throw RegistrationError("cannot deregister while " + std::to_string(num_pending_) +
                                 " transfer(s) are in flight; wait for them first");
+    // Answers to peers' reads may still be gathered from our memory: let them go out.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (replies_in_flight_ > 0 && std::chrono::steady_clock::now() < deadline) ucp_worker_progress(worker_);
+    if (replies_in_flight_ > 0)
+        throw RegistrationError("cannot deregister while " + std::to_string(replies_in_flight_) +
+                                " peer read(s) of this process are being sent");
     registry_->remove(region_id);
 }
 
@@ -384,10 +352,12 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
         retire(id);
         return id;
     }
-    const bool batch = is_write && c.am_rma;
+    // Where UCX emulates RMA it would apply any address a peer names; kvxfer's own
+    // messages let the target check every range (am_batch.h).
+    const bool checked = c.am_rma;
     try {
-        if (batch) post_batches(c, r, ops, id);
-        post_rma(c, r, ops, is_write, batch);
+        if (checked) post_batches(c, r, ops, id, is_write);
+        post_rma(c, r, ops, is_write, checked);
     } catch (...) {
         // Messages already handed to UCX may still read their tables and iovs:
         // keep them with a failed request until it is retired.
@@ -409,13 +379,15 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
     return id;
 }
 
-// Puts/gets every op the batch path does not carry, then one flush.
-void Engine::post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, bool is_write, bool batch) {
+// Puts/gets every op the target-checked path does not carry, then one flush.
+void Engine::post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, bool is_write, bool checked) {
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    size_t posted = 0;
     for (const Op& op : ops) {
-        if (batch && batchable(op)) continue;
+        if (checked && checked_by_target(op)) continue;
+        ++posted;
         p.memh = op.memh;
         void* req = is_write ? ucp_put_nbx(c.ep, reinterpret_cast<void*>(op.laddr), op.length, op.raddr, op.rkey, &p)
                              : ucp_get_nbx(c.ep, reinterpret_cast<void*>(op.laddr), op.length, op.raddr, op.rkey, &p);
@@ -426,6 +398,7 @@ void Engine::post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, b
         }
         if (req) ucp_request_free(req);  // released by UCX on completion; the flush below covers it
     }
+    if (posted == 0) return;  // nothing for a flush to cover
     ucp_request_param_t fp;
     std::memset(&fp, 0, sizeof(fp));
     void* flush = ucp_ep_flush_nbx(c.ep, &fp);
@@ -434,28 +407,6 @@ void Engine::post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, b
         r.status = UCS_PTR_STATUS(flush);
     } else if (flush != nullptr) {
         r.ucx_req = flush;
-    }
-}
-
-// Sends the batchable ops of a write as few active messages (am_batch.h);
-// the target acknowledges each one after copying.
-void Engine::post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id) {
-    r.batches = plan_batches(ops, id);
-    ucp_request_param_t p;
-    std::memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
-    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
-    p.datatype = ucp_dt_make_iov();
-    for (BatchMsg& m : r.batches) {
-        void* req = ucp_am_send_nbx(c.ep, kBatchAmId, &m.header, sizeof(m.header), m.iov.data(), m.iov.size(), &p);
-        if (UCS_PTR_IS_ERR(req)) {
-            ucs_status_t st = UCS_PTR_STATUS(req);
-            // Messages already sent are acknowledged later; wait for them before failing.
-            if (c.failed || is_peer_failure(st)) throw PeerDisconnected(ucs_error("ucp_am_send_nbx", st));
-            throw Error(ucs_error("ucp_am_send_nbx", st));
-        }
-        if (req) ucp_request_free(req);  // completion is the acknowledgement, not the send
-        ++r.acks_pending;
     }
 }
 
@@ -544,7 +495,7 @@ bool Engine::test(uint64_t request_id) {
         throw PeerDisconnected(r.error);
     }
     if (r.rejected)
-        throw InvalidDescriptor("the peer rejected a batched write: range outside its registered host memory");
+        throw InvalidDescriptor("the peer refused the transfer: a range outside its registered host memory");
     if (r.status != UCS_OK) {
         if (is_peer_failure(r.status)) throw PeerDisconnected(ucs_error("transfer failed", r.status));
         throw Error(ucs_error("transfer failed", r.status));

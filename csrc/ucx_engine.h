@@ -40,7 +40,7 @@ struct PeerConn {
     std::unordered_map<uint64_t, RemoteRegion> regions;
     std::unique_ptr<PeerProcess> process;  // same host only
     bool use_vm = false;
-    bool am_rma = false;    // UCX emulates RMA with active messages: small writes go batched
+    bool am_rma = false;    // UCX emulates RMA with active messages: host ops go target-checked (am_batch.h)
     std::string transport;  // "vm", "ucx:cma", "ucx:tcp", ...
     std::string ucx_info;   // ucp_ep_print_info text
     bool failed = false;
@@ -50,14 +50,20 @@ struct PeerConn {
 struct XferRequest {
     uint64_t conn_id = 0;
     void* ucx_req = nullptr;  // flush request still in flight
-    size_t acks_pending = 0;  // batched-write messages not yet acknowledged
+    size_t acks_pending = 0;  // target-checked messages not yet answered
     std::vector<BatchMsg> batches;  // their buffers, alive until the request is retired
     bool counted = false;     // counted in num_pending_
-    bool rejected = false;    // the target refused a batched write
+    bool rejected = false;    // the target refused a message (or answered one malformed)
     bool done = false;
     ucs_status_t status = UCS_OK;
     std::string error;  // set when a failure was decided outside UCX
 };
+
+// Active-message handlers of the target-checked path (checked_rma.cpp).
+ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 
 class Engine {
 public:
@@ -98,12 +104,17 @@ public:
 
     void close();
     bool closed() const { return worker_ == nullptr; }
+    // Messages this engine refused as a target (ranges outside its regions).
+    uint64_t num_rejected() const { return num_rejected_; }
 
 private:
     friend void on_ep_error(void*, ucp_ep_h, ucs_status_t);
     friend ucs_status_t on_notification(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend void on_get_reply_sent(void*, ucs_status_t, void*);
 
     void require_open() const;
     PeerConn& conn_locked(uint64_t conn_id);
@@ -111,8 +122,10 @@ private:
     void retire(uint64_t id);
     void reap(XferRequest& r);
     void uncount(XferRequest& r);
-    void post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, bool is_write, bool batch);
-    void post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id);
+    void post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, bool is_write, bool checked);
+    // checked_rma.cpp: the target-checked path of am_rma endpoints.
+    void post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id, bool is_write);
+    BatchMsg* pending_message(uint64_t token, uint32_t seq, XferRequest*& r);
     void set_am_handler(unsigned id, ucp_am_recv_callback_t cb);
     void close_ep(PeerConn& c);
 
@@ -125,11 +138,14 @@ private:
     PeerInfo self_;
     alignas(64) char probe_[kProbeBytes] = {0};
     uint64_t next_conn_ = 1, next_req_ = 1;
+    uint64_t token_salt_ = 0;  // request id ^ salt = token on the wire (am_batch.h)
     std::unordered_map<uint64_t, std::unique_ptr<PeerConn>> conns_;
     std::unordered_map<uint64_t, XferRequest> requests_;
     std::deque<uint64_t> retired_;
     std::deque<std::pair<uint64_t, std::string>> inbox_;
     size_t num_pending_ = 0;
+    size_t replies_in_flight_ = 0;  // read answers UCX may still gather from our memory
+    uint64_t num_rejected_ = 0;
 };
 
 }  // namespace kvxfer

@@ -14,9 +14,11 @@ import importlib
 from . import errors
 from .errors import (
     AuthenticationError,
+    ConnectionRefused,
     InvalidDescriptor,
     KVXferError,
     LayoutMismatch,
+    LimitExceeded,
     PeerDisconnected,
     ProtocolError,
     RegistrationError,

@@ -35,6 +35,8 @@ from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
 
+log = logging.getLogger("kvxfer")
+
 MAX_PENDING_HANDSHAKES = 32
 
 log = logging.getLogger("kvxfer.agent")
@@ -333,11 +335,16 @@ class Agent(SenderSide, ReceiverSide):
     # ---- workers ----------------------------------------------------------------------
     @staticmethod
     def _work(q: queue.SimpleQueue) -> None:
+        """Worker loop. Jobs fail their own request on error; should one still raise, it
+        is logged and the worker goes on (a dead worker would stall every later transfer)."""
         while True:
             job = q.get()
             if job is None:
                 return
-            job()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - second line of defence, logged
+                log.exception("kvxfer worker job raised")
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _check_open(self) -> None:

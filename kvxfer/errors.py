@@ -17,6 +17,8 @@ __all__ = [
     "InvalidDescriptor",
     "TransferCancelled",
     "ProtocolError",
+    "ConnectionRefused",
+    "LimitExceeded",
 ]
 
 
@@ -54,3 +56,13 @@ class TransferCancelled(KVXferError):
 
 class ProtocolError(KVXferError):
     """A control message was malformed or of an unsupported protocol version."""
+
+
+class ConnectionRefused(KVXferError, ConnectionError):
+    """The peer's agent refused the connection before the handshake (too many pending
+    handshakes, from this address or in all, or too many failed ones): retry later."""
+
+
+class LimitExceeded(KVXferError):
+    """A per-peer limit (queued notifications, cached posts, staging requests, ...) was hit;
+    only the request or peer that exceeded it fails."""

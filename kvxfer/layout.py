@@ -37,10 +37,12 @@ class KVLayout:
     head_dim: int
     tp_rank: int = 0
     tp_size: int = 1
+    byte_format: str = ""  # engine-specific byte order inside a (block, head, kv) cell; see from_tensors
 
     # ---- construction -------------------------------------------------------
     @classmethod
-    def from_tensors(cls, tensors, dims: str, *, tp_rank: int = 0, tp_size: int = 1) -> "KVLayout":
+    def from_tensors(cls, tensors, dims: str, *, tp_rank: int = 0, tp_size: int = 1,
+                     byte_format: str = "") -> "KVLayout":
         """Describe engine tensors by naming their dims (letters ``L 2 N B H D C``, any order).
 
         ``tensors`` is one tensor, a per-layer list, or, when ``dims`` has no
@@ -52,7 +54,14 @@ class KVLayout:
             KVLayout.from_tensors(pool, "N L 2 B H D")            # cross-layer pool
             KVLayout.from_tensors((k_list, v_list), "N B H D")    # separate K/V
             KVLayout.from_tensors(latent_list, "N B C")           # MLA
+
+        ``byte_format``: for pools whose bytes inside a ``[B, D]`` cell are not in the
+        order the dims name (e.g. vLLM CPU stores K transposed on some kernel paths),
+        a tag naming that order; it joins the fingerprint, so such pools exchange
+        blocks only with pools of the same tag (byte for byte, never converted).
         """
+        if not isinstance(byte_format, str) or ";" in byte_format or "=" in byte_format:
+            raise ValueError(f"byte_format must be a str without ';' or '=', got {byte_format!r}")
         letters = _dims.parse_dims(dims)
         for name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
             if not isinstance(value, int) or isinstance(value, bool):
@@ -68,7 +77,7 @@ class KVLayout:
             dims=" ".join(letters), tensors=uniq, planes=planes, num_layers=len(planes),
             num_kv=1 if is_mla else 2, num_blocks=shape["N"], block_size=shape["B"],
             num_heads=1 if is_mla else shape["H"], head_dim=shape["C"] if is_mla else shape["D"],
-            tp_rank=tp_rank, tp_size=tp_size,
+            tp_rank=tp_rank, tp_size=tp_size, byte_format=byte_format,
         )
 
     @classmethod
@@ -246,10 +255,12 @@ class KVLayout:
 
     # ---- compatibility ------------------------------------------------------
     def fingerprint(self) -> str:
-        """Model dims, dtype, block size, global heads; not the TP split or the engine layout."""
+        """Model dims, dtype, block size, global heads (and ``byte_format`` if set);
+        not the TP split or the engine layout."""
         values = (self.num_layers, self.num_kv, self.num_global_heads, self.head_dim,
                   self.block_size, str(self.dtype).replace("torch.", ""))
-        return "kvxfer-v1;" + ";".join(f"{k}={v}" for k, v in zip(_FP_FIELDS, values))
+        fp = "kvxfer-v1;" + ";".join(f"{k}={v}" for k, v in zip(_FP_FIELDS, values))
+        return fp + (f";format={self.byte_format}" if self.byte_format else "")
 
     def check_compatible(self, other) -> None:
         """Raise :class:`LayoutMismatch` naming the first differing field (``other``: layout or fingerprint)."""
@@ -257,7 +268,7 @@ class KVLayout:
         if not isinstance(theirs, str):
             raise TypeError(f"expected a KVLayout or a fingerprint string, got {type(other).__name__}")
         mine_f, theirs_f = _parse(self.fingerprint()), _parse(theirs)
-        for key in ("version", *_FP_FIELDS):
+        for key in ("version", *_FP_FIELDS, "format"):
             if mine_f.get(key) != theirs_f.get(key):
                 raise LayoutMismatch(f"layouts differ in {key}: {mine_f.get(key)} here vs {theirs_f.get(key)}")
 

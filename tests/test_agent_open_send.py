@@ -3,6 +3,8 @@
 transfers (``recv(..., skip_blocks=k)``: D holds a prefix already)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -110,6 +112,10 @@ def test_open_send_cancelled_by_its_receiver():
         hr = d0.recv("c", [4], timeout=0.5)
         with pytest.raises(kvxfer.errors.TransferTimeout):
             hr.wait(T)
+        for _ in range(2000):  # D's CANCEL reaches P asynchronously
+            if not p.pending_recvs():
+                break
+            threading.Event().wait(0.005)
         hs = p.send(None, "c", [3])  # the post was withdrawn: nobody matches it
         assert not hs.done() and p.pending_recvs() == []
         hs.cancel()

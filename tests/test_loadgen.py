@@ -193,3 +193,31 @@ def test_unreachable_server_is_an_error_not_a_hang(tmp_path):
     reqs = [TraceRequest(0.0, 10, 2, (0,))]
     res = run(reqs, PromptBuilder(length_scale=1.0), RunConfig(url="http://127.0.0.1:9", request_timeout=5))
     assert len(res) == 1 and not res[0].ok and "Connect" in res[0].error
+
+
+def test_slo_auto_calibrates_on_single_requests(fake_server, trace_file, tmp_path, capsys):
+    from kvxfer.cli import main
+    from kvxfer.loadgen.calibrate import parse_factors, representative
+
+    url, seen = fake_server
+    reqs = read_trace(trace_file)
+    assert representative(reqs).input_length == 1030 and representative(reqs).output_length == 4
+    with pytest.raises(ValueError):
+        parse_factors("0.5,2")  # an SLO below single-request latency is unmeetable
+    out = tmp_path / "run.json"
+    rc = main(["loadgen", "--url", url, "--trace", str(trace_file), "--length-scale", "0.05",
+               "--time-scale", "0.01", "--slo", "auto", "--calibrate-repeats", "2",
+               "--slo-factors", "3,2", "--json", str(out), "--no-progress",
+               "--request-timeout", "20"])
+    assert rc == 0
+    assert len(seen) == 2 + 3  # two single requests first, then the run
+    doc = json.loads(out.read_text())
+    cal = doc["calibration"]
+    assert cal["single_ttft_ms"] > 0 and cal["single_tpot_ms"] > 0
+    assert cal["slo"]["ttft_ms"] == round(3 * cal["single_ttft_ms"])
+    assert cal["slo"]["tpot_ms"] == round(2 * cal["single_tpot_ms"])
+    assert doc["summary"]["slo"] == cal["slo"]
+    assert "reuse with --slo" in capsys.readouterr().out
+    # two saved runs compared: ratios against the first
+    assert main(["loadgen", "--results", str(out), str(out), "--slo", "5000,1000"]) == 0
+    assert "goodput 1.00x" in capsys.readouterr().out

@@ -9,9 +9,9 @@ import pytest
 B = 4
 
 
-def make(num_blocks=16, budget=8, max_seqs=4):
+def make(num_blocks=16, budget=8, max_seqs=4, schedule="mixed"):
     cfg = EngineConfig(num_blocks=num_blocks, block_size=B, max_num_batched_tokens=budget,
-                       max_num_seqs=max_seqs)
+                       max_num_seqs=max_seqs, schedule=schedule)
     bm = BlockManager(num_blocks, B)
     return Scheduler(cfg, bm), bm
 
@@ -45,7 +45,7 @@ def test_prefill_is_chunked_by_token_budget():
 
 
 def test_continuous_batching_admits_when_blocks_free():
-    sched, bm = make(num_blocks=4, budget=64)
+    sched, bm = make(num_blocks=4, budget=64, schedule="separate")
     a, b = Sequence(range(8)), Sequence(range(50, 58))  # 2 blocks each (+1 for decode)
     c = Sequence(range(90, 96))
     for s in (a, b, c):
@@ -94,3 +94,38 @@ def test_add_rejects_running_sequence():
         sched.add(s)
     with pytest.raises(ValueError):
         sched.add_running(s)  # no blocks
+
+
+def test_mixed_step_carries_decodes_and_prompt_chunks():
+    sched, bm = make(num_blocks=32, budget=8)
+    a = Sequence(range(5))
+    sched.add(a)
+    run_step(sched, bm)  # a prefilled, now decoding
+    b = Sequence(range(100, 120))
+    sched.add(b)
+    chunks, is_prefill = run_step(sched, bm)  # a's decode token + 7 of b's prompt tokens
+    assert is_prefill
+    assert [(c.seq, c.start, c.num_tokens) for c in chunks] == [(a, 5, 1), (b, 0, 7)]
+    chunks, _ = run_step(sched, bm)
+    assert [(c.seq, c.start, c.num_tokens) for c in chunks] == [(a, 6, 1), (b, 7, 7)]
+    chunks, _ = run_step(sched, bm)  # b's last 6 tokens complete its prompt
+    assert [(c.seq, c.start, c.num_tokens) for c in chunks] == [(a, 7, 1), (b, 14, 6)]
+    chunks, is_prefill = run_step(sched, bm)
+    assert not is_prefill and [(c.seq, c.num_tokens) for c in chunks] == [(a, 1), (b, 1)]
+    bm.check_invariants()
+
+
+def test_separate_schedule_runs_prefill_steps_apart():
+    sched, bm = make(num_blocks=32, budget=8, schedule="separate")
+    a = Sequence(range(5))
+    sched.add(a)
+    run_step(sched, bm)
+    b = Sequence(range(100, 110))
+    sched.add(b)
+    chunks, is_prefill = run_step(sched, bm)  # a waits while b's prompt runs
+    assert is_prefill and [(c.seq, c.num_tokens) for c in chunks] == [(b, 8)]
+
+
+def test_schedule_policy_is_validated():
+    with pytest.raises(ValueError):
+        EngineConfig(schedule="interleaved")

@@ -155,6 +155,50 @@ def test_batch_decode_equals_single_decode_bitwise(engine, spare):
     assert torch.equal(reordered.flip(0), singles)
 
 
+def test_mixed_step_equals_separate_steps_bitwise(engine, spare):
+    """A step holding decode tokens of several sequences and a prompt chunk gives each
+    sequence the same logits and KV bits as running it alone (rows padded to ROW_PAD)."""
+    tok = engine.tokenizer
+    prompts = [tok.encode(p) for p in ("Once upon a time", LONG, "1, 2, 3, 4, 5, 6, 7,")]
+    tables = [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
+    firsts = [int(spare.forward([Chunk(p, 0, t)])[0].argmax()) for p, t in zip(prompts, tables)]
+    decodes = [Chunk([f], len(p), t) for f, p, t in zip(firsts, prompts, tables)]
+    prompt = tok.encode(LONG + " in Mainz")
+    alone = [spare.forward([c]) for c in decodes]
+    kv_alone = spare.kv_cache.tensor[[0, 1, 3, 4, 5, 6]].clone()
+    spare.forward([Chunk(prompt[:5], 0, (9, 10, 11))])
+    want_prefill = spare.forward([Chunk(prompt[5:], 5, (9, 10, 11))])
+    kv_prefill = spare.kv_cache.tensor[[9, 10, 11]].clone()
+    spare.kv_cache.tensor[[9, 10, 11]] = 0
+    spare.forward([Chunk(prompt[:5], 0, (9, 10, 11))])
+    mixed = spare.forward([decodes[2], Chunk(prompt[5:], 5, (9, 10, 11)), decodes[0], decodes[1]])
+    assert torch.equal(mixed[[2, 3, 0]], torch.cat(alone))
+    assert torch.equal(mixed[1], want_prefill[0])
+    assert torch.equal(spare.kv_cache.tensor[[0, 1, 3, 4, 5, 6]], kv_alone)
+    assert torch.equal(spare.kv_cache.tensor[[9, 10, 11]], kv_prefill)
+
+
+def test_linear_rows_do_not_depend_on_row_count():
+    """The BLAS property ROW_PAD relies on: row r of x @ w.T has the same bits for every
+    multiple of ROW_PAD rows (with the thread counts workers use)."""
+    import torch.nn.functional as F
+
+    from kvxfer.serving.attention import ROW_PAD
+
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(960, 576, generator=gen)
+    x = torch.randn(96, 576, generator=gen)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            ref = F.linear(x, w)
+            for rows in range(ROW_PAD, 96, ROW_PAD):
+                assert torch.equal(F.linear(x[:rows], w), ref[:rows]), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_engine_prefill_then_reserve_admit_matches_colocated(engine):
     params = SamplingParams(temperature=0, max_tokens=6)
     want = engine.generate([LONG], params)[0]

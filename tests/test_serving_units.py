@@ -72,9 +72,24 @@ def test_cpu_groups_and_worker_specs():
     assert [(s.name, s.cpus, s.num_threads) for s in colocated.worker_specs()] == [
         ("colocated-0", (0, 1), 1), ("colocated-1", (0, 1), 1)]
     for bad in (dict(num_colocated=1), dict(num_prefill=0), dict(on_transfer_failure="retry"),
-                dict(cpu_groups=((0,), (1,), (2,)))):
+                dict(cpu_groups=((0,), (1,), (2,))), dict(schedule="fifo"),
+                dict(local_prefill_tokens=-1), dict(local_prefill_queue=-2)):
         with pytest.raises(ValueError):
             ServeConfig(**bad)
+
+
+def test_serve_cli_passes_schedule_and_local_prefill_flags():
+    import argparse
+
+    from kvxfer.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--schedule", "separate", "--local-prefill-tokens", "32",
+                              "--local-prefill-queue", "3"])
+    config = serve.config_from_args(args)
+    assert (config.schedule, config.local_prefill_tokens, config.local_prefill_queue) == \
+        ("separate", 32, 3)
 
 
 def test_sse_event_format():

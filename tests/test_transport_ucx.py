@@ -144,7 +144,7 @@ def test_tcp_batched_write_to_a_deregistered_region_is_refused_by_the_target():
         ls = b.register(src.ctypes.data, src.nbytes)
         stale = b.connect(meta)
         _ask(pipe, "deregister")  # our connection still lists the region; the target does not
-        with pytest.raises(InvalidDescriptor, match="rejected"):
+        with pytest.raises(InvalidDescriptor, match="refused"):
             b.wait(b.post(stale, "write", [[ls, 0, rid, 0, BLOCK], [ls, BLOCK, rid, 4 * BLOCK, BLOCK]]), timeout=30)
         assert not np.frombuffer(_ask(pipe, "bytes"), np.uint8).any()
 

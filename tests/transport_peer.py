@@ -3,20 +3,23 @@
 It registers a zeroed pool, sends ``(metadata, region_id)`` through its pipe,
 then serves commands while driving progress: ``bytes`` (the pool's contents),
 ``notes`` (notifications received), ``deregister`` (returns fresh metadata),
-``exit``.
+``guards`` (the ``guard_bytes`` on each side of the pool, unregistered, filled
+with 0xA5), ``rejected`` (transfers it refused as a target), ``exit``.
 """
 import os
 import time
 
 
-def serve(pipe, pool_bytes: int, env: dict, deadline_s: float = 120.0) -> None:
+def serve(pipe, pool_bytes: int, env: dict, deadline_s: float = 120.0, guard_bytes: int = 0) -> None:
     os.environ.update(env)
     import numpy as np
 
     from kvxfer.transport import make_backend
 
     backend = make_backend("auto")
-    pool = np.zeros(pool_bytes, np.uint8)
+    whole = np.full(pool_bytes + 2 * guard_bytes, 0xA5, np.uint8)
+    pool = whole[guard_bytes : guard_bytes + pool_bytes]
+    pool[:] = 0
     rid = backend.register(pool.ctypes.data, pool.nbytes)
     pipe.send((backend.metadata(), rid))
     notes = []
@@ -29,6 +32,10 @@ def serve(pipe, pool_bytes: int, env: dict, deadline_s: float = 120.0) -> None:
         cmd = pipe.recv()
         if cmd == "bytes":
             pipe.send(pool.tobytes())
+        elif cmd == "guards":
+            pipe.send(whole[:guard_bytes].tobytes() + whole[guard_bytes + pool_bytes :].tobytes())
+        elif cmd == "rejected":
+            pipe.send(backend.num_rejected)
         elif cmd == "notes":
             pipe.send(notes)
         elif cmd == "deregister":

@@ -28,7 +28,11 @@ def _prefill(spec: dict, rank: int, d_addresses: list, requests: list, rtt: int,
 
     try:
         layout = make_layout(spec, "p", rank, fill=True)
-        with Agent(f"prefill-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"]) as agent:
+        # Every send is posted up front and D takes its time between requests (clearing and
+        # verifying its pools), so P's leases must outlive the whole run, not the default 30 s.
+        lease_s = TIMEOUT_S * (len(requests) + rtt + 1)
+        with Agent(f"prefill-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"],
+                   lease_timeout=lease_s) as agent:
             agent.register_kv(layout)
             peers = [agent.connect(a, timeout=TIMEOUT_S) for a in d_addresses]
             src = block_ids(spec, 1)

@@ -131,7 +131,7 @@ def run(args) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {args.device}: no CUDA device here")
-    warning = envinfo.busy_warning()
+    warning, load0 = envinfo.busy_warning(), envinfo.load_average()
     if warning:
         report.warn(warning)
     rows, todo = [], [(m, b) for m in models for b in blocks]
@@ -154,5 +154,5 @@ def run(args) -> int:
                        caption="GB/s = 1e9 B/s, medians; copy = contiguous copy of the same bytes, same run", out=out)
     if args.json:
         report.write_json(args.json, benchmark="pack", args=vars(args) | {"func": None},
-                          environment=envinfo.collect(), rows=rows)
+                          environment=envinfo.collect(load_average_at_start=list(load0)), rows=rows)
     return 0

@@ -66,7 +66,7 @@ def compare(args) -> int:
     backend = "ucx" if args.backend == "auto" else args.backend
     iters = max(args.iters, 5)
     rounds = max(args.rounds, 2)
-    warning = envinfo.busy_warning()
+    warning, load0 = envinfo.busy_warning(), envinfo.load_average()
     if warning:
         report.warn(warning)
     rows = []
@@ -94,6 +94,7 @@ def compare(args) -> int:
     if args.json:
         report.write_json(args.json, benchmark="transfer-vs-perftest",
                           args={k: v for k, v in vars(args).items() if k != "func"},
-                          environment=envinfo.collect(backend=backend, transport=rows[0]["transport"]),
+                          environment=envinfo.collect(backend=backend, transport=rows[0]["transport"],
+                                                      load_average_at_start=list(load0)),
                           rows=rows, extra={"median_ratio": ratio})
     return 0

@@ -186,7 +186,7 @@ def run(args) -> int:
                         "(pip install --no-deps nixl-cu12); nothing was measured")
             return 2
     sizes = _block_sizes(args)
-    warning = envinfo.busy_warning()
+    warning, load0 = envinfo.busy_warning(), envinfo.load_average()
     if warning:
         report.warn(warning)
     title = f"kvxfer bench transfer: {args.op}, batch {args.batch_size}, backend {args.backend}"
@@ -220,7 +220,8 @@ def run(args) -> int:
     if warning:
         report.warn(warning)
     if args.json:
-        env = envinfo.collect(transport=rows[0]["transport"] if rows else None, backend=args.backend)
+        env = envinfo.collect(transport=rows[0]["transport"] if rows else None, backend=args.backend,
+                              load_average_at_start=list(load0))
         report.write_json(args.json, benchmark="transfer", args={k: v for k, v in vars(args).items()
                                                                   if k != "func"},
                           environment=env, rows=rows)

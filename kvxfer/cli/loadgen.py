@@ -3,6 +3,12 @@
     kvxfer loadgen --url http://127.0.0.1:8000 --trace T.jsonl --max-requests 50 \\
         --length-scale 0.02 --time-scale 0.1 --slo 2000,150 --label disagg --json d.json
     kvxfer loadgen --results d.json c.json --slo 2000,150 --plot cdf.png   # compare runs
+    kvxfer loadgen --trace T.jsonl ... --slo auto --calibrate-only   # single-request SLO
+
+``--slo auto`` measures single-request TTFT/TPOT on the server first (the
+median-length request of the run, one at a time) and sets the SLO to
+``--slo-factors`` times them; the chosen SLO and the measurement go into the
+JSON. To compare modes, calibrate once and pass the same ``--slo`` to every run.
 """
 from __future__ import annotations
 
@@ -29,7 +35,13 @@ def add_parser(sub) -> None:
     p.add_argument("--spread", type=float, default=0.0, help="Poisson mode: lengths uniform within ±spread")
     p.add_argument("--shared-blocks", type=int, default=0, help="Poisson mode: shared-prefix 512-token blocks")
     p.add_argument("--model", default=None, help="model name sent in requests")
-    p.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS", help="SLO for goodput")
+    p.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS",
+                   help="SLO for goodput, or 'auto': from single-request latencies measured first")
+    p.add_argument("--slo-factors", default="3,2", metavar="TTFT_X,TPOT_X",
+                   help="with --slo auto: SLO = these times the single-request TTFT, TPOT")
+    p.add_argument("--calibrate-repeats", type=int, default=3, help="single requests for --slo auto")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="with --slo auto: print the chosen SLO and stop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, total")
     p.add_argument("--max-concurrency", type=int, default=256, help="HTTP connections")
@@ -71,6 +83,22 @@ def _print_summary(label: str, s: dict) -> None:
                                               ("p90", "p90"), ("p99", "p99")], rows, caption=extra)
 
 
+def _print_ratios(summaries: dict[str, dict]) -> None:
+    """Each run against the first one: goodput, TPOT p99, TTFT p99 ratios, SLO attainment."""
+    base_label, base = next(iter(summaries.items()))
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if b and a == a and b == b else "-"
+
+    for label, s in list(summaries.items())[1:]:
+        parts = [f"TPOT p99 {ratio(s['tpot_ms']['p99'], base['tpot_ms']['p99'])}",
+                 f"TTFT p99 {ratio(s['ttft_ms']['p99'], base['ttft_ms']['p99'])}"]
+        if "goodput" in s:
+            parts.insert(0, f"goodput {ratio(s['goodput'], base['goodput'])}")
+            parts.append(f"SLO met {100 * s['slo_attainment']:.0f}% vs {100 * base['slo_attainment']:.0f}%")
+        print(f"{label} vs {base_label}: " + ", ".join(parts))
+
+
 def _plot(path: str, runs: dict[str, list[dict]]) -> None:
     from .. import report
     from ..loadgen.metrics import itl_values
@@ -91,16 +119,22 @@ def _plot(path: str, runs: dict[str, list[dict]]) -> None:
 def run(args) -> int:
     from ..loadgen.metrics import SLO, summarize_run
 
-    slo = SLO.parse(args.slo) if args.slo else None
+    auto = args.slo == "auto"
+    slo = SLO.parse(args.slo) if args.slo and not auto else None
     if args.results:
-        runs = {}
+        if auto:
+            raise SystemExit("kvxfer loadgen: --slo auto needs a server; give TTFT_MS,TPOT_MS with --results")
+        runs, summaries = {}, {}
         for path in args.results:
             doc = json.loads(open(path).read())
             label = doc.get("label") or path
             if label in runs:
                 label = f"{label} ({path})"
             runs[label] = doc["requests"]
-            _print_summary(label, summarize_run(doc["requests"], slo))
+            summaries[label] = summarize_run(doc["requests"], slo)
+            _print_summary(label, summaries[label])
+        if len(summaries) > 1:
+            _print_ratios(summaries)
         if args.plot:
             _plot(args.plot, runs)
         return 0
@@ -118,6 +152,25 @@ def run(args) -> int:
     warning = envinfo.busy_warning()
     if warning:
         report.warn(warning)
+    calibration = None
+    if auto:
+        from ..loadgen.calibrate import measure_single, parse_factors, representative
+
+        try:
+            calibration = measure_single(args.url, representative(reqs), prompts,
+                                         repeats=args.calibrate_repeats, model=args.model,
+                                         timeout=args.request_timeout,
+                                         factors=parse_factors(args.slo_factors))
+        except (RuntimeError, ValueError) as exc:
+            raise SystemExit(f"kvxfer loadgen: calibration failed: {exc}") from None
+        slo = calibration.slo
+        print(f"single request ({calibration.prompt_words} words, {calibration.max_tokens} tokens): "
+              f"TTFT {calibration.ttft_ms:.0f} ms, TPOT {calibration.tpot_ms:.1f} ms -> "
+              f"SLO TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms "
+              f"(x{calibration.factors[0]:g}, x{calibration.factors[1]:g}); "
+              f"reuse with --slo {slo.ttft_ms:g},{slo.tpot_ms:g}")
+        if args.calibrate_only:
+            return 0
     with report.progress(len(reqs), "requests", enabled=not args.no_progress) as advance:
         results = replay(reqs, prompts, cfg, on_done=advance)
     records = [r.as_dict() for r in results]
@@ -130,7 +183,8 @@ def run(args) -> int:
     if args.json:
         report.write_json(args.json, benchmark="loadgen", args=vars(args) | {"func": None},
                           environment=envinfo.collect(), rows=[summary],
-                          extra={"label": label, "summary": summary, "requests": records})
+                          extra={"label": label, "summary": summary, "requests": records,
+                                 "calibration": calibration.as_dict() if calibration else None})
     if args.plot:
         _plot(args.plot, {label: records})
     return 0 if not errors else 1

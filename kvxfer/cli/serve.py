@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+API_KEY_ENV = "KVXFER_API_KEY"
 
 
 def add_parser(sub) -> None:
@@ -24,7 +27,21 @@ def add_parser(sub) -> None:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--schedule", choices=("mixed", "separate"), default="mixed",
+                   help="mixed: decode tokens and prompt chunks share each step (chunked "
+                        "prefill); separate: prefill steps and decode steps apart")
+    p.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="disaggregated: prefill uncached prompts shorter than N tokens on the "
+                        "decode worker (0: off)")
+    p.add_argument("--local-prefill-queue", type=int, default=0, metavar="K",
+                   help="disaggregated: prefill on the decode worker while the prefill worker "
+                        "holds K or more requests (0: off)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics "
+                        f"(default: ${API_KEY_ENV}; prefer the variable: a command line is visible in ps)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="larger request bodies get HTTP 413 (default 1 MiB)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -43,7 +60,11 @@ def config_from_args(args: argparse.Namespace):
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        transfer_timeout_s=args.transfer_timeout, log_level=args.log_level)
+        schedule=args.schedule, local_prefill_tokens=args.local_prefill_tokens,
+        local_prefill_queue=args.local_prefill_queue,
+        transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes)
 
 
 def run(args: argparse.Namespace) -> int:

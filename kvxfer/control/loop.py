@@ -145,6 +145,8 @@ class IOLoop:
     def add_conn(self, sock: socket.socket, handler, peer=None) -> Conn:
         conn = Conn(sock, handler, self)
         conn.peer = peer
+        if peer is not None:
+            peer.conn = conn  # before the loop can read (and answer) a first frame
         self.call_soon(lambda: self._register(conn))
         return conn
 

@@ -39,6 +39,7 @@ class Msg(enum.IntEnum):
     CANCEL_ACK = 17  # P->D: nothing more will be written for `req`
     NOTIFY = 18      # P->D: engine payload, sent after the data it refers to is visible
     STAGE_RELEASE = 19  # P->D: chunk `tag` gave up; free its grant
+    FAIL = 20        # either way: request `req` failed; like CANCEL, with the error's `code`
 
 
 _NONCE = "hex32"
@@ -64,6 +65,7 @@ SCHEMAS: dict[Msg, dict[str, str]] = {
     Msg.CANCEL_ACK: {"req": "str", "xid": "int"},
     Msg.NOTIFY: {"data": "b64"},
     Msg.STAGE_RELEASE: {"tag": "int"},
+    Msg.FAIL: {"req": "str", "xid": "int", "to_sender": "bool", "code": "str", "reason": "str"},
 }
 
 

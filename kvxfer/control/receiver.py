@@ -15,8 +15,10 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..errors import KVXferError, PeerDisconnected, ProtocolError, TransferCancelled, TransferTimeout
+from ..errors import (InvalidDescriptor, KVXferError, PeerDisconnected, ProtocolError, TransferCancelled,
+                      TransferTimeout)
 from ..handle import TransferHandle
+from .checks import check_chunk_shape, check_piece, code_of, error_from
 from .messages import Msg, encode
 from .ops import RecvOp
 
@@ -121,8 +123,11 @@ class ReceiverSide:
             del self._recvs[op.req]
             op.reason = reason
             op.quiescing = {p for p in op.posted_to if p.is_connected}
+            code = None if error is None else code_of(error)
+            frame = (encode(Msg.CANCEL, req=op.req, xid=op.xid, to_sender=True) if code is None else
+                     encode(Msg.FAIL, req=op.req, xid=op.xid, to_sender=True, code=code, reason=str(error)[:200]))
             for peer in op.quiescing:
-                peer.send(encode(Msg.CANCEL, req=op.req, xid=op.xid, to_sender=True))
+                peer.send(frame)
             self._quiet_wait[(op.req, op.xid)] = op
             self._maybe_quiet(op)
             if error is not None and not op.handle.done():
@@ -163,33 +168,61 @@ class ReceiverSide:
             self._stage_in.free(grant[0])
 
     def _on_data_done(self, peer, f) -> None:
-        if not f["pack"]:
+        """P says a piece is written. Checked against our own request before it counts:
+        a piece that does not fit fails that request on both sides; a staging grant is
+        freed on every path."""
+        grant = None
+        if f["pack"]:
             with self._lock:
-                op = self._recvs.get(f["req"])
-                if op is not None and op.xid == f["xid"]:
-                    op.handle.path = op.handle.path or "zero_copy"
-            return self._delivered(f["req"], f["xid"], f["layers"], f["heads"], f["nbytes"])
+                grant = self._grants.pop((peer.serial, f["tag"]), None)
+            if grant is None or grant != (f["offset"], f["nbytes"]):
+                if grant is not None:
+                    self._stage_in.free(grant[0])
+                raise ProtocolError("DATA_DONE names staging space that was not granted")
+        req, error, op = f["req"], None, None
         with self._lock:
-            grant = self._grants.pop((peer.serial, f["tag"]), None)
-        if grant is None or grant != (f["offset"], f["nbytes"]):
-            raise ProtocolError("DATA_DONE names staging space that was not granted")
-        if self._layout.wire_nbytes(len(f["blocks"]), f["layers"], f["heads"]) != f["nbytes"]:
-            self._stage_in.free(grant[0])
-            raise ProtocolError("DATA_DONE size does not match its blocks, layers and heads")
+            if req:
+                op = self._recvs.get(req)
+                if op is None or op.xid != f["xid"] or op.handle.done():
+                    op = None  # stale: a recv that ended (its blocks are kept until P is quiet)
+                else:
+                    try:
+                        check_piece(op, self._layout, peer, f)
+                        op.handle.path = op.handle.path or ("pack" if f["pack"] else "zero_copy")
+                    except KVXferError as exc:
+                        error = exc
+        if req and op is None or error is not None:
+            if grant is not None:
+                self._release_chunk(peer, f)
+            if error is not None:
+                self._end_recv(op, error, "failed")
+            return
+        if not f["pack"]:
+            return self._delivered(req, f["xid"], f["layers"], f["heads"], f["nbytes"])
+        if not req:  # a one-sided write's chunk: inside our pool?
+            try:
+                check_chunk_shape(self._layout, f)
+            except InvalidDescriptor as exc:
+                self._stage_in.free(grant[0])
+                raise ProtocolError(f"one-sided pack chunk: {exc}") from None
         self._recv_q.put(lambda: self._unpack(peer, f))
+
+    def _release_chunk(self, peer, f) -> None:
+        """Free a chunk's staging slice unread and ACK it (P stops waiting for it)."""
+        self._stage_in.free(f["offset"])
+        peer.send(encode(Msg.ACK, tag=f["tag"]))
 
     def _unpack(self, peer, f) -> None:
         """Receive worker: scatter one staged chunk; only once the device finished it (its
         token completed) free the slice, ACK and account, so neither the next write into
         the slice nor a completed recv can overtake the scatter."""
         off, nbytes = f["offset"], f["nbytes"]
-        req, live, op = f["req"], True, None
+        req, live, op, error = f["req"], True, None, None
         if req:
             with self._lock:
                 op = self._recvs.get(req)
-                live = op is not None and op.xid == f["xid"]
+                live = op is not None and op.xid == f["xid"] and not op.handle.done()
                 if live:
-                    op.handle.path = "pack"
                     op.unpacking += 1  # its blocks are not released while the scatter may write them
         try:
             if live:
@@ -198,17 +231,19 @@ class ReceiverSide:
                                                list(f["layers"]), f["heads"])
                 self._device.wait(unpacked, self.leases.default_ttl_s)
                 self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")
-        except (ValueError, TypeError, IndexError) as exc:  # refused before anything was launched
-            self._stage_in.free(off)
-            self._unpacked(op if live else None)
-            self._loop.close_conn(peer.conn, ProtocolError(f"bad pack chunk: {exc}"))
-            return
         except TransferTimeout as exc:  # the device never finished: the slice stays taken
             self._unpacked(op if live else None)
             self._loop.close_conn(peer.conn, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - checked before; a failure fails this request only
+            error = InvalidDescriptor(f"cannot unpack a chunk of {req!r}: {exc!r}")
         self._stage_in.free(off)
         peer.send(encode(Msg.ACK, tag=f["tag"]))
+        if error is not None:
+            self._unpacked(op if live else None)
+            if op is not None:
+                self._end_recv(op, error, "failed")
+            return
         if live:
             self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes, f["blocks"])
         self._unpacked(op if live else None)
@@ -222,10 +257,14 @@ class ReceiverSide:
                 self._maybe_quiet(op)
 
     def _on_sender_cancelled(self, peer, f) -> None:
+        """CANCEL or FAIL (typed, ``code``) from a sender of one of our recvs."""
         with self._lock:
             op = self._recvs.get(f["req"])
-        if op is not None and op.xid == f["xid"]:
-            self._end_recv(op, TransferCancelled(f"sender {peer.name!r} cancelled {f['req']!r}"), "cancelled")
+        if op is not None and op.xid == f["xid"] and peer in op.posted_to:
+            if "code" in f:
+                self._end_recv(op, error_from(f, f"sender {peer.name!r}"), "failed")
+            else:
+                self._end_recv(op, TransferCancelled(f"sender {peer.name!r} cancelled {f['req']!r}"), "cancelled")
 
     def _on_cancel_ack(self, peer, f) -> None:
         with self._lock:

@@ -18,12 +18,14 @@ import numpy as np
 from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, ProtocolError,
                       TransferCancelled, TransferTimeout)
 from ..handle import TransferHandle
+from .checks import check_post, code_of, error_from
 from .messages import Msg, encode
 from .ops import Post, SendOp
 from .shipping import INLINE_BYTES, Shipper
 from .staging import StagingRing
 
 MAX_CACHED_POSTS = 65536
+TOMBSTONE_GRACE_S = 5.0  # an unmatched send for a request id D ended waits this long for a new post
 
 
 class SenderSide(Shipper):
@@ -173,10 +175,23 @@ class SenderSide(Shipper):
                 post = self._posts.pop(op.key, None)
             if post is not None:
                 self._match(op, post)
-            elif self._tombstones.pop(op.key, None) is not None:
-                self._fail_send(op, TransferCancelled(f"receiver cancelled {req!r} before it was sent"),
-                                "cancelled")
+            else:
+                tomb = self._tombstones.pop(op.key, None)
+                if tomb is not None:
+                    self._bury(op, tomb[1])
         return op.handle
+
+    def _bury(self, op: SendOp, error: KVXferError) -> None:
+        """D ended this request id before we matched it (lock held). The send may be a
+        late one for that recv -- or the first of a new recv reusing the id, whose post
+        is still on its way: give it :data:`TOMBSTONE_GRACE_S` to arrive, then fail."""
+        def expire():
+            if op.post is None:
+                self._fail_send(op, error, "cancelled" if isinstance(error, TransferCancelled) else "failed")
+
+        lease = self.leases.get(("send",) + op.key)
+        grace = TOMBSTONE_GRACE_S if lease is None else min(TOMBSTONE_GRACE_S, lease.deadline - time.monotonic())
+        self._loop.call_later(grace, expire)
 
     @staticmethod
     def _bind(op: SendOp, peer) -> None:
@@ -186,15 +201,19 @@ class SenderSide(Shipper):
 
     def _match(self, op: SendOp, post: Post, send_matched: bool = True) -> None:
         """Both halves known (lock held): validate, tell D, queue the pieces."""
+        op.post = post  # from here on, a failure is also reported to D (not at its recv timeout)
         geo = op.peer.geometry
         if geo is None or post.skip + len(post.blocks) != len(op.ids) or not all(
                 b < geo.num_blocks for b in post.blocks):
-            op.post = post  # so the failure reaches D now, not at its recv timeout
             self._fail_send(op, InvalidDescriptor(
                 f"{op.key[1]!r}: receiver expects {post.skip} + {len(post.blocks)} blocks, "
                 f"sender has {len(op.ids)}"), "failed")
             return
-        op.post = post
+        if not op.streaming and op.ready is not None and not set(post.layers) <= set(op.ready):
+            missing = sorted(set(post.layers) - set(op.ready))
+            self._fail_send(op, InvalidDescriptor(
+                f"{op.key[1]!r}: receiver asks for layers {missing[:8]} the sender does not send"), "failed")
+            return
         if post.skip:
             op.ids = op.ids[post.skip:]
         matched = encode(Msg.MATCHED, req=post.req, xid=post.xid) if send_matched else None
@@ -230,6 +249,8 @@ class SenderSide(Shipper):
             choice = self._choose(op, layers)
         except KVXferError as exc:
             choice = exc
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            choice = InvalidDescriptor(f"cannot plan {op.key[1]!r}: {exc!r}")
         inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
         inline = inline and all(self._device.query(t) for t in after)  # never wait with the lock held
         if matched is not None:
@@ -257,7 +278,11 @@ class SenderSide(Shipper):
                 return
             op.ended = reason
             if op.post is not None and op.wire_req and op.peer.is_connected:
-                op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False))
+                code = code_of(error)
+                op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False)
+                             if code is None else
+                             encode(Msg.FAIL, req=op.post.req, xid=op.post.xid, to_sender=False, code=code,
+                                    reason=str(error)[:200]))
             self._quiesce(op)
             if not op.handle.done():
                 self.metrics.inc("failures", kind=op.handle.kind, error=type(error).__name__)
@@ -292,6 +317,11 @@ class SenderSide(Shipper):
     def _on_recv_post(self, peer, f) -> None:
         post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"], f["skip"])
         key = (peer.serial, post.req)
+        try:
+            check_post(peer.geometry, self._layout.num_layers if self._layout is not None
+                       else peer.geometry.num_layers if peer.geometry is not None else 0, f)
+        except InvalidDescriptor as exc:
+            return self._refuse_post(peer, key, post, exc)
         with self._lock:
             self._tombstones.pop(key, None)
             op = self._sends.get(key)
@@ -306,6 +336,18 @@ class SenderSide(Shipper):
             if len(self._posts) >= MAX_CACHED_POSTS:
                 raise ProtocolError("too many unmatched RECV_POSTs from one peer")
             self._posts[key] = post
+
+    def _refuse_post(self, peer, key, post: Post, exc: KVXferError) -> None:
+        """A RECV_POST we cannot serve: fail D's recv (and a send waiting for it) with ``exc``."""
+        with self._lock:
+            op = self._sends.get(key)
+            if op is not None and op.post is None and op.ended is None:
+                op.post = post
+                self._fail_send(op, exc, "failed")  # tells D
+                return
+            self._tombstones[key] = (post.xid, exc)  # a send that comes later fails the same way
+        peer.send(encode(Msg.FAIL, req=post.req, xid=post.xid, to_sender=False, code=code_of(exc) or "protocol",
+                         reason=str(exc)[:200]))
 
     def _on_stage_grant(self, peer, f) -> None:
         with self._lock:
@@ -335,17 +377,22 @@ class SenderSide(Shipper):
             if op is None:  # maybe a send(None, ...) this peer matched
                 op = self._sends.get((None, f["req"]))
                 op = op if op is not None and op.peer is peer else None
-            if op is None or (op.post is not None and op.post.xid != f["xid"]):
-                if op is None:
-                    self._tombstones[key] = f["xid"]
+            error = (error_from(f, f"receiver {peer.name!r}") if "code" in f  # FAIL: typed
+                     else TransferCancelled(f"receiver cancelled {f['req']!r}"))
+            if op is None or op.post is None:  # nothing written: answer now
+                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
+                if op is not None:
+                    self._bury(op, error)  # unless a new post for this id comes first
+                elif self._tombstones.get(key, (None,))[0] != f["xid"]:  # keep a refused post's error
+                    self._tombstones[key] = (f["xid"], error)
                     while len(self._tombstones) > MAX_CACHED_POSTS:
                         self._tombstones.popitem(last=False)
+                return
+            if op.post.xid != f["xid"]:
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
                 return
-            op.ack_owed = op.post is not None
-            if op.post is None:
-                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
-        self._fail_send(op, TransferCancelled(f"receiver cancelled {f['req']!r}"), "cancelled")
+            op.ack_owed = True
+        self._fail_send(op, error, "failed" if "code" in f else "cancelled")
         with self._lock:
             if op.ack_owed and op.ended is not None:
                 self._quiesce(op)
@@ -376,4 +423,4 @@ class SenderSide(Shipper):
             self._fail_send(op, err, "closed")
 
     _dispatch = {Msg.RECV_POST: _on_recv_post, Msg.STAGE_GRANT: _on_stage_grant, Msg.ACK: _on_ack,
-                 Msg.CANCEL: _on_cancel}
+                 Msg.CANCEL: _on_cancel, Msg.FAIL: _on_cancel}

@@ -9,16 +9,20 @@ never sees a completion before the bytes.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import numpy as np
 
 from .. import plan
-from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, TransferCancelled, TransferTimeout
+from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolError, TransferCancelled,
+                      TransferTimeout)
 from .messages import Msg, encode
 from .ops import SendOp
 from .parts import split_descs
+
+log = logging.getLogger("kvxfer")
 
 INLINE_BYTES = 4 << 20  # zero-copy pieces up to this size are posted by the matching thread
 
@@ -77,8 +81,11 @@ class Shipper:
                 self._ship_pack(op, layers, heads, after)
         except KVXferError as exc:
             self._fail_send(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
-        except (ValueError, TypeError) as exc:
-            self._fail_send(op, InvalidDescriptor(str(exc)), "failed")
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            self._fail_send(op, InvalidDescriptor(f"{op.key[1]!r}: {exc!r}"), "failed")
+        except Exception as exc:  # noqa: BLE001 - a bug fails this request, never the worker
+            log.exception("send worker: %r failed", op.handle)
+            self._fail_send(op, ProtocolError(f"{op.key[1]!r}: internal error {exc!r}"), "failed")
         finally:
             with self._lock:
                 op.inflight -= 1

@@ -82,7 +82,9 @@ def git_commit() -> str | None:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # result files being (re)written by the run itself do not make the code dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"],
                                cwd=root, capture_output=True, text=True, timeout=5)
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):

@@ -1,7 +1,10 @@
 """OpenAI-compatible request schemas and response bodies.
 
 Only the fields the reference server implements are declared; unknown fields
-are ignored (clients send many), wrong types are a 422 from FastAPI.
+are ignored (clients send many). Wrong types, out-of-range or non-finite numbers
+(``NaN``, ``Infinity``) and text that is not valid Unicode (a lone surrogate such
+as ``"\\ud800"``) fail validation: the router answers 400 with an OpenAI-style
+error body (:func:`error_body`, see :mod:`kvxfer.serving.guard`).
 """
 from __future__ import annotations
 
@@ -11,6 +14,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 8
+MAX_SEED = 2**63 - 1
+
+
+def check_text(value: str, what: str) -> str:
+    """``value`` if it encodes as UTF-8 (no lone surrogates), else ValueError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text (lone surrogate)") from None
+    return value
 
 
 class _SamplingFields(BaseModel):
@@ -18,10 +31,10 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (benchmarks)
 
@@ -33,7 +46,7 @@ class _SamplingFields(BaseModel):
         stops = [value] if isinstance(value, str) else list(value)
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings")
-        return stops
+        return [check_text(s, "stop") for s in stops]
 
     def sampling(self, stop_token_ids: list[int]) -> dict:
         """The sampling parameters as the worker messages carry them."""
@@ -50,12 +63,22 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int]
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value):
+        return check_text(value, "prompt") if isinstance(value, str) else value
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
     content: str
+
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, value):
+        return check_text(value, "content")
 
 
 class ChatRequest(_SamplingFields):

@@ -4,8 +4,10 @@ A step runs a list of :class:`Chunk` s (one per sequence): a prefill chunk is
 many tokens of one prompt (``start_pos > 0`` when a prefix is already in the
 cache), a decode chunk is one token. New K/V are written into their slots,
 then each sequence attends over its own blocks, gathered through its block
-table. Attention runs per sequence, so a sequence's result does not depend on
-which other sequences share the step, nor on which physical blocks hold its KV.
+table: all one-token (decode) chunks of a step together in one batched
+matmul, each longer (prefill) chunk on its own. A sequence's result does not
+depend on which other sequences share the step, nor on which physical blocks
+hold its KV.
 """
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
-# Row-invariance of CPU GEMM: with torch's CPU BLAS, a row of ``x @ w.T`` has the
-# same bits for every row count that is a multiple of 8 (1 or 2 threads), while
-# small/odd counts take other kernels. Steps are padded to a multiple of ROW_PAD
-# rows so a token's result never depends on the batch it ran in.
-ROW_PAD = 8
+# Row-invariance of CPU GEMM: with torch's CPU BLAS (MKL sgemm behind F.linear),
+# a row of ``x @ w.T`` has the same bits for every row count that is a multiple
+# of 4 (1 or 2 threads; checked by tests/test_serving_model.py), while 1-3 rows
+# (and, with 2 threads, 5-7 and 9-11) take other kernels. Steps are padded to a
+# multiple of ROW_PAD rows so a token's result never depends on the batch it
+# ran in; 4 rather than 8 keeps a one-sequence decode step at 4 rows.
+ROW_PAD = 4
 
 
 @dataclass(frozen=True)
@@ -102,25 +107,60 @@ class StepBatch:
         self.input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long)
         self.positions = torch.cat([pos, torch.zeros(pad, dtype=torch.long)])
         self.last_rows = torch.tensor(last_rows, dtype=torch.long)
+        # one-token chunks (decode) attend together; longer chunks one by one
+        self.multi = [s for s in self.seqs if s.num_tokens > 1]
+        single = [s for s in self.seqs if s.num_tokens == 1]
+        self.single_rows = torch.tensor([s.row for s in single], dtype=torch.long)
+        if single:
+            width = max(len(s.block_ids) for s in single)
+            self.single_tables = torch.stack([F.pad(s.block_ids, (0, width - len(s.block_ids)))
+                                              for s in single])  # [S1, nb] (pad: block 0, masked)
+            ctx = torch.tensor([s.start_pos + 1 for s in single])
+            # [S1, 1, 1, nb*B]: True where the position is past the sequence's context
+            self.single_mask = (torch.arange(width * block_size) >= ctx[:, None])[:, None, None, :]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
             scale: float) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[n, Hq, D]`` (positions ``start_pos..``) over
-    ``k``/``v`` ``[ctx, Hkv, D]`` (positions ``0..ctx-1``); returns ``[n, Hq, D]``."""
-    n, num_heads, head_dim = q.shape
-    ctx, num_kv_heads, _ = k.shape
+    ``k``/``v`` ``[ctx, Hkv, D]`` (positions ``0..ctx-1``); returns ``[n, Hq, D]``.
+
+    torch's fused CPU kernel (blocked, no ``[n, ctx]`` score matrix in memory);
+    a chunk after a cached prefix gets an explicit bottom-right causal mask.
+    """
+    n, ctx = q.shape[0], k.shape[0]
+    mask = None
+    if start_pos:
+        mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(start_pos, start_pos + n).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=not start_pos, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _attend_single(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   batch: StepBatch, scale: float) -> torch.Tensor:
+    """Attention of every one-token chunk at once: ``q`` ``[S1, Hq, D]`` -> ``[S1, Hq, D]``.
+
+    Each sequence's keys are gathered through its block table, padded to the
+    longest table in the step and masked past its context. Masked positions
+    contribute exact zeros, so a sequence's result does not depend on which
+    others share the step (tests/test_serving_model.py checks this bitwise).
+    """
+    s1, num_heads, head_dim = q.shape
+    num_kv_heads = cache_k.shape[2]
     group = num_heads // num_kv_heads
-    # query head h reads kv head h // group; rows ordered (token, head-in-group)
-    qh = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
-    scores = torch.matmul(qh, k.permute(1, 2, 0)) * scale  # [Hkv, n*group, ctx]
-    if n > 1:
-        query_pos = torch.arange(start_pos, start_pos + n).repeat_interleave(group)
-        future = torch.arange(ctx).unsqueeze(0) > query_pos.unsqueeze(1)  # [n*group, ctx]
-        scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.transpose(0, 1))  # [Hkv, n*group, D]
-    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+    # contiguous operands: bmm then runs one fixed GEMM per (sequence, kv head)
+    keys = cache_k[batch.single_tables].flatten(1, 2).permute(0, 2, 3, 1).contiguous()
+    values = cache_v[batch.single_tables].flatten(1, 2).transpose(1, 2).contiguous()
+    length = keys.shape[-1]  # keys [S1, Hkv, D, L], values [S1, Hkv, L, D]
+    qh = q.reshape(s1 * num_kv_heads, group, head_dim)
+    scores = torch.bmm(qh, keys.view(-1, head_dim, length)) * scale  # [S1*Hkv, group, L]
+    scores = scores.view(s1, num_kv_heads, group, length).masked_fill(batch.single_mask,
+                                                                      float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(-1, group, length)
+    out = torch.bmm(probs, values.view(-1, length, head_dim))  # [S1*Hkv, group, D]
+    return out.view(s1, num_heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
@@ -135,7 +175,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: 
     cache_k[batch.slot_blocks, batch.slot_offsets] = k[:t]
     cache_v[batch.slot_blocks, batch.slot_offsets] = v[:t]
     out = torch.zeros_like(q)
-    for s in batch.seqs:
+    if len(batch.single_rows):
+        out[batch.single_rows] = _attend_single(q[batch.single_rows], cache_k, cache_v, batch,
+                                                scale)
+    for s in batch.multi:
         ctx = s.start_pos + s.num_tokens
         keys = cache_k[s.block_ids].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
         values = cache_v[s.block_ids].flatten(0, 1)[:ctx]

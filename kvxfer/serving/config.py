@@ -18,6 +18,9 @@ def _check_positive(obj: object, *names: str) -> None:
             raise ValueError(f"{name} must be > 0, got {value}")
 
 
+SCHEDULES = ("mixed", "separate")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (GQA, RMSNorm, SwiGLU, RoPE)."""
@@ -61,7 +64,10 @@ class EngineConfig:
     ``num_blocks`` KV blocks of ``block_size`` tokens are allocated once.
     A prefill step takes at most ``max_num_batched_tokens`` prompt tokens
     (longer prompts are prefilled in chunks); a decode step at most
-    ``max_num_seqs`` sequences. ``num_threads`` (if set) is applied with
+    ``max_num_seqs`` sequences. ``schedule``: ``"mixed"`` puts the decode
+    tokens and prompt chunks in the same step (the budget counts both),
+    ``"separate"`` runs prefill steps and decode steps apart (see
+    :mod:`kvxfer.serving.scheduler`). ``num_threads`` (if set) is applied with
     ``torch.set_num_threads`` when the engine starts.
     """
 
@@ -72,9 +78,12 @@ class EngineConfig:
     max_num_seqs: int = 16
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    schedule: str = "mixed"
 
     def __post_init__(self) -> None:
         _check_positive(self, "num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.num_threads is not None:
             _check_positive(self, "num_threads")
         if self.model_path is not None and not isinstance(self.model_path, str):

@@ -12,6 +12,11 @@ Disaggregated flow for one request ``rid``::
     router <--kv, token..., done-- decode
 
 Colocated: ``admit(local)`` to one worker, which prefills and decodes itself.
+Conditional disaggregation (``--local-prefill-tokens``, ``--local-prefill-queue``):
+a request arriving while the prefill worker holds that many requests is sent
+``admit(local)`` to its decode worker; a request whose uncached prompt (after the
+decode worker's prefix-cache hits) is shorter than the token threshold is
+answered ``admitted(local)`` and prefilled there; no KV moves for either.
 Every request ends with exactly one terminal event on its queue: ``done`` or
 ``error``; a worker death produces ``error`` for what it held, never a hang.
 """
@@ -84,6 +89,7 @@ class Dispatcher:
         self.m_recomputes = r.counter("kvxfer_kv_recomputes_total", "Prompts recomputed on the decode worker after a failed transfer.")
         self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.")
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
+        self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.")
 
     def new_rid(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
@@ -95,7 +101,13 @@ class Dispatcher:
             decode, prefill = self.cluster.pick("decode"), self.cluster.pick("prefill")
             if decode is None or prefill is None:
                 raise NoWorkerAvailable("no live prefill or decode worker")
-            st.prefill, mode = prefill, "remote"
+            queue_limit = self.config.local_prefill_queue
+            if queue_limit and prefill.load >= queue_limit:  # conditional disaggregation
+                mode = "local"
+                self.m_local_prefills.inc(reason="prefill_queue")
+                st.transfer_settled.set()
+            else:
+                st.prefill, mode = prefill, "remote"
         else:
             decode, mode = self.cluster.pick("colocated"), "local"
             if decode is None:
@@ -105,7 +117,7 @@ class Dispatcher:
         self.requests[rid] = st
         decode.inflight.add(rid)
         decode.send({"op": "admit", "rid": rid, "prompt_ids": prompt_ids, "params": params,
-                     "mode": mode})
+                     "mode": mode, "local_below": self.config.local_prefill_tokens})
         return st
 
     def abort(self, rid: str) -> None:
@@ -136,6 +148,11 @@ class Dispatcher:
         now = time.perf_counter()
         if ev == "admitted":
             st.cached_blocks = int(msg.get("cached_blocks", 0))
+            if msg.get("local"):  # short uncached prompt: the decode worker prefills it
+                st.prefill = None
+                st.transfer_settled.set()
+                self.m_local_prefills.inc(reason="short_prompt")
+                return
             st.prefill.inflight.add(rid)
             self._send(st, st.prefill, {"op": "prefill", "rid": rid, "prompt_ids": st.prompt_ids,
                                         "params": st.params, "dst": st.decode.agent_address,

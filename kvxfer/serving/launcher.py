@@ -9,6 +9,12 @@ Crash detection: a worker's channel reaching end of stream, or its process
 exiting, marks it dead at once; :class:`Cluster` then calls ``on_worker_exit``
 so the dispatcher can fail that worker's in-flight requests. The router stays
 up; ``/health`` reports the dead worker.
+
+Supervision: a worker that died (any exit not asked for by a drain) is started
+again after a backoff (``restart_backoff_s``, doubling per consecutive quick
+death up to ``restart_backoff_max_s``; a worker that stayed up
+``STABLE_AFTER_S`` starts over at the base delay). It gets the same name and
+role and a new agent address; it takes requests again once it reports ready.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from .serve_config import ServeConfig, WorkerSpec
 log = logging.getLogger("kvxfer.serve")
 
 SECRET_ENV = "KVXFER_AGENT_SECRET"
+STABLE_AFTER_S = 60.0  # a worker up this long before dying restarts after the base delay
 
 
 class WorkerStartError(KVXferError):
@@ -51,6 +58,9 @@ class WorkerProcess:
         self.is_draining = False
         self.exit_code: int | None = None
         self.started_at = 0.0
+        self.restarts = 0  # successful restarts after a death
+        self.quick_deaths = 0  # consecutive deaths/failed starts within STABLE_AFTER_S
+        self.is_restarting = False
 
     def __repr__(self) -> str:
         state = "alive" if self.is_alive else f"dead(exit={self.exit_code})"
@@ -65,6 +75,20 @@ class WorkerProcess:
         return self.info.get("agent_address")
 
     async def start(self, config: ServeConfig, secret: bytes) -> None:
+        """Spawn the process and wait for ``ready``; a failure or cancellation kills it."""
+        try:
+            await self._start(config, secret)
+        except BaseException:
+            self.kill()
+            if self.channel is not None:
+                self.channel.close()
+            raise
+
+    async def _start(self, config: ServeConfig, secret: bytes) -> None:
+        if self.channel is not None:  # a restart: the old channel is dead
+            self.channel.close()
+            self.channel = None
+        self.info = {}
         parent, child = socket.socketpair()
         args = [sys.executable, "-m", "kvxfer.serving.workers",
                 "--name", self.name, "--role", self.role,
@@ -73,6 +97,7 @@ class WorkerProcess:
                 "--num-blocks", str(config.num_blocks),
                 "--max-num-seqs", str(config.max_num_seqs),
                 "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+                "--schedule", config.schedule,
                 "--transfer-timeout", str(config.transfer_timeout_s),
                 "--request-timeout", str(config.request_timeout_s),
                 "--on-transfer-failure", config.on_transfer_failure,
@@ -92,14 +117,13 @@ class WorkerProcess:
         try:
             ready = await asyncio.wait_for(self.channel.recv(), config.startup_timeout_s)
         except asyncio.TimeoutError:
-            self.kill()
             raise WorkerStartError(f"{self.name} not ready after {config.startup_timeout_s:.0f}s") from None
         if not ready or ready.get("ev") != "ready":
-            code = self.proc.wait(timeout=10) if ready is None else None
-            self.kill()
+            code = await asyncio.to_thread(self.proc.wait, 10) if ready is None else None
             detail = ready.get("error") if ready else f"exit code {code}"
             raise WorkerStartError(f"{self.name} failed to start: {detail}")
         self.info = ready
+        self.exit_code = None
         self.is_alive = True
 
     def send(self, msg: dict) -> None:
@@ -119,6 +143,7 @@ class WorkerProcess:
         return {"name": self.name, "role": self.role, "alive": self.is_alive,
                 "pid": self.proc.pid if self.proc else None, "exit_code": self.exit_code,
                 "inflight": self.load, "draining": self.is_draining,
+                "restarts": self.restarts, "restarting": self.is_restarting,
                 "cpus": list(self.spec.cpus) if self.spec.cpus else None,
                 "threads": self.spec.num_threads,
                 "transport": self.info.get("transport")}
@@ -136,6 +161,7 @@ class Cluster:
         self._on_worker_exit = on_worker_exit
         self._tasks: list[asyncio.Task] = []
         self._secret = secrets.token_bytes(32)  # per server; agents authenticate with it
+        self._is_stopping = False
 
     def role(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role]
@@ -153,10 +179,13 @@ class Cluster:
                 w.kill()
             raise
         for w in self.workers:
-            self._tasks.append(asyncio.create_task(self._read(w), name=f"read-{w.name}"))
-            log.info("worker %s ready (pid %d, transport %s)", w.name, w.proc.pid,
-                     w.info.get("transport"))
+            self._serve(w)
         self._tasks.append(asyncio.create_task(self._watch(), name="watch-workers"))
+
+    def _serve(self, worker: WorkerProcess) -> None:
+        self._tasks.append(asyncio.create_task(self._read(worker), name=f"read-{worker.name}"))
+        log.info("worker %s ready (pid %d, transport %s)", worker.name, worker.proc.pid,
+                 worker.info.get("transport"))
 
     async def _read(self, worker: WorkerProcess) -> None:
         while True:
@@ -195,9 +224,41 @@ class Cluster:
             log.error("worker %s died (exit code %s); failing its %d in-flight requests",
                       worker.name, worker.exit_code, worker.load)
         self._on_worker_exit(worker)
+        if self.config.restart_workers and not worker.is_draining and not self._is_stopping:
+            worker.is_restarting = True
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.create_task(self._restart(worker), name=f"restart-{worker.name}"))
+
+    async def _restart(self, worker: WorkerProcess) -> None:
+        """Start ``worker`` again until it reports ready, backing off between tries."""
+        if time.monotonic() - worker.started_at >= STABLE_AFTER_S:
+            worker.quick_deaths = 0
+        try:
+            while not self._is_stopping:
+                delay = min(self.config.restart_backoff_s * 2 ** min(worker.quick_deaths, 16),
+                            self.config.restart_backoff_max_s)
+                worker.quick_deaths += 1
+                log.warning("restarting worker %s in %.1fs", worker.name, delay)
+                await asyncio.sleep(delay)
+                if self._is_stopping:
+                    return
+                try:
+                    await worker.start(self.config, self._secret)
+                except (WorkerStartError, OSError) as exc:
+                    log.error("restart of worker %s failed: %s", worker.name, exc)
+                    continue
+                worker.restarts += 1
+                self._serve(worker)
+                return
+        finally:
+            worker.is_restarting = False
 
     async def stop(self) -> None:
         """Drain: ask every worker to finish and exit; kill stragglers."""
+        self._is_stopping = True
+        for task in self._tasks:  # a restart in progress kills what it started
+            if task.get_name().startswith("restart-"):
+                task.cancel()
         for w in self.workers:
             w.is_draining = True
             if w.is_alive:
@@ -207,9 +268,9 @@ class Cluster:
                     pass
         deadline = time.monotonic() + self.config.drain_timeout_s
         for w in self.workers:
-            while w.poll() is None and time.monotonic() < deadline:
+            while w.proc is not None and w.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if w.poll() is None:
+            if w.poll() is None and w.proc is not None:
                 w.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
                 w.kill()

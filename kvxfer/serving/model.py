@@ -89,14 +89,22 @@ class LlamaModel:
         other.kv_cache = kv_cache
         return other
 
-    def attention_block(self, layer: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Pre-norm attention of one layer with residual; ``x`` ``[T_pad, hidden]``."""
+    def attention_block(self, layer: int, x: torch.Tensor, batch: StepBatch,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Pre-norm attention of one layer with residual; ``x`` ``[T_pad, hidden]``.
+
+        ``rope``: the step's ``(cos, sin)`` tables (:meth:`RotaryEmbedding.tables`),
+        gathered once per step; computed here when None.
+        """
         cfg, w = self.config, self.layers[layer]
+        cos, sin = rope if rope is not None else self.rope.tables(batch.positions)
         qkv = F.linear(rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = self.rope(q.unflatten(-1, (cfg.num_heads, cfg.head_dim)), batch.positions)
-        k = self.rope(k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim)), batch.positions)
-        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        heads = cfg.num_heads + cfg.num_kv_heads
+        # q and k rotated together: [T, Hq + Hkv, D]
+        qk = self.rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].unflatten(-1, (heads, cfg.head_dim)),
+                              cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         cache_k, cache_v = self.kv_cache.layer(layer)
         attn = paged_attention(q, k, v, cache_k, cache_v, batch, self.scale)
         return x + F.linear(attn.flatten(1), w.o)
@@ -128,8 +136,9 @@ class LlamaModel:
         batch = StepBatch(chunks, block_size=cache.block_size, num_blocks=cache.num_blocks,
                           max_position=self.config.max_position)
         x = self.embed[batch.input_ids]  # [T_pad, hidden]
+        rope = self.rope.tables(batch.positions)
         for layer in range(self.config.num_layers):
-            x = self.attention_block(layer, x, batch)
+            x = self.attention_block(layer, x, batch, rope)
             if on_layer_done is not None:
                 on_layer_done(layer)
             x = self.mlp_block(layer, x)

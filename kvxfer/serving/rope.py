@@ -22,10 +22,17 @@ class RotaryEmbedding:
         self.sin = angles.sin().to(torch.float32)
         self.max_position = max_position
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, H, D]`` at ``positions`` ``[T]``; returns a new ``[T, H, D]``."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, D/2]`` at ``positions`` ``[T]``: gathered once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, H, D]`` by tables from :meth:`tables`; returns a new ``[T, H, D]``."""
         pairs = x.unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
         x0, x1 = pairs[..., 0], pairs[..., 1]
         return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, H, D]`` at ``positions`` ``[T]``; returns a new ``[T, H, D]``."""
+        return self.rotate(x, *self.tables(positions))

@@ -7,19 +7,24 @@ the workers only see token ids.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
 true: SSE ``data: {...}`` chunks then ``data: [DONE]``), ``GET /health``,
-``GET /metrics`` (Prometheus text), ``GET /v1/models``.
+``GET /metrics`` (Prometheus text), ``GET /v1/models``. Bearer-token check,
+body limit and error bodies: :mod:`kvxfer.serving.guard`. Tokenization runs on
+a small thread pool (the tokenizer releases the GIL), never on the event loop,
+so a large prompt does not hold up ``/health`` or other requests.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import api
+from .guard import HTTPGuard, install_error_handlers
 from .dispatch import Dispatcher, NoWorkerAvailable, RequestState
 from .prom import Registry
 from .serve_config import ServeConfig
@@ -28,6 +33,7 @@ from .sse import DONE, event
 log = logging.getLogger("kvxfer.serve")
 
 SETTLE_TIMEOUT_S = 5.0  # wait for the prefill side's transfer report after the last token
+TOKENIZER_THREADS = 2
 
 
 class RequestFailed(Exception):
@@ -47,10 +53,23 @@ class Router:
         self.dispatcher = Dispatcher(config, self.registry)
         self.codec = TextCodec.load(config.model_path)
         self.model_name = self.codec.model_name
+        self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
         self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.")
         self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).")
         self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.")
         self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.")
+        self._pool_tokens = 0  # a worker's KV pool in tokens, from its ready message
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a text prompt or a chat, computed off the event loop."""
+        loop = asyncio.get_running_loop()
+        if messages is not None:
+            return await loop.run_in_executor(self._tokenize_pool, self.codec.encode_chat, messages)
+        return await loop.run_in_executor(self._tokenize_pool, self.codec.encode, prompt)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def generate(self, prompt_ids: list[int], req: api._SamplingFields,
                        rid: str) -> AsyncIterator[tuple]:
@@ -114,11 +133,14 @@ class Router:
         vocab = self.codec.tokenizer.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestFailed(f"token ids must lie in [0, {vocab})", "invalid_request_error", 400)
-        info = self.dispatcher.cluster.workers[0].info
-        pool_tokens = info.get("num_blocks", 0) * info.get("block_size", 0)
+        for w in self.dispatcher.cluster.workers:  # a restarting worker has no info yet
+            if w.info:
+                self._pool_tokens = w.info.get("num_blocks", 0) * w.info.get("block_size", 0)
+                break
+        pool_tokens = self._pool_tokens  # 0 until a worker reported: submit() then says 503
         for limit, what in ((self.codec.max_position, "the context length"),
                             (pool_tokens, "a worker's KV pool")):
-            if len(prompt_ids) + max_tokens > limit:
+            if limit and len(prompt_ids) + max_tokens > limit:  # 0: no worker seen yet
                 raise RequestFailed(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
                                     f"exceeds {what} ({limit} tokens)", "invalid_request_error", 400)
 
@@ -208,8 +230,12 @@ def create_app(config: ServeConfig) -> FastAPI:
             yield
         finally:
             await router.dispatcher.cluster.stop()
+            router.close()
 
     app = FastAPI(title="kvxfer reference server", lifespan=lifespan)
+    app.state.router_state = state  # tests may install a Router without the lifespan
+    install_error_handlers(app)
+    app.add_middleware(HTTPGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(req: api.CompletionRequest):
@@ -217,14 +243,14 @@ def create_app(config: ServeConfig) -> FastAPI:
         if isinstance(req.prompt, list):
             prompt_ids = [int(t) for t in req.prompt]
         else:
-            prompt_ids = router.codec.encode(req.prompt)
+            prompt_ids = await router.encode(req.prompt)
         return await _respond(router, req, prompt_ids, is_chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: api.ChatRequest):
         router: Router = state["router"]
         messages = [m.model_dump() for m in req.messages]
-        return await _respond(router, req, router.codec.encode_chat(messages), is_chat=True)
+        return await _respond(router, req, await router.encode(messages=messages), is_chat=True)
 
     @app.get("/health")
     async def health():

@@ -1,11 +1,17 @@
 """Step scheduling: chunked prefill by token budget, decode by continuous batching.
 
-Each step is either a prefill step (prompt chunks of several sequences, at most
-``max_num_batched_tokens`` tokens) or a decode step (one token for each of up
-to ``max_num_seqs`` decoding sequences). Prefill goes first, so new requests
-join the running batch as soon as blocks allow. When a decode step cannot grow
-a sequence, the most recently admitted sequence is preempted: its blocks are
-freed and it waits to be recomputed (cached prefix blocks may survive).
+Two policies (``EngineConfig.schedule``):
+
+- ``"mixed"`` (default, as vLLM's chunked prefill): every step carries one
+  token for each decoding sequence (up to ``max_num_seqs``) and fills the rest
+  of the ``max_num_batched_tokens`` budget with prompt chunks, so a long
+  prompt never stalls the running decodes for more than one step.
+- ``"separate"``: a step is either a prefill step (prompt chunks, at most
+  ``max_num_batched_tokens`` tokens; prefill goes first) or a decode step.
+
+New requests join the running batch as soon as blocks allow. When a decode
+cannot grow a sequence, the most recently admitted sequence is preempted: its
+blocks are freed and it waits to be recomputed (cached prefix blocks may survive).
 """
 from __future__ import annotations
 
@@ -49,18 +55,29 @@ class Scheduler:
             raise ValueError(f"only decoding sequences with blocks can run, got {seq!r}")
         self.running.append(seq)
 
+    def add_allocated(self, seq: Sequence) -> None:
+        """Add a sequence whose blocks are already allocated (prefix hits counted in
+        ``num_computed_tokens``); its remaining prompt is prefilled by later steps."""
+        if seq.status is not SequenceStatus.PREFILLING or not seq.block_table:
+            raise ValueError(f"only prefilling sequences with blocks can be added, got {seq!r}")
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[ScheduledChunk], bool]:
-        """The next step's chunks and whether it is a prefill step (empty if idle)."""
-        chunks = self._schedule_prefill()
+        """The next step's chunks (decode chunks first) and whether any of them is a
+        prompt chunk (empty if idle)."""
+        if self.config.schedule == "mixed":
+            decodes = self._schedule_decode()
+            prefills = self._schedule_prefill(self.config.max_num_batched_tokens - len(decodes))
+            return decodes + prefills, bool(prefills)
+        chunks = self._schedule_prefill(self.config.max_num_batched_tokens)
         if chunks:
             return chunks, True
         return self._schedule_decode(), False
 
-    def _schedule_prefill(self) -> list[ScheduledChunk]:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
         for seq in self.running:
             if seq.status is SequenceStatus.PREFILLING and budget > 0:

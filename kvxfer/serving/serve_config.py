@@ -63,11 +63,19 @@ class ServeConfig:
     num_blocks: int = 1024
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    schedule: str = "mixed"  # EngineConfig.schedule of every worker
+    local_prefill_tokens: int = 0  # prefill uncached prompts shorter than this on the decode worker
+    local_prefill_queue: int = 0  # ... and every prompt while the prefill worker holds this many
     startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)  # bearer token for /v1/* and /metrics
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    restart_workers: bool = True  # supervise: start a dead worker again (launcher.py)
+    restart_backoff_s: float = 1.0  # first delay; doubles per quick death
+    restart_backoff_max_s: float = 30.0
     worker_env: tuple[tuple[str, str], ...] = field(default=())  # extra env (test hooks)
 
     def __post_init__(self) -> None:
@@ -80,6 +88,14 @@ class ServeConfig:
                 raise ValueError("--colocated excludes --prefill/--decode")
         elif self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("disaggregated serving needs >= 1 prefill and >= 1 decode worker")
+        if self.schedule not in ("mixed", "separate"):
+            raise ValueError(f"schedule must be 'mixed' or 'separate', got {self.schedule!r}")
+        if self.local_prefill_tokens < 0 or self.local_prefill_queue < 0:
+            raise ValueError("local prefill thresholds must be >= 0 (0: off)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         num_workers = self.num_colocated or self.num_prefill + self.num_decode

@@ -70,11 +70,18 @@ class Tokenizer:
             add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
         )
 
+    def save_json(self, path: str) -> None:
+        """Write the tokenizer as a Hugging Face ``tokenizer.json`` (vocab, merges,
+        pre-tokenizer, decoder, special tokens)."""
+        self._tok.save(str(path))
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text`` (special-token text such as ``<|im_end|>`` maps to its id)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized on a
+        # worker thread then leaves the caller's event loop free.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids

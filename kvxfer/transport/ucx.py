@@ -12,6 +12,11 @@ and reported by ``Connection.transport``:
   ``ucp_ep_flush_nbx``; the request completes when the flush does. ``<tl>`` is
   the UCX transport of the RMA lane (``cma``, ``tcp``, ``rc_mlx5``, ``cuda_ipc``
   ...), or ``"<am lane>+am-rma"`` when UCX emulates RMA over active messages.
+  UCX's emulation would apply any address a peer names, so there kvxfer carries
+  every host-memory write and read in its own messages, which the *target*
+  checks against its registered regions (refused: :class:`~kvxfer.errors.InvalidDescriptor`
+  on the initiator, counted in :attr:`UcxBackend.num_rejected` on the target;
+  see docs/registration.md, "What is checked where").
 
 Descriptors are ``int64 [n, 5]`` rows ``(local_region, local_offset,
 remote_region, remote_offset, length)``, validated in full (C++) before anything
@@ -90,6 +95,11 @@ class UcxBackend(Backend):
     def uid(self) -> int:
         """Random id of this engine; the first element of every received notification."""
         return self._engine.uid
+
+    @property
+    def num_rejected(self) -> int:
+        """Peers' transfers this process refused as their target (a range outside its regions)."""
+        return self._engine.num_rejected
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name="ucx", one_sided_read=True, cuda=True, same_host_only=False,

@@ -5,7 +5,12 @@ reused) and the missing ones posted to :meth:`kvxfer.Agent.recv` at once, so
 the prefill worker's send finds them and writes without a round trip. Its
 first token comes from the prefill worker (relayed by the router); from then
 on the transfer has ``--transfer-timeout`` to land. Once both are in, the
-sequence joins the running batch. A ``local`` request (colocated mode, or a recompute) is prefilled here.
+sequence joins the running batch. A ``local`` request (colocated mode, a
+recompute, or a prefill the router keeps off a long prefill queue) is
+prefilled here, and so is a ``remote`` one whose admit message carries
+``local_below`` when its uncached prompt (after this worker's prefix-cache
+hits) is shorter than that: it answers ``admitted`` with ``local: true`` and
+the router sends no prefill (conditional disaggregation).
 
 Block safety: blocks of a recv that ended without its data (cancelled,
 failed, timed out) stay held by a placeholder until the agent releases the
@@ -45,7 +50,8 @@ class DecodeWorker(WorkerLoop):
         self.remote: dict[str, RemoteJob] = {}  # waiting for KV and/or token 0
         self.admit_queue: list[dict] = []  # remote admits waiting for free blocks
         self.quarantine: dict[str, Sequence] = {}  # placeholders holding blocks of dead recvs
-        self.counters.update(recv_ok=0, recv_failed=0, recomputed=0, kv_bytes_received=0)
+        self.counters.update(recv_ok=0, recv_failed=0, recomputed=0, kv_bytes_received=0,
+                             local_prefills=0)
 
     # ---- messages ---------------------------------------------------------
     def on_admit(self, msg: dict) -> None:
@@ -66,11 +72,19 @@ class DecodeWorker(WorkerLoop):
                 continue
             if not blocks.can_allocate(seq):
                 return
-            self.admit_queue.pop(0)
+            msg = self.admit_queue.pop(0)
             blocks.allocate(seq)
             seq.status = SequenceStatus.PREFILLING
-            job = self.remote[rid] = RemoteJob(seq)
             skip = seq.num_cached_tokens // self.runtime.block_size
+            uncached = seq.num_prompt_tokens - seq.num_cached_tokens
+            if uncached < int(msg.get("local_below", 0)):
+                # conditional disaggregation: a short uncached prompt is cheaper
+                # to prefill here than to queue, compute and ship elsewhere
+                self.runtime.scheduler.add_allocated(seq)
+                self.counters["local_prefills"] += 1
+                self.send({"ev": "admitted", "rid": rid, "cached_blocks": skip, "local": True})
+                continue
+            job = self.remote[rid] = RemoteJob(seq)
             # The agent's timeout is only a backstop: the prefill queue ahead of
             # this request is unbounded; _poll_transfers times the transfer itself.
             try:

@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--schedule", choices=("mixed", "separate"), default="mixed")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(model_path=args.model, num_blocks=args.num_blocks,
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
+                              schedule=args.schedule,
                               num_threads=args.threads)
         runtime = Runtime.load(config)
         released: queue.SimpleQueue = queue.SimpleQueue()

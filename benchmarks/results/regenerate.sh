@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Regenerates the benchmark result files in this folder from the current code, the
+# exact commands behind the tables of docs/benchmarks.md; then prints those tables
+# (python benchmarks/results/make_tables.py). Run from the repository root with the
+# kvxfer environment active and nixl-cu12 installed (make bench-compare installs it).
+# serving_*.json come from `kvxfer loadgen` against `kvxfer serve` (docs/benchmarks.md, Serving).
+set -euo pipefail
+R=benchmarks/results
+export UCX_WARN_UNUSED_ENV_VARS=n
+kvxfer bench e2e --model llama3-8b --tokens 2048 --iters 10 --rtt-iters 0 --compare nixl --json $R/e2e_llama3-8b.json
+kvxfer bench e2e --model smollm2-135m --rtt-iters 300 --json $R/e2e_smollm2-135m.json
+kvxfer bench transfer --backend vm --compare nixl --batch-size 2048 --start-block-size 4K --max-block-size 8K \
+    --iters 20 --warmup 3 --rounds 2 --no-progress --json $R/transfer_vm_small.json
+kvxfer bench transfer --backend vm --compare nixl --batch-size 256 --start-block-size 32K --max-block-size 256K \
+    --iters 20 --warmup 3 --rounds 2 --no-progress --json $R/transfer_vm_large.json --plot $R/transfer_vm_large.png
+UCX_TLS=tcp kvxfer bench transfer --backend ucx --batch-size 2048 --start-block-size 4K --max-block-size 64K \
+    --iters 8 --warmup 2 --no-progress --json $R/transfer_tcp.json --plot $R/transfer_tcp.png
+UCX_TLS=cma,tcp,self kvxfer bench transfer --vs-perftest --iters 10 --warmup 2 --no-progress \
+    --json $R/transfer_vs_perftest.json
+kvxfer bench pack --iters 9 --json $R/pack_cpu.json
+python benchmarks/results/make_tables.py

@@ -1,0 +1,151 @@
+"""``KVXferConnector``: kvxfer as a vLLM v1 KV connector (prefill/decode disaggregation).
+
+Run a prefill (P) and a decode (D) ``vllm serve`` with::
+
+    --kv-transfer-config '{"kv_connector":"KVXferConnector",
+      "kv_connector_module_path":"kvxfer.integrations.vllm",
+      "kv_role":"kv_producer",            # "kv_consumer" on D
+      "kv_connector_extra_config":{"listen":"HOST:PORT","secret":"..."}}'
+
+(or the secret in ``$KVXFER_SECRET``; see :mod:`.vllm_config`), then send each
+request to P with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``
+and the ``kv_transfer_params`` P returns to D (``kvxfer proxy`` does this).
+
+vLLM builds the connector twice: the scheduler half (:mod:`.vllm_scheduler`,
+what moves, P's block leases) and the worker half (:mod:`.vllm_worker`, the
+kvxfer Agent). Supported vLLM versions: :data:`SUPPORTED_VLLM` (checked at
+import; ``KVXFER_VLLM_ANY_VERSION=1`` skips the check at your own risk).
+"""
+from __future__ import annotations
+
+import os
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                                KVConnectorTransferResults)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+SUPPORTED_VLLM = ("0.32.0",)
+
+
+def check_version(version: str = vllm.__version__) -> None:
+    """Raise ImportError unless ``version`` is one this connector was tested with."""
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM and os.environ.get("KVXFER_VLLM_ANY_VERSION") != "1":
+        raise ImportError(f"kvxfer.integrations.vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; "
+                          f"found vLLM {version} (set KVXFER_VLLM_ANY_VERSION=1 to try anyway)")
+
+
+check_version()
+
+from .vllm_config import ConnectorConfig  # noqa: E402
+from .vllm_meta import XferHandshake, XferMeta  # noqa: E402
+from .vllm_scheduler import SchedulerHalf  # noqa: E402
+from .vllm_worker import WorkerHalf  # noqa: E402
+
+
+class KVXferStats(KVConnectorStats):
+    """Per-step worker counters: ``sends``, ``recvs`` (completed), ``failed`` loads,
+    ``bytes`` moved and ``seconds`` spent (post to visible, summed)."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other):
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self):
+        out = dict(self.data)
+        if self.data.get("seconds"):
+            out["GB/s"] = self.data.get("bytes", 0) / self.data["seconds"] / 1e9
+        return out
+
+    def is_empty(self):
+        return not any(self.data.values())
+
+
+class KVXferConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
+        block_size = vllm_config.cache_config.block_size
+        self._sched = SchedulerHalf(self.config, block_size) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = None
+        if role == KVConnectorRole.WORKER:
+            if vllm_config.parallel_config.tensor_parallel_size != 1:
+                raise ValueError("KVXferConnector supports tensor_parallel_size=1")
+            name = f"vllm-{self.config.role}-{vllm_config.kv_transfer_config.engine_id}"
+            self._worker = WorkerHalf(self.config, name)
+        self._reported: dict = {}
+
+    # ---- worker side -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        self._worker.register(kv_caches, self._vllm_config)
+
+    def get_handshake_metadata(self):
+        w = self._worker
+        return XferHandshake(w.agent.address, w.layout.fingerprint())
+
+    def start_load_kv(self, forward_context, **kwargs):
+        self._worker.post_recvs(self._get_connector_metadata().recvs)
+
+    def wait_for_layer_load(self, layer_name):
+        return None  # loads complete between steps (async), never inside a forward
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return None  # P ships whole requests once they finished (wait_for_save)
+
+    def wait_for_save(self):
+        self._worker.post_sends(self._get_connector_metadata().sends)
+
+    def get_transfer_results(self, finished_req_ids):
+        sending, recving, failed = self._worker.results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids):
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_kv_connector_stats(self):
+        if self._worker is None:
+            return None  # the scheduler half asks too; only the worker moves bytes
+        stats = self._worker.stats
+        delta = {k: v - self._reported.get(k, 0) for k, v in stats.items()}
+        self._reported = dict(stats)
+        return KVXferStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KVXferStats(data=dict(data or {}))
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata):
+        self._sched.set_handshake(metadata)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> XferMeta:
+        return self._sched.build_meta()
+
+    def update_connector_output(self, connector_output):
+        self._sched.finished_sending(connector_output.finished_sending)
+
+    def request_finished(self, request, block_ids):
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self):
+        return self._sched.has_pending_push_work()
+
+    def get_loaded_kv_cache_group_ids(self, request):
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

@@ -1,0 +1,183 @@
+"""An authenticated peer that lies (issue 9, items 5, 6 and 13): forged
+RECV_POSTs, DATA_DONEs and staging frames, sent over a real control connection
+between two agents. Each lie fails only its own request, with a typed error on
+both sides; threads, staging space and other requests survive."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import kvxfer
+from kvxfer import Agent
+from kvxfer.control.messages import Msg, encode
+from kvxfer.control.shipping import _GrantWait
+from kvxfer.errors import InvalidDescriptor, ProtocolError
+
+from agent_procs import SECRET, make_pool
+
+T = 20.0
+L, N, H = 4, 32, 4  # agent_procs.SHAPE
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + T
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def agents():
+    made = []
+
+    def make(path="pack", d_dims="N 2 H B D"):
+        p = Agent("p", secret=SECRET, backend="loopback", path=path)
+        d = Agent("d", secret=SECRET, backend="loopback", path=path)
+        made.extend([p, d])
+        p.register_kv(make_pool("2 N B H D", 1))
+        d.register_kv(make_pool(d_dims, None))
+        return p, d
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def _peer_of(agent):
+    _until(lambda: agent.peers(), "the peer")
+    return agent.peers()[0]
+
+
+def _good_transfer(p, d, peer, req="good"):
+    src, dst = [9, 3, 20], [4, 17, 30]
+    hr = d.recv(req, dst, timeout=T)
+    hs = p.send(peer, req, src)
+    hs.wait(T)
+    hr.wait(T)
+    assert torch.equal(kvxfer.pack(p._layout, src, backend="reference"),
+                       kvxfer.pack(d._layout, dst, backend="reference"))
+
+
+@pytest.mark.parametrize("path", ["pack", "zero_copy"])
+@pytest.mark.parametrize("bad", ["layer", "block", "heads", "dup_block"])
+def test_bad_recv_post_fails_that_request_on_both_sides_and_no_worker(agents, path, bad):
+    p, d = agents(path)
+    fields = dict(blocks=[1, 2], layers=list(range(L)), heads=(0, H))
+    fields.update({"layer": dict(layers=[0, L]), "block": dict(blocks=[1, N]), "heads": dict(heads=(0, H + 1)),
+                   "dup_block": dict(blocks=[2, 2])}[bad])
+    hr = d.recv("evil", [1, 2], timeout=60.0)  # before any peer: the post goes out on connect
+    op = d._recvs["evil"]
+    op.post_frame = encode(Msg.RECV_POST, req="evil", xid=op.xid, skip=0, **fields)
+    peer = p.connect(d.address)
+    hs = p.send(peer, "evil", [3, 4])
+    with pytest.raises(InvalidDescriptor):
+        hs.wait(T)
+    with pytest.raises(InvalidDescriptor):
+        hr.wait(T)
+    assert all(t.is_alive() for t in p._workers + d._workers)
+    _until(lambda: not p.held_blocks() and not d.held_blocks(), "leases released")
+    _good_transfer(p, d, peer)  # pack and > 4 MiB sends need the send worker
+    assert peer.is_connected
+
+
+def test_worker_survives_a_raising_job(agents, caplog):
+    p, d = agents("pack")
+    peer = p.connect(d.address)
+
+    def boom():
+        raise IndexError("a bug")
+
+    with caplog.at_level("ERROR", logger="kvxfer"):
+        p._send_q.put(boom)
+        _good_transfer(p, d, peer)
+    assert any("a bug" in (r.exc_text or "") for r in caplog.records)
+
+
+def _grant(p, peer, tag, nbytes):
+    wait = p._grant_waits[tag] = _GrantWait(peer)
+    peer.send(encode(Msg.STAGE_REQ, tag=tag, nbytes=nbytes))
+    assert wait.event.wait(T)
+    return wait.offset
+
+
+@pytest.mark.parametrize("bad", [dict(layers=[L]), dict(heads=(0, H + 3)), dict(layers=[])])
+def test_bad_pack_data_done_frees_its_grant(agents, bad):
+    p, d = agents("pack")
+    peer = p.connect(d.address)
+    nbytes = d._staging_bytes // 2  # two leaked grants would fill D's ring for good
+    hr = d.recv("r", [1], timeout=60.0)
+    xid = d._recvs["r"].xid
+    peer.send(encode(Msg.MATCHED, req="r", xid=xid))
+    for tag in (901, 902):
+        off = _grant(p, peer, tag, nbytes)
+        f = dict(req="r", xid=xid, tag=tag, pack=True, blocks=[1], layers=[0], heads=(0, H), offset=off,
+                 nbytes=nbytes)
+        f.update(bad)
+        peer.send(encode(Msg.DATA_DONE, **f))
+    with pytest.raises(InvalidDescriptor):
+        hr.wait(T)
+    _until(lambda: d._stage_in.used_bytes == 0 and not d._grants, "grants freed")
+    _good_transfer(p, d, peer)
+
+
+def test_zero_copy_data_done_must_match_the_request(agents):
+    p, d = agents("zero_copy")
+    peer = p.connect(d.address)
+    # nothing written, 0 bytes claimed
+    hr = d.recv("z", [1, 2], timeout=60.0)
+    xid = d._recvs["z"].xid
+    peer.send(encode(Msg.MATCHED, req="z", xid=xid))
+    peer.send(encode(Msg.DATA_DONE, req="z", xid=xid, tag=0, pack=False, blocks=[], layers=list(range(L)),
+                     heads=(0, H), offset=0, nbytes=0))
+    with pytest.raises(InvalidDescriptor):
+        hr.wait(T)
+    # a DATA_DONE from a peer that never said it would write this request
+    hr2 = d.recv("z2", [3], timeout=60.0)
+    xid2 = d._recvs["z2"].xid
+    peer.send(encode(Msg.DATA_DONE, req="z2", xid=xid2, tag=0, pack=False, blocks=[], layers=list(range(L)),
+                     heads=(0, H), offset=0, nbytes=d._layout.wire_nbytes(1)))
+    with pytest.raises(ProtocolError):
+        hr2.wait(T)
+    _good_transfer(p, d, peer)
+
+
+def test_pack_chunk_naming_another_requests_blocks_is_refused(agents):
+    p, d = agents("pack")
+    peer = p.connect(d.address)
+    ha = d.recv("a", [1, 2], timeout=60.0)
+    hb = d.recv("b", [5, 6], timeout=60.0)
+    xid = d._recvs["a"].xid
+    peer.send(encode(Msg.MATCHED, req="a", xid=xid))
+    nbytes = d._layout.wire_nbytes(2)
+    off = _grant(p, peer, 903, nbytes)
+    d._stage_in_t[off:off + nbytes] = 7  # what a forged chunk would scatter
+    peer.send(encode(Msg.DATA_DONE, req="a", xid=xid, tag=903, pack=True, blocks=[5, 6], layers=list(range(L)),
+                     heads=(0, H), offset=off, nbytes=nbytes))
+    with pytest.raises(InvalidDescriptor):
+        ha.wait(T)
+    assert not hb.done()
+    assert not kvxfer.pack(d._layout, [1, 2, 5, 6], backend="reference").any()  # nothing scattered
+    hb.cancel()
+    _until(lambda: d._stage_in.used_bytes == 0, "staging freed")
+    _good_transfer(p, d, peer)
+
+
+def test_sender_layers_must_cover_the_receivers(agents):
+    p, d = agents("zero_copy")
+    peer = p.connect(d.address)
+    for req, send_layers, recv_layers in [("sub", [0, 1], None), ("disjoint", [0], [1])]:
+        hr = d.recv(req, [1, 2], layers=recv_layers, timeout=60.0)
+        hs = p.send(peer, req, [3, 4], layers=send_layers)
+        with pytest.raises(InvalidDescriptor):
+            hs.wait(T)
+        with pytest.raises(InvalidDescriptor):
+            hr.wait(T)
+        assert hs.nbytes == 0
+    # a sender's layers that cover a subset asked for are fine
+    hr = d.recv("fine", [5], layers=[2], timeout=T)
+    p.send(peer, "fine", [6], layers=[1, 2]).wait(T)
+    hr.wait(T)
+    assert torch.equal(kvxfer.pack(p._layout, [6], layers=[2], backend="reference"),
+                       kvxfer.pack(d._layout, [5], layers=[2], backend="reference"))

@@ -1,0 +1,163 @@
+"""The router's HTTP edge, in process: bad input, API key, body limit, tokenization off the loop.
+
+The app is the real one (``create_app``) with a real :class:`Router` (tokenizer
+from the embedded GGUF) whose workers are not started: every request here is
+decided before a worker would be asked (no live worker: 503), and ``/health``
+answers ``down``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from kvxfer.serving.router import Router, create_app
+from kvxfer.serving.serve_config import ServeConfig
+
+KEY = "sk-test-0123456789abcdef"
+LIMIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def app():
+    config = ServeConfig(api_key=KEY, max_body_bytes=LIMIT)
+    app = create_app(config)
+    router = Router(config)
+    app.state.router_state["router"] = router
+    try:
+        yield app
+    finally:
+        router.close()
+
+
+def call(app, method: str, path: str, *, key: str | None = KEY, **kw) -> httpx.Response:
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        headers = kw.pop("headers", {})
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await asyncio.wait_for(client.request(method, path, headers=headers, **kw), 60)
+
+    return asyncio.run(main())
+
+
+def assert_openai_error(r: httpx.Response, status: int, kind: str = "invalid_request_error"):
+    assert r.status_code == status, r.text
+    err = json.loads(r.content)["error"]
+    assert err["type"] == kind and err["code"] == status and err["message"], err
+
+
+RAW_BAD_BODIES = [
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": -Infinity}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": -1}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": [1]}'),
+    ("/v1/completions", b'{"prompt": "x", "top_p": NaN}'),
+    ("/v1/completions", b'{"prompt": "x", "seed": -1}'),
+    ("/v1/completions", b'{"prompt": "x", "seed": 1e400}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "many"}'),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}'),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}'),
+    ("/v1/completions", b'{"prompt": [1, "two"]}'),
+    ("/v1/completions", b'{"prompt": "x"'),
+    ("/v1/completions", b'[1, 2, 3]'),
+    ("/v1/completions", b'\xff\xfe not utf-8'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", b'{"messages": [], "temperature": NaN}'),
+]
+
+
+@pytest.mark.parametrize("path,body", RAW_BAD_BODIES)
+def test_bad_input_is_a_4xx_with_an_openai_error(app, path, body):
+    r = call(app, "POST", path, content=body, headers={"Content-Type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_api_key_guards_v1_and_metrics_not_health(app):
+    body = {"prompt": [1, 2], "max_tokens": 1}
+    for key in (None, "", "wrong", KEY + "x", KEY[:-1]):
+        r = call(app, "POST", "/v1/completions", key=key, json=body)
+        assert_openai_error(r, 401, "authentication_error")
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert_openai_error(call(app, "GET", "/v1/models", key=None), 401, "authentication_error")
+    assert_openai_error(call(app, "GET", "/metrics", key="nope"), 401, "authentication_error")
+    r = call(app, "GET", "/v1/models", headers={"Authorization": f"bearer {KEY}"}, key=None)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert call(app, "GET", "/metrics").status_code == 200
+    # /health stays open (503 here: the workers of this in-process app never started)
+    r = call(app, "GET", "/health", key=None)
+    assert r.status_code == 503 and r.json()["status"] == "down"
+
+
+def test_body_limit_by_length_and_by_stream(app):
+    big = json.dumps({"prompt": "word " * (LIMIT // 5 + 10)}).encode()
+    assert len(big) > LIMIT
+    assert_openai_error(call(app, "POST", "/v1/completions", content=big,
+                             headers={"Content-Type": "application/json"}), 413)
+
+    async def chunks():  # no Content-Length: the limit applies while the body arrives
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    assert_openai_error(call(app, "POST", "/v1/completions", content=chunks(),
+                             headers={"Content-Type": "application/json"}), 413)
+    assert_openai_error(call(app, "POST", "/v1/completions", content=b"{}",
+                             headers={"Content-Type": "application/json",
+                                      "Content-Length": "x"}), 400)
+    small = json.dumps({"prompt": "word " * 100, "max_tokens": 1}).encode()
+    r = call(app, "POST", "/v1/completions", content=small,
+             headers={"Content-Type": "application/json"})
+    assert r.status_code == 503 and "no live" in r.json()["error"]["message"]  # past the limit
+
+
+class _GatedCodec:
+    """The real codec, but ``encode`` waits for the test's go-ahead (bounded)."""
+
+    def __init__(self, codec):
+        self._codec = codec
+        self.entered, self.release, self.finished = (threading.Event() for _ in range(3))
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+    def encode(self, text):
+        self.entered.set()
+        self.release.wait(15)
+        try:
+            return self._codec.encode(text)
+        finally:
+            self.finished.set()
+
+
+def test_tokenization_does_not_block_the_event_loop(app):
+    router = app.state.router_state["router"]
+    gated = router.codec = _GatedCodec(router.codec)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://router",
+                                     headers=headers) as client:
+            slow = asyncio.create_task(client.post("/v1/completions",
+                                                   json={"prompt": "hello", "max_tokens": 1}))
+            assert await asyncio.to_thread(gated.entered.wait, 30)
+            health = await asyncio.wait_for(client.get("/health"), 30)
+            answered_during_encode = not gated.finished.is_set()
+            gated.release.set()
+            done = await asyncio.wait_for(slow, 60)
+            return health, answered_during_encode, done
+
+    try:
+        health, answered_during_encode, done = asyncio.run(main())
+    finally:
+        router.codec = gated._codec
+        gated.release.set()
+    assert health.status_code == 503 and answered_during_encode
+    assert done.status_code == 503  # no started workers

@@ -15,7 +15,7 @@ import torch
 
 import kvxfer
 
-SECRET = os.environ.get("KVXFER_SECRET", "example-secret")
+SECRET = os.environ.get("KVXFER_SECRET", "example-secret-not-for-production")
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 64, 16, 8, 64
 
 

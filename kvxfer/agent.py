@@ -21,7 +21,8 @@ import uuid
 from .control.handshake import HANDSHAKE_TIMEOUT_S, client_handshake
 from .control.loop import IOLoop
 from .control.peers import InboundHandler, Peer, PeerHandler, make_backend, split_address
-from .control.messages import Msg
+from .control.gate import HandshakeGate
+from .control.messages import Msg, encode
 from .control.receiver import ReceiverSide
 from .control.sender import SenderSide
 from .control import auth
@@ -35,9 +36,6 @@ from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
 
-log = logging.getLogger("kvxfer")
-
-MAX_PENDING_HANDSHAKES = 32
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -79,7 +77,7 @@ class Agent(SenderSide, ReceiverSide):
         self._registered: list = []  # every part of every region and staging buffer
         self._parts: dict = {}  # regions registered in several parts (kvxfer/control/parts.py)
         self._peers: dict[int, Peer] = {}
-        self._handshakes = 0
+        self._gate = HandshakeGate()  # pre-auth admission (I/O thread only)
         self._progress_on = False
         self._notifications: collections.deque = collections.deque()
         host, port = split_address(listen)
@@ -193,7 +191,9 @@ class Agent(SenderSide, ReceiverSide):
     # ---- connections ----------------------------------------------------------------
     def connect(self, address: str, *, timeout: float = HANDSHAKE_TIMEOUT_S) -> Peer:
         """Connect and authenticate; raises AuthenticationError, LayoutMismatch,
-        ProtocolError, PeerDisconnected (unreachable) or TransferTimeout."""
+        ProtocolError, ConnectionRefused (the peer is busy with other handshakes or
+        refuses this address for now: retry later), PeerDisconnected (unreachable)
+        or TransferTimeout."""
         self._check_open()
         host, port = split_address(address)
         try:
@@ -209,6 +209,9 @@ class Agent(SenderSide, ReceiverSide):
         except socket.timeout:
             sock.close()
             raise TransferTimeout(f"handshake with {address} timed out") from None
+        except KVXferError:
+            sock.close()
+            raise
         except (ConnectionError, OSError) as exc:
             sock.close()
             raise PeerDisconnected(f"{address} closed the connection during the handshake: {exc}") from None
@@ -282,11 +285,23 @@ class Agent(SenderSide, ReceiverSide):
             self._peers[peer.serial] = peer
             self._post_pending_recvs(peer)
 
-    def _on_accept(self, sock):
-        if self._closed or self._handshakes >= MAX_PENDING_HANDSHAKES:
+    def _on_accept(self, sock, source: str):
+        """I/O thread: a new inbound connection; refused ones get REJECT "busy" (the
+        connecting agent raises ConnectionRefused) and are closed by the loop."""
+        if self._closed:
             return None
-        self._handshakes += 1
-        return InboundHandler(self)
+        why = self._gate.admit(source)
+        if why is None:
+            return InboundHandler(self, source)
+        self.metrics.inc("refused_connections")
+        try:
+            sock.setblocking(False)
+            sock.send(encode(Msg.REJECT, code="busy", reason=why[:200]))
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(4096)  # what the client sent already; unread bytes would turn close into a reset
+        except OSError:
+            pass
+        return None
 
     def peers(self) -> list:
         """Every connected peer (those we connected to and those that connected to us)."""
@@ -320,17 +335,20 @@ class Agent(SenderSide, ReceiverSide):
         handler(self, peer, f)
 
     def _on_notify(self, peer: Peer, f: dict) -> None:
+        with self._lock:
+            peer.book.add_note(len(f["data"]))  # LimitExceeded closes this peer only
+            self._notifications.append((peer, f["data"]))
         self.metrics.inc("notifications")
-        self._notifications.append((peer, f["data"]))
 
     def notifications(self) -> list:
-        """Drain and return ``[(peer, bytes), ...]`` received since the last call, in order."""
-        out = []
-        while True:
-            try:
-                out.append(self._notifications.popleft())
-            except IndexError:
-                return out
+        """Drain and return ``[(peer, bytes), ...]`` received since the last call, in order.
+        Undrained notifications count against their peer's limits (``docs/api.md``)."""
+        with self._lock:
+            out = list(self._notifications)
+            self._notifications.clear()
+            for peer, data in out:
+                peer.book.drain_note(len(data))
+        return out
 
     # ---- workers ----------------------------------------------------------------------
     @staticmethod

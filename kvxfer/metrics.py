@@ -19,6 +19,7 @@ COUNTERS = {
     "transfers": "completed transfers by kind and path",
     "failures": "failed transfers by kind and error",
     "notifications": "notifications received",
+    "refused_connections": "inbound connections refused before the handshake (busy or rate-limited)",
 }
 HISTOGRAMS = {
     "prepare_seconds": "plan + descriptors (+ pack) per chunk",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-SECRET = b"test-secret"
+SECRET = b"test-secret-0123456789"
 SHAPE = dict(L=4, N=32, B=4, H=4, D=16)
 
 

@@ -156,8 +156,9 @@ def test_fuzz_geometry(patch):
 
 
 def test_secret_normalization():
-    assert auth.normalize_secret("abc") == b"abc"
-    with pytest.raises(ValueError):
-        auth.normalize_secret(b"")
+    assert auth.normalize_secret("abc" * 6) == b"abc" * 6
+    for short in (b"", "abc", b"x" * (auth.MIN_SECRET_BYTES - 1)):
+        with pytest.raises(ValueError):
+            auth.normalize_secret(short)
     with pytest.raises(TypeError):
         auth.normalize_secret(None)

@@ -45,7 +45,7 @@ def roundtrip_works(server) -> bool:
 
 
 def test_wrong_secret_gets_authentication_error_and_no_keys(server):
-    c = _client(secret=b"not-the-secret")
+    c = _client(secret=b"not-the-secret-0123456789")
     try:
         with pytest.raises(AuthenticationError):
             c.connect(server.address)
@@ -56,7 +56,7 @@ def test_wrong_secret_gets_authentication_error_and_no_keys(server):
 
 
 def test_server_with_other_secret_is_refused(server):
-    other = Agent("imposter", secret=b"other", backend="loopback")
+    other = Agent("imposter", secret=b"other-secret-0123456789", backend="loopback")
     c = _client()
     try:
         with pytest.raises(AuthenticationError):

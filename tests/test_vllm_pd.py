@@ -103,6 +103,53 @@ def test_decode_after_transfer_equals_baseline(engines):
     assert d.metric("vllm:external_prefix_cache_hits_total") - ext_before == external
 
 
+def test_proxy_streams_the_decode_answer(engines):
+    """``kvxfer proxy`` in front of P and D: a streamed chat answer equals the baseline's."""
+    import json as _json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from vllm_procs import free_port
+
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "proxy", "--port", str(port),
+                              "--prefill", engines["p"].url, "--decode", engines["d"].url,
+                              "--log-level", "warning"], start_new_session=True,
+                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert _wait_for(lambda: _healthy(url), timeout=120.0)
+        body = {"model": engines["base"].model_name(), "temperature": 0.0, "max_tokens": MAX_TOKENS,
+                "ignore_eos": True, "messages": [{"role": "user", "content": "Name three colors."}]}
+        expected = httpx.post(engines["base"].url + "/v1/chat/completions", json=body,
+                              timeout=300.0).json()["choices"][0]["message"]["content"]
+        pieces = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True),
+                          timeout=300.0) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in _json.loads(line[6:])["choices"]:
+                        pieces.append(choice["delta"].get("content") or "")
+        assert len(pieces) > 1 and "".join(pieces) == expected
+    finally:
+        os.killpg(proxy.pid, signal.SIGTERM)
+        proxy.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_prefill_engine_killed_before_transfer_recomputes(engines):
     p, d, base = engines["p"], engines["d"], engines["base"]
     prompt = [t + 1 for t in PROMPTS["two_blocks_plus"]]

@@ -12,8 +12,10 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill workers (default 1; with --discovery: local workers to start, default 0)")
+    p.add_argument("--decode", type=int, default=None, metavar="M",
+                   help="decode workers (default 1; with --discovery: local workers to start, default 0)")
     p.add_argument("--colocated", type=int, default=0, metavar="N",
                    help="N workers that prefill and decode themselves (the baseline)")
     p.add_argument("--model", default=None, metavar="PATH.gguf",
@@ -42,6 +44,10 @@ def add_parser(sub) -> None:
                         f"(default: ${API_KEY_ENV}; prefer the variable: a command line is visible in ps)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="larger request bodies get HTTP 413 (default 1 MiB)")
+    p.add_argument("--discovery", default=None, metavar="URL",
+                   help="etcd://HOST:PORT[/prefix] or static://HOST:PORT,...: route to workers "
+                        "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
+    p.add_argument("--secret-file", default=None, metavar="PATH")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -51,10 +57,14 @@ def config_from_args(args: argparse.Namespace):
 
     if args.colocated and (args.prefill or args.decode):
         raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
+    if args.discovery and args.colocated:
+        raise SystemExit("kvxfer serve: --discovery serves prefill/decode workers only")
+    default = 0 if args.colocated or args.discovery else 1
+    spawned = 0 if args.colocated or args.discovery else None  # discovery: see _local_workers
     return ServeConfig(
-        host=args.host, port=args.port,
-        num_prefill=0 if args.colocated else (args.prefill or 1),
-        num_decode=0 if args.colocated else (args.decode or 1),
+        host=args.host, port=args.port, discovery=args.discovery, secret_file=args.secret_file,
+        num_prefill=spawned if spawned is not None else (args.prefill or default),
+        num_decode=spawned if spawned is not None else (args.decode or default),
         num_colocated=args.colocated, model_path=args.model,
         cpu_groups=tuple(parse_cpu_group(g) for g in args.cpus),
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
@@ -80,8 +90,62 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvxfer serve: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s router %(levelname)s %(message)s")
-    # uvicorn's SIGTERM/SIGINT handling stops accepting, lets in-flight
-    # responses finish (bounded), then runs the lifespan exit: workers drain.
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout_s))
+    local = _local_workers(args) if args.discovery else []
+    try:
+        # uvicorn's SIGTERM/SIGINT handling stops accepting, lets in-flight
+        # responses finish (bounded), then runs the lifespan exit: workers drain.
+        uvicorn.run(create_app(config), host=config.host, port=config.port,
+                    log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout_s))
+    finally:
+        _stop_local(local, config.drain_timeout_s)
     return 0
+
+
+def _local_workers(args: argparse.Namespace) -> list:
+    """``--discovery`` with ``--prefill N``/``--decode M``: start that many ``kvxfer worker``
+    processes on this host; they publish themselves like any other worker (listening on
+    ``--host``, or 127.0.0.1 when that is a wildcard) and are found through discovery.
+    They share the router's process group and are drained when it exits."""
+    import subprocess
+    import sys
+
+    from kvxfer.serving.serve_config import parse_cpu_group
+
+    roles = ["prefill"] * (args.prefill or 0) + ["decode"] * (args.decode or 0)
+    if roles and not (args.secret_file or os.environ.get("KVXFER_SECRET")):
+        raise SystemExit("kvxfer serve: set KVXFER_SECRET or --secret-file (shared with the workers)")
+    groups = [parse_cpu_group(g) for g in args.cpus]
+    if len(groups) not in (0, 1, len(roles)):
+        raise SystemExit(f"kvxfer serve: --cpus: give 1 group or one per worker ({len(roles)})")
+    host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
+    procs = []
+    for i, role in enumerate(roles):
+        argv = [sys.executable, "-m", "kvxfer.cli", "worker", "--role", role,
+                "--listen", f"{host}:0", "--discovery", args.discovery,
+                "--name", f"{role}-{os.uname().nodename}-{os.getpid()}-{i}",
+                "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--transfer-timeout", str(args.transfer_timeout),
+                "--on-transfer-failure", args.on_transfer_failure, "--log-level", args.log_level]
+        for flag, value in (("--model", args.model), ("--secret-file", args.secret_file),
+                            ("--threads", args.threads and str(args.threads)),
+                            ("--cpus", args.cpus[i if len(groups) > 1 else 0] if groups else None)):
+            if value:
+                argv += [flag, value]
+        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
+    return procs
+
+
+def _stop_local(procs: list, timeout_s: float) -> None:
+    import signal
+    import subprocess
+
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # drain, withdraw from discovery, exit
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -38,12 +38,16 @@ def verify(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
 
 
+MIN_SECRET_BYTES = 16
+
+
 def normalize_secret(secret) -> bytes:
-    """Accept ``bytes`` or ``str``; refuse an empty secret (ValueError/TypeError)."""
+    """Accept ``bytes`` or ``str`` of at least :data:`MIN_SECRET_BYTES` bytes (ValueError
+    if shorter, TypeError if neither); e.g. ``secrets.token_bytes(32)``."""
     if isinstance(secret, str):
         secret = secret.encode("utf-8")
     if not isinstance(secret, (bytes, bytearray)):
         raise TypeError("secret must be bytes or str")
-    if len(secret) == 0:
-        raise ValueError("secret must not be empty")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
     return bytes(secret)

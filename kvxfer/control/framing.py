@@ -27,8 +27,8 @@ def encode_frame(msg_type: int, payload: bytes) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, len(payload)) + payload
 
 
-def parse_header(header: bytes) -> tuple[int, int]:
-    """Return ``(msg_type, length)`` or raise :class:`ProtocolError`."""
+def parse_header(header: bytes, limit: int = MAX_PAYLOAD) -> tuple[int, int]:
+    """Return ``(msg_type, length)`` or raise :class:`ProtocolError` (also for a length over ``limit``)."""
     if len(header) != HEADER.size:
         raise ProtocolError("truncated frame header")
     magic, version, msg_type, length = HEADER.unpack(header)
@@ -36,15 +36,16 @@ def parse_header(header: bytes) -> tuple[int, int]:
         raise ProtocolError("bad frame magic")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version} (speaking {PROTOCOL_VERSION})")
-    if length > MAX_PAYLOAD:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit")
     return msg_type, length
 
 
 class FrameReader:
     """Reassembles frames from arbitrary stream chunks."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
+        self.max_payload = max_payload  # a connection still authenticating gets a small one
         self._buf = bytearray()
         self._need: tuple[int, int] | None = None  # header parsed, waiting for payload
 
@@ -55,7 +56,7 @@ class FrameReader:
             # common case: whole frames straight out of ``data``, no buffer copies
             pos, end = 0, len(data)
             while end - pos >= HEADER.size:
-                msg_type, length = parse_header(data[pos:pos + HEADER.size])
+                msg_type, length = parse_header(data[pos:pos + HEADER.size], self.max_payload)
                 if end - pos - HEADER.size < length:
                     break
                 pos += HEADER.size
@@ -69,7 +70,7 @@ class FrameReader:
             if self._need is None:
                 if len(self._buf) < HEADER.size:
                     break
-                self._need = parse_header(bytes(self._buf[: HEADER.size]))
+                self._need = parse_header(bytes(self._buf[: HEADER.size]), self.max_payload)
                 del self._buf[: HEADER.size]
             msg_type, length = self._need
             if len(self._buf) < length:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from ..errors import AuthenticationError, LayoutMismatch, ProtocolError
+from ..errors import AuthenticationError, ConnectionRefused, LayoutMismatch, ProtocolError
 from . import auth
 from .framing import recv_frame
 from .messages import Msg, decode, encode
@@ -24,6 +24,8 @@ def _expect(sock, timeout: float, *kinds: Msg) -> tuple[Msg, dict]:
     except (ConnectionError, socket.timeout, OSError) as exc:
         raise exc
     if kind == Msg.REJECT:
+        if fields["code"] == "busy":
+            raise ConnectionRefused(f"peer refused the connection: {fields['reason']}")
         if fields["code"] == "layout":
             raise LayoutMismatch(f"peer rejected our layout: {fields['reason']}")
         raise ProtocolError(f"peer rejected the connection: {fields['code']}: {fields['reason']}")
@@ -41,8 +43,11 @@ def client_handshake(sock: socket.socket, secret: bytes, info: dict, check_info,
     found our proof wrong may also answer.
     """
     nonce_c = auth.new_nonce()
-    sock.sendall(encode(Msg.HELLO, nonce=nonce_c))
-    _, fields = _expect(sock, timeout, Msg.CHALLENGE)
+    try:
+        sock.sendall(encode(Msg.HELLO, nonce=nonce_c))
+        _, fields = _expect(sock, timeout, Msg.CHALLENGE)
+    except ConnectionError as exc:  # closed before it said anything: it took no handshake
+        raise ConnectionRefused(f"peer closed the connection before the handshake: {exc}") from None
     nonce_s = fields["nonce"]
     sock.sendall(encode(Msg.AUTH, mac=auth.client_mac(secret, nonce_s, nonce_c)))
     try:
@@ -78,6 +83,11 @@ class ServerHandshake:
         self._nonce_c = self._nonce_s = b""
         self.peer_info: dict | None = None
         self.reply_on_error: bytes | None = None
+
+    @property
+    def state(self) -> Msg:
+        """The message expected next (HELLO, AUTH, INFO; REJECT once done)."""
+        return self._state
 
     def on_frame(self, kind: Msg, fields: dict) -> tuple[list, bool]:
         if kind != self._state:

@@ -110,7 +110,7 @@ class IOLoop:
     def __init__(self, listen_sock: socket.socket, on_accept, name: str) -> None:
         self._sel = selectors.DefaultSelector()
         self._listen = listen_sock
-        self._on_accept = on_accept  # (sock) -> handler or None
+        self._on_accept = on_accept  # (sock, source address) -> handler or None (refused: closed)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel.register(self._listen, selectors.EVENT_READ, None)
@@ -270,11 +270,11 @@ class IOLoop:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._listen.accept()
+            sock, addr = self._listen.accept()
         except OSError:
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        handler = self._on_accept(sock)
+        handler = self._on_accept(sock, addr[0])
         if handler is None:
             sock.close()
             return

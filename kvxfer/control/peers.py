@@ -10,7 +10,11 @@ from __future__ import annotations
 import itertools
 
 from ..errors import KVXferError, TransferTimeout
+from .framing import MAX_PAYLOAD
+from .gate import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME
 from .handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
+from .messages import Msg
+from .limits import PeerBook
 
 
 class Peer:
@@ -31,6 +35,7 @@ class Peer:
         self.conn = None  # control connection
         self.bconn = None  # backend connection
         self.is_connected = True
+        self.book = PeerBook()  # what this peer makes us hold, bounded (limits.py)
 
     @property
     def transport(self) -> str:
@@ -82,24 +87,29 @@ class PeerHandler:
 
 
 class InboundHandler(PeerHandler):
-    """Runs the server handshake, then behaves as :class:`PeerHandler`."""
+    """Runs the server handshake, then behaves as :class:`PeerHandler`. Holds one of the
+    agent's pre-auth slots (:mod:`kvxfer.control.gate`) until the peer is ready or gone."""
 
-    def __init__(self, agent) -> None:
+    def __init__(self, agent, source: str) -> None:
         super().__init__(agent)
         self.hs = ServerHandshake(agent._secret, agent._info, agent._parse_info)
+        self.source = source
         self.counted = True
 
     def on_open(self, conn) -> None:
-        def expire():
-            if conn.peer is None and not conn.closed:
-                conn.loop.close_conn(conn, TransferTimeout("handshake timed out"))
+        conn.reader.max_payload = PREAUTH_MAX_FRAME
 
-        conn.loop.call_later(HANDSHAKE_TIMEOUT_S, expire)
+        def expire(what: str, still) -> None:
+            if conn.peer is None and not conn.closed and still():
+                conn.loop.close_conn(conn, TransferTimeout(f"{what} timed out"))
 
-    def _uncount(self) -> None:
+        conn.loop.call_later(HELLO_DEADLINE_S, lambda: expire("waiting for HELLO", lambda: self.hs.state == Msg.HELLO))
+        conn.loop.call_later(HANDSHAKE_TIMEOUT_S, lambda: expire("handshake", lambda: True))
+
+    def _uncount(self, ok: bool) -> None:
         if self.counted:
             self.counted = False
-            self.agent._handshakes -= 1
+            self.agent._gate.release(self.source, ok)
 
     def on_frame(self, conn, kind, fields) -> None:
         if conn.peer is not None:
@@ -110,17 +120,19 @@ class InboundHandler(PeerHandler):
             if self.hs.reply_on_error is not None:
                 conn.send(self.hs.reply_on_error)
             raise
+        if self.hs.state == Msg.INFO:  # authenticated: its INFO may be large
+            conn.reader.max_payload = MAX_PAYLOAD
         if ready:
             peer = self.agent._make_peer(self.hs.peer_info, None)
             peer.conn = conn
             conn.peer = peer
-            self._uncount()
+            self._uncount(True)
         for frame in frames:
             conn.send(frame)
         if ready:
             self.agent._peer_ready(conn.peer)
 
     def on_close(self, conn, exc) -> None:
-        self._uncount()
+        self._uncount(False)
         if conn.peer is not None:
             super().on_close(conn, exc)

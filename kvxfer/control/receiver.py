@@ -150,6 +150,8 @@ class ReceiverSide:
         if self._layout is None or f["nbytes"] > self._staging_bytes // 2 or f["nbytes"] == 0:
             raise ProtocolError(f"STAGE_REQ of {f['nbytes']} bytes cannot be granted")
         tag = f["tag"]
+        with self._lock:
+            peer.book.add_stage_req()  # LimitExceeded closes this peer only
 
         def granted(offset: int) -> None:
             with self._lock:
@@ -161,9 +163,16 @@ class ReceiverSide:
 
         self._stage_in.alloc_async(f["nbytes"], granted)
 
-    def _on_stage_release(self, peer, f) -> None:
+    def _take_grant(self, peer, tag):
+        """Remove and return the grant ``(offset, nbytes)`` of ``tag`` (None if there is none)."""
         with self._lock:
-            grant = self._grants.pop((peer.serial, f["tag"]), None)
+            grant = self._grants.pop((peer.serial, tag), None)
+            if grant is not None:
+                peer.book.end_stage_req()
+        return grant
+
+    def _on_stage_release(self, peer, f) -> None:
+        grant = self._take_grant(peer, f["tag"])
         if grant is not None:
             self._stage_in.free(grant[0])
 
@@ -173,8 +182,7 @@ class ReceiverSide:
         freed on every path."""
         grant = None
         if f["pack"]:
-            with self._lock:
-                grant = self._grants.pop((peer.serial, f["tag"]), None)
+            grant = self._take_grant(peer, f["tag"])
             if grant is None or grant != (f["offset"], f["nbytes"]):
                 if grant is not None:
                     self._stage_in.free(grant[0])

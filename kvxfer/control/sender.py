@@ -9,26 +9,23 @@ visible: zero-copy at write completion, pack when D ACKs the unpack.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 
 import numpy as np
 
-from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, ProtocolError,
-                      TransferCancelled, TransferTimeout)
+from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, TransferTimeout
 from ..handle import TransferHandle
-from .checks import check_post, code_of, error_from
+from .checks import code_of
+from .limits import MAX_NOTIFY_BYTES
 from .messages import Msg, encode
 from .ops import Post, SendOp
+from .posts import PostMatcher
 from .shipping import INLINE_BYTES, Shipper
 from .staging import StagingRing
 
-MAX_CACHED_POSTS = 65536
-TOMBSTONE_GRACE_S = 5.0  # an unmatched send for a request id D ended waits this long for a new post
 
-
-class SenderSide(Shipper):
+class SenderSide(Shipper, PostMatcher):
     def __init__(self) -> None:
         self._sends: dict[tuple, SendOp] = {}
         self._posts: dict[tuple, Post] = {}
@@ -36,8 +33,7 @@ class SenderSide(Shipper):
         self._acks: dict[int, tuple] = {}  # tag -> (op, layers)
         self._tags = itertools.count(1)
         self._wids = itertools.count(1)
-        # requests a receiver cancelled before we sent them: a late send fails fast
-        self._tombstones: collections.OrderedDict = collections.OrderedDict()
+        # requests a receiver ended before we sent them live in each peer's book (limits.py)
 
     def _init_staging(self, nbytes: int) -> None:
         self._stage_out = StagingRing(nbytes)
@@ -95,6 +91,8 @@ class SenderSide(Shipper):
         remote = tuple(int(b) for b in remote_ids)
         self._check_remote(peer, remote, len(ids))
         lay = tuple(self._layout.resolve_layers(layers))
+        if notify is not None and len(notify) > MAX_NOTIFY_BYTES:
+            raise ValueError(f"notify payload of {len(notify)} B exceeds {MAX_NOTIFY_BYTES} B")
         post = Post("", 0, remote, lay, peer.geometry.head_range)
         key = (peer.serial, f"#write-{next(self._wids)}")
         op = self._new_op(peer, key, "", ids, list(lay), False, None, "write")
@@ -128,13 +126,6 @@ class SenderSide(Shipper):
             bad = [b for b in ids if not 0 <= b < self._layout.num_blocks]
             raise ValueError(f"block id {bad[0]} out of range [0, {self._layout.num_blocks})")
         return ids
-
-    def pending_recvs(self) -> list:
-        """``[(peer, request_id, num_blocks), ...]``: recvs connected peers posted that no
-        send of ours matched yet (``num_blocks`` counts the sender's blocks, skipped ones too)."""
-        with self._lock:
-            return [(self._peers[s], p.req, p.skip + len(p.blocks)) for (s, _), p in self._posts.items()
-                    if s in self._peers]
 
     @staticmethod
     def _check_remote(peer, remote: tuple, n: int) -> None:
@@ -170,28 +161,16 @@ class SenderSide(Shipper):
                 if key is None:
                     return op.handle
                 self._bind(op, self._peers.get(key[0]))
-                post = self._posts.pop(key)
+                post = self._take_post(key)
             else:
-                post = self._posts.pop(op.key, None)
+                post = self._take_post(op.key)
             if post is not None:
                 self._match(op, post)
             else:
-                tomb = self._tombstones.pop(op.key, None)
+                tomb = peer.book.tombstones.pop(req, None)
                 if tomb is not None:
                     self._bury(op, tomb[1])
         return op.handle
-
-    def _bury(self, op: SendOp, error: KVXferError) -> None:
-        """D ended this request id before we matched it (lock held). The send may be a
-        late one for that recv -- or the first of a new recv reusing the id, whose post
-        is still on its way: give it :data:`TOMBSTONE_GRACE_S` to arrive, then fail."""
-        def expire():
-            if op.post is None:
-                self._fail_send(op, error, "cancelled" if isinstance(error, TransferCancelled) else "failed")
-
-        lease = self.leases.get(("send",) + op.key)
-        grace = TOMBSTONE_GRACE_S if lease is None else min(TOMBSTONE_GRACE_S, lease.deadline - time.monotonic())
-        self._loop.call_later(grace, expire)
 
     @staticmethod
     def _bind(op: SendOp, peer) -> None:
@@ -313,42 +292,7 @@ class SenderSide(Shipper):
             self._fail_send(op, TransferTimeout(f"lease of {op.key[1]!r} expired before the receiver had it"),
                             "expired")
 
-    # ---- messages from D (I/O thread) ---------------------------------------------------
-    def _on_recv_post(self, peer, f) -> None:
-        post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"], f["skip"])
-        key = (peer.serial, post.req)
-        try:
-            check_post(peer.geometry, self._layout.num_layers if self._layout is not None
-                       else peer.geometry.num_layers if peer.geometry is not None else 0, f)
-        except InvalidDescriptor as exc:
-            return self._refuse_post(peer, key, post, exc)
-        with self._lock:
-            self._tombstones.pop(key, None)
-            op = self._sends.get(key)
-            if op is not None and op.post is None and op.ended is None:
-                self._match(op, post)
-                return
-            op = self._sends.get((None, post.req))
-            if op is not None and op.peer is None and op.ended is None:
-                self._bind(op, peer)
-                self._match(op, post)
-                return
-            if len(self._posts) >= MAX_CACHED_POSTS:
-                raise ProtocolError("too many unmatched RECV_POSTs from one peer")
-            self._posts[key] = post
-
-    def _refuse_post(self, peer, key, post: Post, exc: KVXferError) -> None:
-        """A RECV_POST we cannot serve: fail D's recv (and a send waiting for it) with ``exc``."""
-        with self._lock:
-            op = self._sends.get(key)
-            if op is not None and op.post is None and op.ended is None:
-                op.post = post
-                self._fail_send(op, exc, "failed")  # tells D
-                return
-            self._tombstones[key] = (post.xid, exc)  # a send that comes later fails the same way
-        peer.send(encode(Msg.FAIL, req=post.req, xid=post.xid, to_sender=False, code=code_of(exc) or "protocol",
-                         reason=str(exc)[:200]))
-
+    # ---- messages from D (I/O thread; RECV_POST and CANCEL in posts.py) -----------------
     def _on_stage_grant(self, peer, f) -> None:
         with self._lock:
             wait = self._grant_waits.get(f["tag"])
@@ -365,45 +309,11 @@ class SenderSide(Shipper):
             return
         self._pieces_visible(*entry)
 
-    def _on_cancel(self, peer, f) -> None:
-        if not f["to_sender"]:
-            return self._on_sender_cancelled(peer, f)
-        key = (peer.serial, f["req"])
-        with self._lock:
-            post = self._posts.get(key)
-            if post is not None and post.xid == f["xid"]:
-                del self._posts[key]
-            op = self._sends.get(key)
-            if op is None:  # maybe a send(None, ...) this peer matched
-                op = self._sends.get((None, f["req"]))
-                op = op if op is not None and op.peer is peer else None
-            error = (error_from(f, f"receiver {peer.name!r}") if "code" in f  # FAIL: typed
-                     else TransferCancelled(f"receiver cancelled {f['req']!r}"))
-            if op is None or op.post is None:  # nothing written: answer now
-                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
-                if op is not None:
-                    self._bury(op, error)  # unless a new post for this id comes first
-                elif self._tombstones.get(key, (None,))[0] != f["xid"]:  # keep a refused post's error
-                    self._tombstones[key] = (f["xid"], error)
-                    while len(self._tombstones) > MAX_CACHED_POSTS:
-                        self._tombstones.popitem(last=False)
-                return
-            if op.post.xid != f["xid"]:
-                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
-                return
-            op.ack_owed = True
-        self._fail_send(op, error, "failed" if "code" in f else "cancelled")
-        with self._lock:
-            if op.ack_owed and op.ended is not None:
-                self._quiesce(op)
-
     def _sender_peer_lost(self, peer, err) -> None:
         with self._lock:
             ops = [op for op in self._sends.values() if op.peer is peer]
             for key in [k for k in self._posts if k[0] == peer.serial]:
                 del self._posts[key]
-            for key in [k for k in self._tombstones if k[0] == peer.serial]:
-                del self._tombstones[key]
             for tag, wait in list(self._grant_waits.items()):
                 if wait.peer is peer:
                     wait.error = err
@@ -422,5 +332,5 @@ class SenderSide(Shipper):
         for op in ops:
             self._fail_send(op, err, "closed")
 
-    _dispatch = {Msg.RECV_POST: _on_recv_post, Msg.STAGE_GRANT: _on_stage_grant, Msg.ACK: _on_ack,
-                 Msg.CANCEL: _on_cancel, Msg.FAIL: _on_cancel}
+    _dispatch = {Msg.RECV_POST: PostMatcher._on_recv_post, Msg.STAGE_GRANT: _on_stage_grant, Msg.ACK: _on_ack,
+                 Msg.CANCEL: PostMatcher._on_cancel, Msg.FAIL: PostMatcher._on_cancel}

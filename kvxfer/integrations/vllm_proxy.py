@@ -14,16 +14,18 @@ Example::
 
     app = make_app(["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"])
 """
-from __future__ import annotations
+# no `from __future__ import annotations`: FastAPI must see the real Request class in signatures
 
+import contextlib
 import itertools
 import json
 
 TIMEOUT_S = 600.0
 
 
-def make_app(prefill_urls, decode_urls, *, timeout: float = TIMEOUT_S):
-    """FastAPI app proxying to ``prefill_urls`` and ``decode_urls`` (non-empty lists)."""
+def make_app(prefill_urls, decode_urls, *, timeout: float = TIMEOUT_S, transport=None):
+    """FastAPI app proxying to ``prefill_urls`` and ``decode_urls`` (non-empty lists).
+    ``transport``: an ``httpx.AsyncBaseTransport`` for the upstream client (tests)."""
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,12 +33,14 @@ def make_app(prefill_urls, decode_urls, *, timeout: float = TIMEOUT_S):
     if not prefill_urls or not decode_urls:
         raise ValueError("the proxy needs at least one prefill and one decode URL")
     p_cycle, d_cycle = itertools.cycle(list(prefill_urls)), itertools.cycle(list(decode_urls))
-    app = FastAPI(title="kvxfer proxy")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), transport=transport)
 
-    @app.on_event("shutdown")
-    async def _close() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
         await client.aclose()
+
+    app = FastAPI(title="kvxfer proxy", lifespan=lifespan)
 
     async def prefill(path: str, body: dict) -> dict:
         req = dict(body, max_tokens=1, stream=False,
@@ -73,7 +77,7 @@ def make_app(prefill_urls, decode_urls, *, timeout: float = TIMEOUT_S):
 
         async def chunks():
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.aiter_bytes():  # decoded: our response sets its own headers
                     yield chunk
             finally:
                 await upstream.aclose()

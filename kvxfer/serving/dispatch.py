@@ -75,7 +75,12 @@ class RequestState:
 class Dispatcher:
     def __init__(self, config: ServeConfig, registry: Registry):
         self.config = config
-        self.cluster = Cluster(config, self.on_message, self.on_worker_exit)
+        if config.discovery:
+            from .remote import RemoteCluster
+
+            self.cluster = RemoteCluster(config, self.on_message, self.on_worker_exit)
+        else:
+            self.cluster = Cluster(config, self.on_message, self.on_worker_exit)
         self.requests: dict[str, RequestState] = {}
         self._stats_waiters: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()

@@ -73,6 +73,8 @@ class ServeConfig:
     log_level: str = "info"
     api_key: str | None = field(default=None, repr=False)  # bearer token for /v1/* and /metrics
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    discovery: str | None = None  # etcd://... or static://...: workers found, not spawned
+    secret_file: str | None = None  # discovery mode: else KVXFER_SECRET
     restart_workers: bool = True  # supervise: start a dead worker again (launcher.py)
     restart_backoff_s: float = 1.0  # first delay; doubles per quick death
     restart_backoff_max_s: float = 30.0
@@ -83,7 +85,10 @@ class ServeConfig:
             raise ValueError(f"on_transfer_failure must be one of {TRANSFER_POLICIES}")
         if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:
             raise ValueError("worker counts must be >= 0")
-        if self.num_colocated:
+        if self.discovery:
+            if self.num_colocated or self.num_prefill or self.num_decode:
+                raise ValueError("--discovery: workers are started with `kvxfer worker`")
+        elif self.num_colocated:
             if self.num_prefill or self.num_decode:
                 raise ValueError("--colocated excludes --prefill/--decode")
         elif self.num_prefill < 1 or self.num_decode < 1:
@@ -108,6 +113,8 @@ class ServeConfig:
         return self.num_colocated == 0
 
     def worker_specs(self) -> list[WorkerSpec]:
+        if self.discovery:
+            return []
         names = ([f"colocated-{i}" for i in range(self.num_colocated)] if self.num_colocated
                  else [f"prefill-{i}" for i in range(self.num_prefill)]
                  + [f"decode-{i}" for i in range(self.num_decode)])

@@ -3,6 +3,16 @@
 Order matters: pin CPUs and size torch's thread pool before the model loads
 (the pool is created on first use), then load the model, create and register
 the agent, and only then report ``ready`` with the agent's address.
+
+Two ways to reach the router: ``--ipc-fd`` (spawned by ``kvxfer serve``, a
+private socket pair; the worker exits with its router) or ``--listen HOST:PORT``
+(``kvxfer worker`` on any host: an authenticated TCP channel,
+:mod:`kvxfer.serving.netchannel`; the worker outlives routers and, with
+``--discovery``, publishes itself so routers find it).
+
+The agents' shared secret: ``KVXFER_AGENT_SECRET`` (hex, set by ``kvxfer serve``
+for its own workers), else ``--secret-file PATH``, else ``KVXFER_SECRET`` (text);
+at least 16 bytes; removed from the environment once read.
 """
 from __future__ import annotations
 
@@ -12,14 +22,39 @@ import os
 import queue
 import sys
 
-SECRET_ENV = "KVXFER_AGENT_SECRET"
+SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
+USER_SECRET_ENV = "KVXFER_SECRET"  # text, for kvxfer serve/worker run by an operator
+MIN_SECRET_BYTES = 16
+
+
+def load_secret(secret_file: str | None = None) -> bytes:
+    """The deployment's shared secret (see the module docstring); ValueError if absent/short."""
+    if os.environ.get(SECRET_ENV):
+        secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
+    elif secret_file:
+        with open(secret_file, "rb") as f:
+            secret = f.read().strip()
+    elif os.environ.get(USER_SECRET_ENV):
+        secret = os.environ.pop(USER_SECRET_ENV).encode()
+    else:
+        raise ValueError(f"no shared secret: set {USER_SECRET_ENV} or pass --secret-file")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes")
+    return secret
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvxfer.serving.workers")
     p.add_argument("--name", required=True)
     p.add_argument("--role", required=True, choices=("prefill", "decode", "colocated"))
-    p.add_argument("--ipc-fd", type=int, required=True)
+    p.add_argument("--ipc-fd", type=int, default=None, help="socket pair end (kvxfer serve)")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="control address routers connect to (kvxfer worker)")
+    p.add_argument("--agent-listen", default=None, metavar="HOST:PORT",
+                   help="the agent's address (default: the --listen host, any port)")
+    p.add_argument("--discovery", default=None, metavar="URL", help="etcd://HOST:PORT[/prefix]")
+    p.add_argument("--ttl", type=float, default=5.0, help="discovery lease, seconds")
+    p.add_argument("--secret-file", default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--cpus", default=None, help="CPU list to pin to, e.g. 0 or 2-3")
     p.add_argument("--threads", type=int, default=1)
@@ -31,7 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.ipc_fd is None) == (args.listen is None):
+        p.error("give exactly one of --ipc-fd and --listen")
+    if args.listen is not None and args.role == "colocated":
+        p.error("--listen workers are prefill or decode")
+    return args
 
 
 def _pin(cpus: str | None, num_threads: int) -> None:
@@ -48,13 +88,11 @@ def _pin(cpus: str | None, num_threads: int) -> None:
         pass
 
 
-def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue):
+def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue,
+                secret: bytes, listen: str):
     import kvxfer
 
-    secret_hex = os.environ.pop(SECRET_ENV, None)  # not inherited by anything we start
-    if not secret_hex:
-        raise RuntimeError(f"{SECRET_ENV} is not set; workers are started by `kvxfer serve`")
-    agent = kvxfer.Agent(name, listen="127.0.0.1:0", secret=bytes.fromhex(secret_hex),
+    agent = kvxfer.Agent(name, listen=listen, secret=secret,
                          lease_timeout=lease_timeout_s,
                          on_release=lambda request_id, block_ids, reason: released.put(request_id))
     agent.register_kv(runtime.cache.kv_layout())
@@ -67,8 +105,19 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     from ..ipc import WorkerChannel
 
-    channel = WorkerChannel.from_fd(args.ipc_fd)
+    try:
+        secret = load_secret(args.secret_file)
+        if args.listen is not None:
+            from ..netchannel import NetWorkerChannel
+
+            channel = NetWorkerChannel(args.listen, secret)
+        else:
+            channel = WorkerChannel.from_fd(args.ipc_fd)
+    except (ValueError, OSError) as exc:
+        logging.error("cannot start: %s", exc)
+        return 2
     agent = None
+    registration = None
     try:
         _pin(args.cpus, args.threads)
         from ..config import EngineConfig
@@ -83,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         runtime = Runtime.load(config)
         released: queue.SimpleQueue = queue.SimpleQueue()
         if args.role != "colocated":
-            agent = _make_agent(args.name, runtime, args.transfer_timeout, released)
+            agent_listen = args.agent_listen or (
+                f"{args.listen.rpartition(':')[0]}:0" if args.listen else "127.0.0.1:0")
+            agent = _make_agent(args.name, runtime, args.transfer_timeout, released, secret,
+                                agent_listen)
         ctx = WorkerContext(args.name, args.role, channel, runtime, agent,
                             args.transfer_timeout, args.on_transfer_failure, released,
                             args.request_timeout)
@@ -97,19 +149,48 @@ def main(argv: list[str] | None = None) -> int:
         channel.send({"ev": "start_failed", "error": f"{type(exc).__name__}: {exc}"})
         if agent is not None:
             agent.close()
+        channel.close()
         return 1
-    channel.send({"ev": "ready", "name": args.name, "role": args.role, "pid": os.getpid(),
-                  "agent_address": agent.address if agent is not None else None,
-                  "transport": _transport(agent),
-                  "num_blocks": config.num_blocks, "block_size": config.block_size,
-                  "threads": args.threads,
-                  "cpus": sorted(os.sched_getaffinity(0))})
+    ready = {"ev": "ready", "name": args.name, "role": args.role, "pid": os.getpid(),
+             "agent_address": agent.address if agent is not None else None,
+             "transport": _transport(agent), "model": runtime_model_name(args.model),
+             "num_blocks": config.num_blocks, "block_size": config.block_size,
+             "threads": args.threads, "cpus": sorted(os.sched_getaffinity(0))}
+    channel.send(ready)
     try:
+        if args.discovery:
+            registration = _publish(args, channel.address, ready)
+        if args.listen is not None:  # a standalone worker: Ctrl-C drains it like SIGTERM
+            import signal
+
+            signal.signal(signal.SIGINT, lambda *_: setattr(worker, "is_draining", True))
         return worker.run()
     finally:
+        if registration is not None:
+            registration.close()  # withdrawn at once, not at lease expiry
         if agent is not None:
             agent.close()
         channel.close()
+
+
+def runtime_model_name(model_path: str | None) -> str:
+    """The model's name as the router derives it (the GGUF file's base name)."""
+    from ..gguf_loader import default_model_path
+
+    return os.path.basename(model_path or default_model_path()).split(".")[0]
+
+
+def _publish(args, control_address: str, ready: dict):
+    from ...discovery import Member, open_discovery
+
+    member = Member(name=args.name, role=args.role, address=control_address,
+                    agent_address=ready["agent_address"], model=ready["model"],
+                    info={"num_blocks": ready["num_blocks"], "block_size": ready["block_size"],
+                          "pid": ready["pid"]})
+    registration = open_discovery(args.discovery).publish(member, args.ttl)
+    logging.info("published %s (%s) at %s in %s", args.name, args.role, control_address,
+                 args.discovery)
+    return registration
 
 
 def _transport(agent) -> str | None:

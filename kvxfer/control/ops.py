@@ -40,6 +40,7 @@ class SendOp:
     ended: str | None = None  # lease reason once the op stopped early
     ack_owed: bool = False  # D asked to cancel; answer once quiet
     started: float = field(default_factory=time.monotonic)
+    after: list = field(default_factory=list)  # producer tokens (send(after=)) every piece waits for
 
 
 @dataclass(eq=False)
@@ -60,6 +61,7 @@ class RecvOp:
     reason: str = "done"
     started: float = field(default_factory=time.monotonic)
     post_frame: bytes | None = None  # the encoded RECV_POST
+    unpacking: int = 0  # chunks the device may still be scattering into `blocks`
 
     def __post_init__(self) -> None:
         if self.coverage is None:

@@ -31,6 +31,7 @@ class Peer:
         self.region_ids: list = info["regions"]
         self.stage_region: int = info["stage_region"]
         self.staging_bytes: int = info["staging"]
+        self.parts: dict = info.get("parts", {})  # its regions registered in several parts
         self.conn = None  # control connection
         self.bconn = None  # backend connection
         self.is_connected = True

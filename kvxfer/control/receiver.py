@@ -135,7 +135,7 @@ class ReceiverSide:
                 op.handle._fail(error)
 
     def _maybe_quiet(self, op: RecvOp) -> None:
-        if not op.quiescing and self._quiet_wait.pop((op.req, op.xid), None) is op:
+        if not op.quiescing and not op.unpacking and self._quiet_wait.pop((op.req, op.xid), None) is op:
             self.leases.release(("recv", op.req, op.xid), op.reason)
 
     # ---- messages from P (I/O thread) -----------------------------------------------------
@@ -221,32 +221,48 @@ class ReceiverSide:
         peer.send(encode(Msg.ACK, tag=f["tag"]))
 
     def _unpack(self, peer, f) -> None:
-        """Receive worker: scatter one staged chunk, free the slice, ACK, account."""
-        from ..kernels import unpack
-
+        """Receive worker: scatter one staged chunk; only once the device finished it (its
+        token completed) free the slice, ACK and account, so neither the next write into
+        the slice nor a completed recv can overtake the scatter."""
         off, nbytes = f["offset"], f["nbytes"]
         req, live, op, error = f["req"], True, None, None
         if req:
             with self._lock:
                 op = self._recvs.get(req)
                 live = op is not None and op.xid == f["xid"] and not op.handle.done()
+                if live:
+                    op.unpacking += 1  # its blocks are not released while the scatter may write them
         try:
             if live:
                 t0 = time.perf_counter()
-                unpack(self._layout, self._stage_in_t[off:off + nbytes], list(f["blocks"]),
-                       layers=list(f["layers"]), heads=f["heads"])
+                unpacked = self._device.unpack(self._layout, self._stage_in_t[off:off + nbytes], list(f["blocks"]),
+                                               list(f["layers"]), f["heads"])
+                self._device.wait(unpacked, self.leases.default_ttl_s)
                 self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")
+        except TransferTimeout as exc:  # the device never finished: the slice stays taken
+            self._unpacked(op if live else None)
+            self._loop.close_conn(peer.conn, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - checked before; a failure fails this request only
             error = InvalidDescriptor(f"cannot unpack a chunk of {req!r}: {exc!r}")
-        finally:
-            self._stage_in.free(off)
+        self._stage_in.free(off)
         peer.send(encode(Msg.ACK, tag=f["tag"]))
         if error is not None:
+            self._unpacked(op if live else None)
             if op is not None:
                 self._end_recv(op, error, "failed")
             return
         if live:
             self._delivered(req, f["xid"], f["layers"], f["heads"], nbytes, f["blocks"])
+        self._unpacked(op if live else None)
+
+    def _unpacked(self, op) -> None:
+        if op is None:
+            return
+        with self._lock:
+            op.unpacking -= 1
+            if (op.req, op.xid) in self._quiet_wait:
+                self._maybe_quiet(op)
 
     def _on_sender_cancelled(self, peer, f) -> None:
         """CANCEL or FAIL (typed, ``code``) from a sender of one of our recvs."""

@@ -40,7 +40,8 @@ class SenderSide(Shipper, PostMatcher):
         self._stage_in = StagingRing(nbytes)
 
     # ---- public API -----------------------------------------------------------------
-    def send(self, peer, request_id: str, block_ids, *, layers=None, lease_timeout: float | None = None):
+    def send(self, peer, request_id: str, block_ids, *, layers=None, lease_timeout: float | None = None,
+             after=None):
         """Ship ``block_ids`` (this pool) of ``request_id`` to whichever blocks ``peer``'s
         recv names. ``layers``: None = every layer the receiver asks for. Async: returns a
         :class:`TransferHandle` done when the data is visible in the receiver's blocks.
@@ -49,15 +50,24 @@ class SenderSide(Shipper, PostMatcher):
         ``peer=None``: whichever connected peer posts a recv for ``request_id`` first
         (before or after this call) receives it; ``handle.peer`` names it once matched.
         A receiver that holds a prefix already (``recv(..., skip_blocks=k)``) gets only
-        ``block_ids[k:]``; the lease covers all of ``block_ids`` either way."""
-        ids = self._check_ids(block_ids)
-        ready = None if layers is None else list(self._layout.resolve_layers(layers))
-        return self._start_send(peer, str(request_id), ids, ready, False, lease_timeout)
+        ``block_ids[k:]``; the lease covers all of ``block_ids`` either way.
 
-    def send_layer(self, peer, request_id: str, layer: int, block_ids, *, lease_timeout: float | None = None):
-        """Stream one finished layer; the first call opens the stream. Every call returns the
-        same handle, done once every layer the receiver asked for has landed."""
+        ``after``: the producer of these blocks' KV on a CUDA pool, a ``torch.cuda.Event``
+        or ``torch.cuda.Stream`` (an event is recorded on it now): nothing reads the pool
+        before it completed (zero-copy: the host waits for it before posting; pack:
+        kvxfer's stream waits for it on the GPU). None: the KV must already be written."""
         ids = self._check_ids(block_ids)
+        token = self._device.capture(after)
+        ready = None if layers is None else list(self._layout.resolve_layers(layers))
+        return self._start_send(peer, str(request_id), ids, ready, False, lease_timeout, token)
+
+    def send_layer(self, peer, request_id: str, layer: int, block_ids, *, lease_timeout: float | None = None,
+                   after=None):
+        """Stream one finished layer; the first call opens the stream. Every call returns the
+        same handle, done once every layer the receiver asked for has landed. ``after``: as
+        for :meth:`send`, the event (or stream) that writes this layer's KV."""
+        ids = self._check_ids(block_ids)
+        token = self._device.capture(after)
         (layer,) = self._layout.resolve_layers(layer)
         with self._lock:
             op = self._sends.get((peer.serial, str(request_id)))
@@ -67,10 +77,12 @@ class SenderSide(Shipper, PostMatcher):
                 if layer in op.shipped or layer in op.ready:
                     raise ValueError(f"layer {layer} of {request_id!r} was already sent")
                 op.ready.append(layer)
+                if token is not None:
+                    op.after.append(token)
                 if op.post is not None and not op.handle.done():
                     self._enqueue_ship(op, [layer])
                 return op.handle
-        return self._start_send(peer, str(request_id), ids, [layer], True, lease_timeout)
+        return self._start_send(peer, str(request_id), ids, [layer], True, lease_timeout, token)
 
     def write(self, peer, local_ids, remote_ids, *, layers=None, notify: bytes | None = None):
         """One-sided: copy local blocks into the peer's ``remote_ids`` (all heads both hold).
@@ -123,12 +135,14 @@ class SenderSide(Shipper, PostMatcher):
             raise ValueError("remote_ids must be as many as local_ids and inside the peer's pool")
 
     # ---- op lifecycle ---------------------------------------------------------------
-    def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind) -> SendOp:
+    def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind, token=None) -> SendOp:
         if peer is not None and not peer.is_connected:
             raise PeerDisconnected(f"peer {peer.name!r} is disconnected")
         handle = TransferHandle(kind, wire_req or key[1], None if peer is None else peer.name,
                                 layers=ready if ready is not None and not streaming else ())
         op = SendOp(peer, key, wire_req, ids, handle, ready, streaming)
+        if token is not None:  # before the op is published: a RECV_POST may match it at once
+            op.after.append(token)
         handle._on_cancel = lambda h: self._cancel_send(op)
         with self._lock:
             if key in self._sends:
@@ -138,9 +152,9 @@ class SenderSide(Shipper, PostMatcher):
         self._loop.call_later(lease.deadline - time.monotonic(), lambda: self._expire_send(op))
         return op
 
-    def _start_send(self, peer, req, ids, ready, streaming, lease_timeout):
+    def _start_send(self, peer, req, ids, ready, streaming, lease_timeout, token=None):
         op = self._new_op(peer, (None if peer is None else peer.serial, req), req, ids, ready, streaming,
-                          lease_timeout, "send")
+                          lease_timeout, "send", token)
         with self._lock:
             if peer is None:  # to whoever posted (or will post) this id
                 key = next((k for k in self._posts if k[1] == req), None)
@@ -209,6 +223,7 @@ class SenderSide(Shipper, PostMatcher):
         op.shipped.update(layers)
         op.inflight += 1
         layers = tuple(layers)
+        after = tuple(op.after)  # the producer events written so far cover this piece's layers
         try:
             choice = self._choose(op, layers)
         except KVXferError as exc:
@@ -216,12 +231,13 @@ class SenderSide(Shipper, PostMatcher):
         except (ValueError, TypeError, IndexError, KeyError) as exc:
             choice = InvalidDescriptor(f"cannot plan {op.key[1]!r}: {exc!r}")
         inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
+        inline = inline and all(self._device.query(t) for t in after)  # never wait with the lock held
         if matched is not None:
             op.peer.send(matched, more=inline)
         if inline:
-            self._ship(op, layers, choice)
+            self._ship(op, layers, choice, after)
         else:
-            self._send_q.put(lambda: self._ship(op, layers, choice))
+            self._send_q.put(lambda: self._ship(op, layers, choice, after))
 
     def _finish_send(self, op: SendOp) -> None:
         """Every target layer visible (lock held)."""

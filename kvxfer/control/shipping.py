@@ -20,6 +20,7 @@ from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolEr
                       TransferTimeout)
 from .messages import Msg, encode
 from .ops import SendOp
+from .parts import split_descs
 
 log = logging.getLogger("kvxfer")
 
@@ -67,7 +68,7 @@ class Shipper:
         num_descs = plan.count_runs(self._geometry, op.peer.geometry, len(op.ids), layers, heads)
         return heads, self._cost.choose(num_descs, nbytes), nbytes
 
-    def _ship(self, op: SendOp, layers: tuple, choice) -> None:
+    def _ship(self, op: SendOp, layers: tuple, choice, after: tuple = ()) -> None:
         try:
             if isinstance(choice, Exception):
                 raise choice
@@ -75,9 +76,9 @@ class Shipper:
             op.handle.path = path
             op.handle.nbytes += nbytes
             if path == "zero_copy":
-                self._ship_zero_copy(op, layers, heads, nbytes)
+                self._ship_zero_copy(op, layers, heads, nbytes, after)
             else:
-                self._ship_pack(op, layers, heads)
+                self._ship_pack(op, layers, heads, after)
         except KVXferError as exc:
             self._fail_send(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
         except (ValueError, TypeError, IndexError, KeyError) as exc:
@@ -92,11 +93,13 @@ class Shipper:
 
     def _post_and_wait(self, op: SendOp, kind: str, descs) -> None:
         t0 = time.perf_counter()
+        if self._parts or op.peer.parts:
+            descs = split_descs(descs, self._parts, op.peer.parts)
         req = self._backend.post(op.peer.bconn, kind, descs)
         self._backend.wait(req, self._remaining(op))
         self.metrics.observe("post_seconds", time.perf_counter() - t0)
 
-    def _ship_zero_copy(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int) -> None:
+    def _ship_zero_copy(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int, after: tuple = ()) -> None:
         t0 = time.perf_counter()
         descs = plan.zero_copy_descs(self._geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
                                      heads, self._region_ids, op.peer.region_ids)
@@ -104,6 +107,8 @@ class Shipper:
         # ready before the write, so only the send is left between completion and D
         done_frame = encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
                             blocks=[], layers=layers, heads=heads, offset=0, nbytes=nbytes)
+        # the network reads the pool directly: the producer must have finished writing it
+        self._device.wait(after, self._remaining(op))
         self._remaining(op)  # stop here if cancelled meanwhile
         self._post_and_wait(op, "write", descs)
         op.peer.send(done_frame)
@@ -114,9 +119,7 @@ class Shipper:
         self.metrics.inc("bytes_sent", nbytes, path="zero_copy")
         self._pieces_visible(op, layers)
 
-    def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple) -> None:
-        from ..kernels import pack
-
+    def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
         tile = self._layout.block_nbytes(heads)
         limit = min(self._staging_bytes, op.peer.staging_bytes) // 2
         pieces = plan.chunks(len(op.ids), layers, tile, limit)
@@ -136,13 +139,16 @@ class Shipper:
             if off is None:
                 raise TransferTimeout("no room in the local staging buffer")
             try:
-                pack(self._layout, list(ids), layers=list(lay), heads=heads,
-                     out=self._stage_out_t[off:off + nbytes])
+                # queued on the device behind the producer's events; a slice freed early on
+                # failure is only reused by later packs of the same (in-order) device stream
+                packed = self._device.pack(self._layout, list(ids), list(lay), heads,
+                                           self._stage_out_t[off:off + nbytes], after)
                 self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
                 if not wait.event.wait(self._remaining(op)):
                     raise TransferTimeout("the receiver granted no staging space in time")
                 if wait.error is not None:
                     raise wait.error
+                self._device.wait(packed, self._remaining(op))  # the slice holds the packed bytes
                 self._remaining(op)
                 self._post_and_wait(op, "write", np.array(
                     [[self._stage_out_region, off, wait.region, wait.offset, nbytes]], dtype=np.int64))
@@ -185,6 +191,8 @@ class Shipper:
             descs = plan.zero_copy_descs(peer.geometry, remote, self._geometry, ids, layers, heads,
                                          peer.region_ids, self._region_ids)
             descs = descs[:, [2, 3, 0, 1, 4]]  # (local, remote) columns for a read
+            if self._parts or peer.parts:
+                descs = split_descs(descs, self._parts, peer.parts)
             self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
             req = self._backend.post(peer.bconn, "read", descs)
             self._backend.wait(req, self.leases.default_ttl_s)

@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.kvxfer-installed
 
-.PHONY: setup build test bench bench-compare demo demo-vllm clean test-tools
+.PHONY: setup build test test-vllm bench bench-compare demo demo-vllm clean test-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ test-tools:
 
 test: build test-tools
 	$(BIN)/python -m pytest -q -ra tests
+
+# Three real vLLM engines (P, D, baseline) with KVXferConnector: ~15 min on two cores.
+test-vllm: build
+	KVXFER_VLLM_ENGINE_TESTS=1 $(BIN)/python -m pytest -q -ra tests/test_vllm_pd.py
 
 bench: build
 	$(BIN)/kvxfer bench pack --quick

@@ -34,7 +34,7 @@ import socket
 import threading
 
 from ..errors import AuthenticationError, ProtocolError
-from .ipc import _HEADER, RouterChannel, decode, encode
+from .ipc import _HEADER, RouterChannel, _recv_exact, decode, encode
 
 log = logging.getLogger("kvxfer.worker")
 
@@ -58,16 +58,6 @@ def _recv_frame(sock: socket.socket, limit: int) -> dict | None:
         raise ProtocolError(f"frame of {size} bytes exceeds {limit}")
     body = _recv_exact(sock, size)
     return None if body is None else decode(body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    chunks = bytearray()
-    while len(chunks) < n:
-        chunk = sock.recv(n - len(chunks))
-        if not chunk:
-            return None
-        chunks += chunk
-    return bytes(chunks)
 
 
 class _Conn:

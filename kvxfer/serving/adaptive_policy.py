@@ -1,0 +1,163 @@
+"""When to move a worker between the prefill and decode roles: a pure decision policy.
+
+``decide(obs, state, policy) -> (Move | None, state)`` looks at one
+:class:`Observation` of the router (taken every ``policy.interval_s``) and the
+:class:`PolicyState` it returned last time; it has no clock, no I/O and no
+side effects, so a test can feed it any sequence of observations.
+
+Pressure on each side (per worker of that role):
+
+- prefill: requests waiting for their first token (``prefill_queue``), and,
+  when an SLO is set, TTFT attainment over the recent window;
+- decode: requests past their first token (``decode_active``), KV pool use of
+  the decode workers (``kv_use``, 0..1), and, with an SLO, TPOT attainment.
+
+A side is *hot* when one of its signals crosses its high threshold and *cool*
+when all of them are under their low thresholds; the gap between the two is
+the first layer of hysteresis. A move from role A to role B needs B hot, A
+cool, A to keep at least one worker (``num_A >= 2``: no role is ever left
+empty), and A still cool after losing the worker (its per-worker load scaled
+by ``num_A / (num_A - 1)``), which is what stops a move from undoing itself.
+The same wish must hold ``policy.sustain`` observations in a row, and
+``policy.min_dwell_s`` must have passed since the last role change (dwell).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """Thresholds of :func:`decide` (``kvxfer serve --adaptive``, docs/serving.md)."""
+
+    interval_s: float = 1.0  # how often the router observes
+    min_dwell_s: float = 10.0  # no role change sooner than this after the previous one
+    sustain: int = 3  # consecutive observations that must want the same move
+    prefill_queue_high: float = 4.0  # waiting prompts per prefill worker: prefill is hot
+    prefill_queue_low: float = 1.0  # ... at most this: prefill is cool
+    decode_active_high: float = 8.0  # decoding requests per decode worker: decode is hot
+    decode_active_low: float = 3.0
+    kv_use_high: float = 0.9  # fraction of the decode workers' KV pools in use
+    kv_use_low: float = 0.6
+    attainment_high: float = 0.95  # with an SLO: share of recent requests meeting it
+    attainment_low: float = 0.8
+    drain_timeout_s: float = 120.0  # a drain taking longer is abandoned (worker rejoins)
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.min_dwell_s < 0:
+            raise ValueError("min_dwell_s must be >= 0")
+        if self.sustain < 1:
+            raise ValueError("sustain must be >= 1")
+        for low, high in (("prefill_queue_low", "prefill_queue_high"),
+                          ("decode_active_low", "decode_active_high"),
+                          ("kv_use_low", "kv_use_high"), ("attainment_low", "attainment_high")):
+            if not 0 <= getattr(self, low) < getattr(self, high):
+                raise ValueError(f"need 0 <= {low} < {high} (a gap between the thresholds)")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the router saw at time ``now`` (seconds, any monotonic origin).
+
+    ``prefill_queue``/``decode_active`` are totals over the role's workers;
+    attainments are None when no SLO is set or no request finished recently.
+    """
+
+    now: float
+    num_prefill: int
+    num_decode: int
+    prefill_queue: int
+    decode_active: int
+    kv_use: float = 0.0
+    ttft_attainment: float | None = None
+    tpot_attainment: float | None = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move one worker ``src`` -> ``dst`` because of ``reason`` (a metric label)."""
+
+    src: str
+    dst: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    last_change_at: float | None = None  # ``Observation.now`` of the last role change
+    wish: Move | None = None  # the move the last observations wanted
+    streak: int = 0  # how many observations in a row wanted it
+
+
+def _prefill_side(obs: Observation, p: AdaptivePolicy, workers: int) -> tuple[str | None, bool]:
+    """(reason it is hot or None, is it cool) with ``workers`` prefill workers."""
+    queue = obs.prefill_queue / max(workers, 1)
+    att = obs.ttft_attainment
+    if queue >= p.prefill_queue_high:
+        hot = "prefill_queue"
+    elif att is not None and att < p.attainment_low:
+        hot = "ttft_slo"
+    else:
+        hot = None
+    cool = queue <= p.prefill_queue_low and (att is None or att >= p.attainment_high)
+    return hot, cool
+
+
+def _decode_side(obs: Observation, p: AdaptivePolicy, workers: int) -> tuple[str | None, bool]:
+    active = obs.decode_active / max(workers, 1)
+    kv_use = obs.kv_use * obs.num_decode / max(workers, 1)
+    att = obs.tpot_attainment
+    if active >= p.decode_active_high:
+        hot = "decode_batch"
+    elif kv_use >= p.kv_use_high:
+        hot = "kv_pool"
+    elif att is not None and att < p.attainment_low:
+        hot = "tpot_slo"
+    else:
+        hot = None
+    cool = (active <= p.decode_active_low and kv_use <= p.kv_use_low
+            and (att is None or att >= p.attainment_high))
+    return hot, cool
+
+
+def wanted_move(obs: Observation, p: AdaptivePolicy) -> Move | None:
+    """The move this observation alone asks for (no dwell, no sustain)."""
+    prefill_hot, _ = _prefill_side(obs, p, obs.num_prefill)
+    decode_hot, _ = _decode_side(obs, p, obs.num_decode)
+    if prefill_hot and not decode_hot and obs.num_decode >= 2:
+        _, still_cool = _decode_side(obs, p, obs.num_decode - 1)
+        if still_cool:
+            return Move("decode", "prefill", prefill_hot)
+    if decode_hot and not prefill_hot and obs.num_prefill >= 2:
+        _, still_cool = _prefill_side(obs, p, obs.num_prefill - 1)
+        if still_cool:
+            return Move("prefill", "decode", decode_hot)
+    return None
+
+
+def decide(obs: Observation, state: PolicyState, p: AdaptivePolicy) -> tuple[Move | None, PolicyState]:
+    """One step of the policy; the caller passes the returned state back next time.
+
+    When it returns a move, the caller carries it out and calls :func:`changed`
+    once the worker has switched (or abandons it: nothing to report).
+    """
+    wish = wanted_move(obs, p)
+    if wish is None:
+        return None, replace(state, wish=None, streak=0)
+    same = state.wish is not None and (state.wish.src, state.wish.dst) == (wish.src, wish.dst)
+    streak = state.streak + 1 if same else 1
+    state = replace(state, wish=wish, streak=streak)
+    dwelling = state.last_change_at is not None and obs.now - state.last_change_at < p.min_dwell_s
+    if streak < p.sustain or dwelling:
+        return None, state
+    return wish, replace(state, wish=None, streak=0)
+
+
+def changed(state: PolicyState, now: float) -> PolicyState:
+    """The state after a role change finished at ``now`` (starts the dwell time)."""
+    return replace(state, last_change_at=now, wish=None, streak=0)

@@ -1,0 +1,121 @@
+"""The P/D rebalancing decision policy (kvxfer.serving.adaptive_policy): a pure function."""
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.serving.adaptive_policy import (AdaptivePolicy, Move, Observation, PolicyState,
+                                            changed, decide, wanted_move)
+
+P = AdaptivePolicy(interval_s=1.0, min_dwell_s=10.0, sustain=3, prefill_queue_high=4,
+                   prefill_queue_low=1, decode_active_high=8, decode_active_low=3)
+
+
+def obs(now, num_prefill, num_decode, prefill_queue=0, decode_active=0, **kw):
+    return Observation(now, num_prefill, num_decode, prefill_queue, decode_active, **kw)
+
+
+def run(observations, state=PolicyState(), policy=P):
+    """Feed the policy; every move is applied at once (as the router does after a drain)."""
+    moves = []
+    for o in observations:
+        move, state = decide(o, state, policy)
+        if move is not None:
+            moves.append((o.now, move))
+            state = changed(state, o.now)
+    return moves, state
+
+
+def test_prompt_heavy_moves_a_decode_worker_to_prefill_after_sustain():
+    seq = [obs(t, 1, 2, prefill_queue=9, decode_active=1) for t in range(5)]
+    moves, _ = run(seq)
+    assert moves == [(2, Move("decode", "prefill", "prefill_queue"))]  # 3rd observation
+
+
+def test_decode_heavy_moves_a_prefill_worker_to_decode():
+    seq = [obs(t, 2, 1, prefill_queue=0, decode_active=12) for t in range(3)]
+    assert run(seq)[0] == [(2, Move("prefill", "decode", "decode_batch"))]
+
+
+def test_kv_pool_and_slo_signals():
+    kv = obs(0, 2, 1, decode_active=1, kv_use=0.95)
+    assert wanted_move(kv, P) == Move("prefill", "decode", "kv_pool")
+    tpot = obs(0, 2, 1, decode_active=1, tpot_attainment=0.5, ttft_attainment=1.0)
+    assert wanted_move(tpot, P) == Move("prefill", "decode", "tpot_slo")
+    ttft = obs(0, 1, 2, prefill_queue=1, ttft_attainment=0.5, tpot_attainment=1.0)
+    assert wanted_move(ttft, P) == Move("decode", "prefill", "ttft_slo")
+    # the donor side missing its own SLO is not cool: nothing moves
+    assert wanted_move(obs(0, 1, 2, prefill_queue=9, tpot_attainment=0.9), P) is None
+
+
+def test_never_leaves_a_role_empty():
+    assert wanted_move(obs(0, 1, 1, prefill_queue=50), P) is None
+    assert wanted_move(obs(0, 1, 1, decode_active=50), P) is None
+    assert wanted_move(obs(0, 3, 1, decode_active=50), P) == Move("prefill", "decode", "decode_batch")
+
+
+def test_donor_must_stay_cool_after_losing_a_worker():
+    # 2 decode workers with 5 active: 2.5 each is cool, 5 on one would not be
+    assert wanted_move(obs(0, 1, 2, prefill_queue=9, decode_active=5), P) is None
+    assert wanted_move(obs(0, 1, 2, prefill_queue=9, decode_active=3), P) is not None
+
+
+def test_both_sides_hot_or_neither_moves_nothing():
+    assert wanted_move(obs(0, 2, 2, prefill_queue=20, decode_active=40), P) is None
+    assert wanted_move(obs(0, 2, 2, prefill_queue=4, decode_active=4), P) is None
+
+
+def test_in_the_gap_between_thresholds_nothing_moves():
+    # prefill 3 per worker: neither hot (>= 4) nor cool (<= 1)
+    assert wanted_move(obs(0, 2, 2, prefill_queue=6, decode_active=40), P) is None
+
+
+def test_streak_resets_when_the_wish_changes_or_stops():
+    seq = [obs(0, 1, 2, prefill_queue=9), obs(1, 1, 2, prefill_queue=9), obs(2, 1, 2),
+           obs(3, 1, 2, prefill_queue=9), obs(4, 1, 2, prefill_queue=9)]
+    assert run(seq)[0] == []  # never 3 in a row
+    moves, _ = run(seq + [obs(5, 1, 2, prefill_queue=9)])
+    assert [t for t, _ in moves] == [5]
+
+
+def test_no_flapping_when_the_mix_oscillates():
+    """Load alternating every observation never moves a worker; a real shift moves one
+    worker, and the reverse shift moves it back only after the dwell time."""
+    seq = []
+    for t in range(40):
+        if t % 2:
+            seq.append(obs(t, 2, 2, prefill_queue=10, decode_active=2))
+        else:
+            seq.append(obs(t, 2, 2, prefill_queue=0, decode_active=20))
+    assert run(seq)[0] == []
+
+    # a simulated 3-worker cluster whose counts follow the moves
+    counts = {"prefill": 1, "decode": 2}
+    state, moves = PolicyState(), []
+    for t in range(40):
+        load = (9, 1) if t < 3 else (0, 12)  # prompt-heavy, then decode-heavy
+        move, state = decide(obs(t, counts["prefill"], counts["decode"], *load), state, P)
+        if move is not None:
+            counts[move.src] -= 1
+            counts[move.dst] += 1
+            moves.append((t, move))
+            state = changed(state, t)
+    assert moves == [(2, Move("decode", "prefill", "prefill_queue")),
+                     (12, Move("prefill", "decode", "decode_batch"))]  # dwell 10 s after t=2
+    assert counts == {"prefill": 1, "decode": 2}
+
+
+def test_steady_after_a_move_does_not_undo_it():
+    # after decode -> prefill, the same load seen with the new counts asks for nothing
+    moves, state = run([obs(t, 1, 2, prefill_queue=9, decode_active=2) for t in range(3)])
+    assert len(moves) == 1
+    again, _ = run([obs(t, 2, 1, prefill_queue=9, decode_active=2) for t in range(3, 40)], state)
+    assert again == []
+
+
+def test_policy_validation():
+    with pytest.raises(ValueError):
+        AdaptivePolicy(prefill_queue_low=4, prefill_queue_high=4)  # no gap
+    with pytest.raises(ValueError):
+        AdaptivePolicy(sustain=0)
+    with pytest.raises(ValueError):
+        AdaptivePolicy(min_dwell_s=-1)

@@ -39,6 +39,27 @@ def add_parser(sub) -> None:
                    help="disaggregated: prefill on the decode worker while the prefill worker "
                         "holds K or more requests (0: off)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--retries", type=int, default=0, metavar="N",
+                   help="place a request again (up to N times) on another worker of the same "
+                        "role when its worker dies or fails before any token was streamed")
+    a = p.add_argument_group("adaptive P/D rebalancing (docs/serving.md)")
+    a.add_argument("--adaptive", action="store_true",
+                   help="move workers between the prefill and decode roles as the mix shifts "
+                        "(needs >= 3 workers)")
+    a.add_argument("--adaptive-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between observations")
+    a.add_argument("--adaptive-dwell", type=float, default=10.0, metavar="S",
+                   help="minimum seconds between two role changes")
+    a.add_argument("--adaptive-sustain", type=int, default=3, metavar="K",
+                   help="observations in a row that must want the same move")
+    a.add_argument("--adaptive-prefill-queue", default="1,4", metavar="LOW,HIGH",
+                   help="prompts waiting per prefill worker: cool at <= LOW, hot at >= HIGH")
+    a.add_argument("--adaptive-decode-active", default="3,8", metavar="LOW,HIGH",
+                   help="decoding requests per decode worker: cool / hot")
+    a.add_argument("--adaptive-kv", default="0.6,0.9", metavar="LOW,HIGH",
+                   help="decode workers' KV pool use (0..1): cool / hot")
+    a.add_argument("--adaptive-slo", default=None, metavar="TTFT_MS,TPOT_MS",
+                   help="also watch TTFT/TPOT attainment of the last 32 requests against this SLO")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics "
                         f"(default: ${API_KEY_ENV}; prefer the variable: a command line is visible in ps)")
@@ -74,7 +95,30 @@ def config_from_args(args: argparse.Namespace):
         local_prefill_queue=args.local_prefill_queue,
         transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body_bytes=args.max_body_bytes)
+        max_body_bytes=args.max_body_bytes, retries=args.retries,
+        adaptive=_adaptive_policy(args) if args.adaptive else None,
+        adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None)
+
+
+def _pair(text: str, flag: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected two numbers A,B, got {text!r}") from None
+    return low, high
+
+
+def _adaptive_policy(args: argparse.Namespace):
+    from kvxfer.serving.adaptive_policy import AdaptivePolicy
+
+    pq = _pair(args.adaptive_prefill_queue, "--adaptive-prefill-queue")
+    da = _pair(args.adaptive_decode_active, "--adaptive-decode-active")
+    kv = _pair(args.adaptive_kv, "--adaptive-kv")
+    return AdaptivePolicy(interval_s=args.adaptive_interval, min_dwell_s=args.adaptive_dwell,
+                          sustain=args.adaptive_sustain,
+                          prefill_queue_low=pq[0], prefill_queue_high=pq[1],
+                          decode_active_low=da[0], decode_active_high=da[1],
+                          kv_use_low=kv[0], kv_use_high=kv[1])
 
 
 def run(args: argparse.Namespace) -> int:

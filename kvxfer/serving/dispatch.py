@@ -19,6 +19,13 @@ decode worker's prefix-cache hits) is shorter than the token threshold is
 answered ``admitted(local)`` and prefilled there; no KV moves for either.
 Every request ends with exactly one terminal event on its queue: ``done`` or
 ``error``; a worker death produces ``error`` for what it held, never a hang.
+
+Retries (``--retries N``): a request whose worker dies (or answers ``error``
+with kind ``worker_error``/``shutting_down``) before any token was streamed is
+placed again on live workers, up to N times, under a new wire id
+(``<rid>~<attempt>``: the agents never see an id twice); what the old attempt
+left on the surviving worker is aborted. Once a token went out, the stream
+ends with an error event instead (the client already holds part of an answer).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import KVXferError
 from .launcher import Cluster, WorkerProcess
@@ -38,6 +46,14 @@ log = logging.getLogger("kvxfer.serve")
 
 class NoWorkerAvailable(KVXferError):
     """No live worker of a needed role (the router answers 503)."""
+
+
+RETRYABLE_KINDS = ("worker_error", "shutting_down")
+
+
+def _usable(worker, role: str) -> bool:
+    return (worker is not None and worker.is_alive and worker.role == role
+            and not getattr(worker, "is_switching", False))
 
 
 @dataclass
@@ -58,6 +74,11 @@ class RequestState:
     recomputed: bool = False
     is_transfer_failed: bool = False
     is_finished: bool = False
+    public_rid: str = ""  # the client-facing id; ``rid`` is the current attempt's wire id
+    attempts: int = 0  # retries so far
+
+    def __post_init__(self) -> None:
+        self.public_rid = self.public_rid or self.rid
 
     def summary(self) -> dict:
         """The ``kvxfer`` object of the final chunk / response (see docs/serving.md)."""
@@ -81,7 +102,10 @@ class Dispatcher:
             self.cluster = RemoteCluster(config, self.on_message, self.on_worker_exit)
         else:
             self.cluster = Cluster(config, self.on_message, self.on_worker_exit)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by wire id (current attempt)
+        self._by_public: dict[str, RequestState] = {}
+        self.on_role_changed: Callable[[object, dict], None] | None = None  # rebalancer
+        self.on_record: list[Callable[[RequestState], None]] = []  # finished requests
         self._stats_waiters: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         r = registry
@@ -95,6 +119,7 @@ class Dispatcher:
         self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.")
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
         self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.")
+        self.m_retries = r.counter("kvxfer_request_retries_total", "Requests placed again after their worker died or failed, by role.")
 
     def new_rid(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
@@ -102,6 +127,13 @@ class Dispatcher:
     # ---- submission -------------------------------------------------------
     def submit(self, rid: str, prompt_ids: list[int], params: dict) -> RequestState:
         st = RequestState(rid, prompt_ids, params)
+        self._place(st)
+        self._by_public[rid] = st
+        return st
+
+    def _place(self, st: RequestState) -> None:
+        """Pick workers for ``st`` and admit it; raises NoWorkerAvailable."""
+        rid, prompt_ids, params = st.rid, st.prompt_ids, st.params
         if self.config.is_disaggregated:
             decode, prefill = self.cluster.pick("decode"), self.cluster.pick("prefill")
             if decode is None or prefill is None:
@@ -123,13 +155,19 @@ class Dispatcher:
         decode.inflight.add(rid)
         decode.send({"op": "admit", "rid": rid, "prompt_ids": prompt_ids, "params": params,
                      "mode": mode, "local_below": self.config.local_prefill_tokens})
-        return st
 
     def abort(self, rid: str) -> None:
         """Client went away or a stop string matched: release the workers' share."""
-        st = self.requests.pop(rid, None)
-        if st is None:
+        st = self._by_public.get(rid)
+        if st is not None:
+            self._release(st)
+
+    def _release(self, st: RequestState) -> None:
+        if self.requests.get(st.rid) is not st:
             return
+        rid = st.rid
+        del self.requests[rid]
+        self._by_public.pop(st.public_rid, None)
         st.is_finished = True
         st.transfer_settled.set()
         for worker in (st.prefill, st.decode):
@@ -141,6 +179,9 @@ class Dispatcher:
     # ---- worker events ----------------------------------------------------
     def on_message(self, worker: WorkerProcess, msg: dict) -> None:
         ev, rid = msg.get("ev"), msg.get("rid")
+        if ev == "role_changed" and self.on_role_changed is not None:
+            self.on_role_changed(worker, msg)
+            return
         if ev == "stats":
             waiter = self._stats_waiters.pop(msg.get("qid", ""), None)
             if waiter is not None and not waiter.done():
@@ -158,6 +199,11 @@ class Dispatcher:
                 st.transfer_settled.set()
                 self.m_local_prefills.inc(reason="short_prompt")
                 return
+            if not _usable(st.prefill, "prefill"):  # died or is switching roles meanwhile
+                st.prefill = self.cluster.pick("prefill")
+                if st.prefill is None:
+                    self._fail(st, "no live prefill worker", "worker_unavailable")
+                    return
             st.prefill.inflight.add(rid)
             self._send(st, st.prefill, {"op": "prefill", "rid": rid, "prompt_ids": st.prompt_ids,
                                         "params": st.params, "dst": st.decode.agent_address,
@@ -194,7 +240,11 @@ class Dispatcher:
             worker.inflight.discard(rid)
             self._finish(st, ("done", msg.get("finish_reason", "stop")))
         elif ev == "error":
-            self._fail(st, f"{worker.name}: {msg.get('error', 'error')}", msg.get("kind", "worker_error"))
+            error, kind = f"{worker.name}: {msg.get('error', 'error')}", msg.get("kind", "worker_error")
+            if kind in RETRYABLE_KINDS and self._can_retry(st):
+                self._retry(st, worker, error)
+            else:
+                self._fail(st, error, kind)
 
     def _send(self, st: RequestState, worker: WorkerProcess, msg: dict) -> None:
         try:
@@ -216,6 +266,9 @@ class Dispatcher:
             st = self.requests.get(rid)
             if st is None:
                 continue
+            if self._can_retry(st):
+                self._retry(st, worker, f"worker {worker.name} died (exit code {worker.exit_code})")
+                continue
             # A prefill worker that died after token 0 only lost the transfer;
             # the decode worker's policy decides (recompute or fail).
             if (worker is st.prefill and st.first_token is not None
@@ -225,11 +278,37 @@ class Dispatcher:
                 self._fail(st, f"worker {worker.name} died (exit code {worker.exit_code})",
                            "worker_died")
 
+    # ---- retries ----------------------------------------------------------
+    def _can_retry(self, st: RequestState) -> bool:
+        return not st.is_finished and not st.token_times and st.attempts < self.config.retries
+
+    def _retry(self, st: RequestState, worker, error: str) -> None:
+        """Place ``st`` again (module docstring); the failed attempt's share is aborted."""
+        old = st.rid
+        del self.requests[old]
+        for w in (st.prefill, st.decode):
+            if w is not None and old in w.inflight:
+                w.inflight.discard(old)
+                if w.is_alive:
+                    w.send({"op": "abort", "rid": old})
+        st.attempts += 1
+        st.rid = f"{st.public_rid}~{st.attempts}"
+        st.prefill = st.decode = st.first_token = None
+        st.cached_blocks, st.is_transfer_failed = 0, False
+        st.transfer_settled.clear()
+        self.requests[st.rid] = st
+        self.m_retries.inc(role=worker.role)
+        log.warning("%s: %s; retry %d/%d", st.public_rid, error, st.attempts, self.config.retries)
+        try:
+            self._place(st)
+        except NoWorkerAvailable as exc:
+            self._fail(st, f"{error}; retry: {exc}", "worker_unavailable")
+
     # ---- completion -------------------------------------------------------
     def _fail(self, st: RequestState, error: str, kind: str) -> None:
         if st.is_finished:
             return
-        self.abort(st.rid)
+        self._release(st)
         self.m_requests.inc(outcome="error")
         st.events.put_nowait(("error", error, kind))
 
@@ -238,6 +317,7 @@ class Dispatcher:
             return
         st.is_finished = True
         self.requests.pop(st.rid, None)
+        self._by_public.pop(st.public_rid, None)
         if st.prefill is not None:
             st.prefill.inflight.discard(st.rid)
         self.m_requests.inc(outcome="ok")
@@ -252,12 +332,14 @@ class Dispatcher:
         self.m_tokens.inc(num_tokens)
         if len(st.token_times) > 1:
             self.m_tpot.observe((st.token_times[-1] - st.token_times[0]) / (len(st.token_times) - 1))
+        for hook in self.on_record:
+            hook(st)
 
-    async def collect_stats(self, timeout: float = 2.0) -> dict[str, dict]:
+    async def collect_stats(self, timeout: float = 2.0, workers: list | None = None) -> dict[str, dict]:
         """Each live worker's counters (agent metrics, queue depths), by worker name."""
         loop = asyncio.get_running_loop()
         waiters: dict[str, tuple[str, asyncio.Future]] = {}
-        for w in self.cluster.workers:
+        for w in self.cluster.workers if workers is None else workers:
             if not w.is_alive:
                 continue
             qid = self.new_rid("stats")

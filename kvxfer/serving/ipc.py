@@ -19,6 +19,8 @@ request-scoped message carries ``rid``):
 ``op: abort``           any: drop the request (client gone, stop string hit)
 ``op: stats``           any: reply ``ev: stats`` with counters (``qid``)
 ``op: shutdown``        any: finish in-flight requests, then exit
+``op: switch_role``     prefill/decode: finish what it holds, free every KV
+                        block, then serve as ``role`` (adaptive rebalancing)
 ``ev: ready``           worker is up (``agent_address``, ``num_blocks``, ...)
 ``ev: admitted``        decode: blocks reserved, ``cached_blocks`` reused
 ``ev: token``           a generated token id
@@ -27,6 +29,7 @@ request-scoped message carries ``rid``):
 ``ev: kv``              decode: KV landed or was recomputed (``recomputed``)
 ``ev: done``            request finished (``finish_reason``)
 ``ev: error``           request failed (``error``, ``kind``)
+``ev: role_changed``    answer to ``switch_role`` (``ok``, ``role``, ``error``)
 ======================  =====================================================
 """
 from __future__ import annotations

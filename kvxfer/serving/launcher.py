@@ -56,6 +56,7 @@ class WorkerProcess:
         self.inflight: set[str] = set()
         self.is_alive = False
         self.is_draining = False
+        self.is_switching = False  # adaptive rebalancing: drained for a role change
         self.exit_code: int | None = None
         self.started_at = 0.0
         self.restarts = 0  # successful restarts after a death
@@ -143,7 +144,7 @@ class WorkerProcess:
         return {"name": self.name, "role": self.role, "alive": self.is_alive,
                 "pid": self.proc.pid if self.proc else None, "exit_code": self.exit_code,
                 "inflight": self.load, "draining": self.is_draining,
-                "restarts": self.restarts, "restarting": self.is_restarting,
+                "switching": self.is_switching, "restarts": self.restarts, "restarting": self.is_restarting,
                 "cpus": list(self.spec.cpus) if self.spec.cpus else None,
                 "threads": self.spec.num_threads,
                 "transport": self.info.get("transport")}
@@ -168,7 +169,8 @@ class Cluster:
 
     def pick(self, role: str) -> WorkerProcess | None:
         """The least-loaded live worker of ``role`` (None if none is alive)."""
-        live = [w for w in self.role(role) if w.is_alive and not w.is_draining]
+        live = [w for w in self.role(role)
+                if w.is_alive and not w.is_draining and not w.is_switching]
         return min(live, key=lambda w: w.load) if live else None
 
     async def start(self) -> None:

@@ -58,6 +58,13 @@ class Router:
         self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).")
         self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.")
         self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.")
+        self.m_role_workers = self.registry.gauge("kvxfer_workers", "Live workers per role.")
+        self.rebalancer = None
+        if config.adaptive is not None:
+            from .rebalancer import Rebalancer
+
+            self.rebalancer = Rebalancer(self.dispatcher, self.registry, config.adaptive,
+                                         config.adaptive_slo_ms)
         self._pool_tokens = 0  # a worker's KV pool in tokens, from its ready message
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
@@ -145,9 +152,15 @@ class Router:
                                     f"exceeds {what} ({limit} tokens)", "invalid_request_error", 400)
 
     async def metrics_text(self) -> str:
+        roles = dict.fromkeys(("prefill", "decode") if self.config.is_disaggregated
+                              else ("colocated",), 0)
         for w in self.dispatcher.cluster.workers:
             self.m_workers_up.set(1 if w.is_alive else 0, worker=w.name)
             self.m_queue.set(w.load, worker=w.name)
+            if w.is_alive and w.role in roles:
+                roles[w.role] += 1
+        for role, n in roles.items():
+            self.m_role_workers.set(n, role=role)
         stats = await self.dispatcher.collect_stats()
         for name, msg in stats.items():
             for key, value in msg.get("counters", {}).items():
@@ -223,12 +236,16 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         router = await asyncio.to_thread(Router, config)
         await router.dispatcher.cluster.start()
+        if router.rebalancer is not None:
+            router.rebalancer.start()
         state["router"] = router
         log.info("serving %s (%s)", router.model_name,
                  "disaggregated" if config.is_disaggregated else "colocated")
         try:
             yield
         finally:
+            if router.rebalancer is not None:
+                await router.rebalancer.stop()
             await router.dispatcher.cluster.stop()
             router.close()
 

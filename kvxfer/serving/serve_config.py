@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .adaptive_policy import AdaptivePolicy
+
 TRANSFER_POLICIES = ("fail", "recompute")
 
 
@@ -79,6 +81,9 @@ class ServeConfig:
     restart_backoff_s: float = 1.0  # first delay; doubles per quick death
     restart_backoff_max_s: float = 30.0
     worker_env: tuple[tuple[str, str], ...] = field(default=())  # extra env (test hooks)
+    adaptive: AdaptivePolicy | None = None  # --adaptive: move workers between P and D
+    adaptive_slo_ms: tuple[float, float] | None = None  # (TTFT, TPOT) the rebalancer watches
+    retries: int = 0  # place a request again this often if its worker dies before token 0
 
     def __post_init__(self) -> None:
         if self.on_transfer_failure not in TRANSFER_POLICIES:
@@ -104,6 +109,16 @@ class ServeConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         num_workers = self.num_colocated or self.num_prefill + self.num_decode
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
+        if self.adaptive is not None:
+            if self.discovery or self.num_colocated:
+                raise ValueError("--adaptive moves local prefill/decode workers: not with "
+                                 "--colocated or --discovery")
+            if num_workers < 3:
+                raise ValueError("--adaptive needs at least 3 workers (a role is never left empty)")
+        if self.adaptive_slo_ms is not None and not all(v > 0 for v in self.adaptive_slo_ms):
+            raise ValueError("adaptive SLO values must be > 0")
         if len(self.cpu_groups) not in (0, 1, num_workers):
             raise ValueError(f"--cpus: give 1 group or one per worker ({num_workers}), "
                              f"got {len(self.cpu_groups)}")

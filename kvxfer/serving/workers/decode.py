@@ -211,6 +211,8 @@ class DecodeWorker(WorkerLoop):
     def tick(self) -> None:
         self._try_admit_remote()
         self._poll_transfers()
+        if self.is_paused():
+            return
         produced, _ = self.runtime.step()
         for seq, token in produced:
             if seq.request_id not in self.seqs:

@@ -4,19 +4,31 @@ A role subclass implements ``on_<op>`` handlers, ``tick()`` (one unit of work:
 poll transfers, run one model step), ``has_work()`` (holds any request) and
 ``is_busy()`` (a step would do something now). The loop blocks on the inbox
 only while idle, so a busy worker never waits for a message.
+
+Role switch (``op: switch_role``, adaptive P/D rebalancing): the worker stops
+taking requests, finishes what it holds, and :meth:`WorkerLoop.run` returns with
+``next_role`` set; ``workers/main.py`` then checks every KV block is free and
+builds the new role's loop over the same runtime and agent.
+
+Test hook: ``KVXFER_TEST_PAUSE=PATH`` makes a worker skip its model steps (it
+still reads messages, admits and polls transfers) while ``PATH`` or
+``PATH-<worker name>`` exists, so a test can hold a queue up deterministically.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("kvxfer.worker")
 
 IDLE_WAIT_S = 0.5  # nothing held: wake up for messages only
 POLL_WAIT_S = 0.002  # transfers pending: poll their handles this often
+PAUSE_ENV = "KVXFER_TEST_PAUSE"
+PAUSE_WAIT_S = 0.05
 
 
 @dataclass
@@ -30,6 +42,8 @@ class WorkerContext:
     on_transfer_failure: str
     released: object = None  # queue.SimpleQueue of request ids whose agent lease ended
     request_timeout_s: float = 600.0
+    peers: dict = field(default_factory=dict)  # prefill: decode agent address -> kvxfer.Peer,
+    # kept across role switches
 
 
 class WorkerLoop:
@@ -39,6 +53,9 @@ class WorkerLoop:
         self.agent = ctx.agent
         self.counters: dict[str, float] = {}
         self.is_draining = False
+        self.next_role: str | None = None  # set by switch_role: run() returns once drained
+        hook = os.environ.get(PAUSE_ENV) or None
+        self._pause_paths = (hook, f"{hook}-{ctx.name}") if hook else ()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Ctrl-C reaches the whole process group; the router drains us instead.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -62,11 +79,18 @@ class WorkerLoop:
     def stats(self) -> dict:
         return {}
 
+    def is_paused(self) -> bool:
+        """Test hook (module docstring): skip model steps while a pause file exists."""
+        return any(os.path.exists(p) for p in self._pause_paths)
+
     def run(self) -> int:
         """Serve until ``shutdown``/SIGTERM (after draining) or the router goes away."""
         inbox = self.ctx.channel.inbox
         while True:
-            wait = 0.0 if self.is_busy() else (POLL_WAIT_S if self.has_work() else IDLE_WAIT_S)
+            if self.is_paused():
+                wait = PAUSE_WAIT_S
+            else:
+                wait = 0.0 if self.is_busy() else (POLL_WAIT_S if self.has_work() else IDLE_WAIT_S)
             try:
                 msg = inbox.get(timeout=wait) if wait else inbox.get_nowait()
                 while True:
@@ -84,7 +108,14 @@ class WorkerLoop:
         if op == "eof":  # router gone: nobody to answer to
             return False
         if op == "shutdown":
-            self.is_draining = True
+            self.is_draining, self.next_role = True, None
+            return True
+        if op == "switch_role":
+            if msg.get("role") not in ("prefill", "decode") or self.ctx.role == "colocated":
+                self.send({"ev": "role_changed", "ok": False, "role": self.ctx.role,
+                           "error": f"cannot switch {self.ctx.role} to {msg.get('role')!r}"})
+            elif not self.is_draining:
+                self.is_draining, self.next_role = True, msg["role"]
             return True
         if op == "stats":
             info = dict(self.agent.metrics.info) if self.agent is not None else {}

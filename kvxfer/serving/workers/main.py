@@ -139,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = WorkerContext(args.name, args.role, channel, runtime, agent,
                             args.transfer_timeout, args.on_transfer_failure, released,
                             args.request_timeout)
-        if args.role == "prefill":
-            from .prefill import PrefillWorker as Role
-        else:
-            from .decode import DecodeWorker as Role
-        worker = Role(ctx)
+        worker = _role_loop(ctx)
     except Exception as exc:
         logging.exception("startup failed")
         channel.send({"ev": "start_failed", "error": f"{type(exc).__name__}: {exc}"})
@@ -164,13 +160,50 @@ def main(argv: list[str] | None = None) -> int:
             import signal
 
             signal.signal(signal.SIGINT, lambda *_: setattr(worker, "is_draining", True))
-        return worker.run()
+        return _serve(worker)
     finally:
         if registration is not None:
             registration.close()  # withdrawn at once, not at lease expiry
         if agent is not None:
             agent.close()
         channel.close()
+
+
+def _role_loop(ctx):
+    """The message loop of ``ctx.role`` over ``ctx``'s runtime and agent."""
+    if ctx.role == "prefill":
+        from .prefill import PrefillWorker as Role
+    else:
+        from .decode import DecodeWorker as Role
+    return Role(ctx)
+
+
+def _serve(worker) -> int:
+    """Run ``worker``; after a drained ``switch_role``, go on in the new role.
+
+    The switch happens only with every KV block free and nothing scheduled: a
+    block still held means a request (or a recv that may still be written) is
+    alive, so the worker stays in its role and reports ``ok: false``.
+    """
+    while True:
+        code = worker.run()
+        role = worker.next_role
+        if role is None:
+            return code
+        ctx, runtime = worker.ctx, worker.runtime
+        free, total = runtime.blocks.num_free_blocks, runtime.blocks.num_blocks
+        if free != total or runtime.scheduler.has_work():
+            logging.error("not switching to %s: %d of %d KV blocks still held", role,
+                          total - free, total)
+            worker.is_draining, worker.next_role = False, None
+            worker.send({"ev": "role_changed", "ok": False, "role": ctx.role,
+                         "error": f"{total - free} KV blocks still held"})
+            continue
+        old, ctx.role = ctx.role, role
+        worker = _role_loop(ctx)
+        logging.info("switched role %s -> %s (%d/%d KV blocks free)", old, role, free, total)
+        worker.send({"ev": "role_changed", "ok": True, "role": role, "free_blocks": free,
+                     "num_blocks": total})
 
 
 def runtime_model_name(model_path: str | None) -> str:

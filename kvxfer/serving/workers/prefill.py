@@ -45,7 +45,7 @@ class PrefillWorker(WorkerLoop):
         self.jobs: dict[str, dict] = {}  # rid -> prefill message, until token 0
         self.seqs: dict[str, Sequence] = {}
         self.outgoing: dict[str, Outgoing] = {}
-        self.peers: dict[str, object] = {}  # decode agent address -> kvxfer.Peer
+        self.peers = ctx.peers  # decode agent address -> kvxfer.Peer
         self._fault_hook = os.environ.get(FAIL_TRANSFER_ENV) or None
         self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
 
@@ -72,6 +72,8 @@ class PrefillWorker(WorkerLoop):
 
     def tick(self) -> None:
         self._poll_sends()
+        if self.is_paused():
+            return
         produced, _ = self.runtime.step()
         for seq, token in produced:
             rid = seq.request_id

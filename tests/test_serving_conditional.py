@@ -1,9 +1,16 @@
-"""Conditional disaggregation: a short uncached prompt prefills on the decode worker.
+"""Conditional disaggregation: a short uncached prompt, or any prompt arriving while the
+prefill queue is long, prefills on the decode worker.
 
-Real processes: ``kvxfer serve --prefill 1 --decode 1 --local-prefill-tokens 8``.
-A prompt of token ids lets the test pick exactly how many tokens stay uncached.
+Real processes: ``kvxfer serve --prefill 1 --decode 1 --local-prefill-tokens 8
+--local-prefill-queue 1``. A prompt of token ids lets the test pick exactly how
+many tokens stay uncached; the ``KVXFER_TEST_PAUSE`` hook holds the prefill
+worker's steps so its queue is long for as long as the test needs.
 """
 from __future__ import annotations
+
+import re
+import threading
+import time
 
 import pytest
 from serving_server import Server
@@ -15,8 +22,11 @@ MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--prefill", "1", "--decode", "1", "--local-prefill-tokens", "8")
+def server(tmp_path_factory):
+    pause = tmp_path_factory.mktemp("hook") / "pause"
+    srv = Server("--prefill", "1", "--decode", "1", "--local-prefill-tokens", "8",
+                 "--local-prefill-queue", "1", env={"KVXFER_TEST_PAUSE": str(pause)})
+    srv.pause = pause
     try:
         yield srv
     finally:
@@ -40,3 +50,35 @@ def test_short_and_mostly_cached_prompts_prefill_on_the_decode_worker(server):
     metrics = server.client.get("/metrics").text
     assert 'kvxfer_local_prefills_total{reason="short_prompt"} 2' in metrics
     assert 'kvxfer_worker_stat{stat="local_prefills",worker="decode-0"} 2' in metrics
+
+
+def test_request_arriving_while_the_prefill_queue_is_long_prefills_locally(server):
+    first = list(range(2000, 2040))  # 40 uncached tokens: remote
+    second = list(range(3000, 3040))
+    reference = server.complete(second, max_tokens=MAX_TOKENS)  # prefill queue empty: remote
+    assert reference["kvxfer"]["prefill_worker"] == "prefill-0"
+
+    held = server.pause.with_name(server.pause.name + "-prefill-0")
+    held.touch()  # prefill-0 takes requests but runs no step
+    out: dict = {}
+    blocker = threading.Thread(target=lambda: out.update(r=server.complete(first, max_tokens=MAX_TOKENS)),
+                               daemon=True)
+    blocker.start()
+    try:
+        deadline = time.monotonic() + 120
+        while 'kvxfer_worker_inflight{worker="prefill-0"} 1' not in server.client.get("/metrics").text:
+            assert time.monotonic() < deadline, "first request never reached prefill-0"
+            time.sleep(0.1)
+        # prefill-0 holds one request (>= --local-prefill-queue 1): this one prefills on decode-0
+        local = server.complete(second, max_tokens=MAX_TOKENS)
+    finally:
+        held.unlink()
+    assert local["kvxfer"]["prefill_worker"] is None and local["kvxfer"]["kv_bytes"] == 0
+    assert local["kvxfer"]["decode_worker"] == "decode-0"
+    assert local["kvxfer"]["token_ids"] == reference["kvxfer"]["token_ids"]
+    blocker.join(120)
+    assert out["r"]["kvxfer"]["prefill_worker"] == "prefill-0"  # the held one went remote
+    assert out["r"]["kvxfer"]["kv_bytes"] > 0
+    metrics = server.client.get("/metrics").text
+    assert 'kvxfer_local_prefills_total{reason="prefill_queue"} 1' in metrics
+    assert re.search(r'kvxfer_local_prefills_total\{reason="short_prompt"\} \d+', metrics)

@@ -23,7 +23,7 @@ POLL_WAIT_S = 0.002  # transfers pending: poll their handles this often
 class WorkerContext:
     name: str
     role: str
-    channel: object  # kvxfer.serving.ipc.WorkerChannel
+    channel: object  # kvxfer.serving.server.ipc.WorkerChannel
     runtime: object  # kvxfer.serving.workers.runtime.Runtime
     agent: object | None  # kvxfer.Agent (None when colocated)
     transfer_timeout_s: float

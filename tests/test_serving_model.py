@@ -8,11 +8,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from kvxfer.serving.attention import Chunk  # noqa: E402
-from kvxfer.serving.config import EngineConfig  # noqa: E402
-from kvxfer.serving.kv_cache import KVCache  # noqa: E402
-from kvxfer.serving.sampling import SamplingParams  # noqa: E402
-from kvxfer.serving.tokenizer import render_chatml  # noqa: E402
+from kvxfer.serving.model.attention import Chunk  # noqa: E402
+from kvxfer.serving.engine.config import EngineConfig  # noqa: E402
+from kvxfer.serving.model.kv_cache import KVCache  # noqa: E402
+from kvxfer.serving.engine.sampling import SamplingParams  # noqa: E402
+from kvxfer.serving.model.tokenizer import render_chatml  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,12 +23,12 @@ LONG = ("The history of the printing press begins in the fifteenth century, when
 @pytest.fixture(scope="session")
 def engine():
     try:
-        from kvxfer.serving.gguf_loader import default_model_path
+        from kvxfer.serving.model.gguf_loader import default_model_path
 
         default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    from kvxfer.serving.engine import Engine
+    from kvxfer.serving.engine.engine import Engine
 
     threads = torch.get_num_threads()  # one thread: the test machine's cores are shared
     yield Engine(EngineConfig(num_blocks=96, max_num_batched_tokens=256, num_threads=1))
@@ -56,7 +56,7 @@ def dense_reference(model, ids):
     """Non-paged forward of ``ids``: logits ``[T, vocab]`` (complex rotary, SDPA)."""
     import torch.nn.functional as F
 
-    from kvxfer.serving.model import rms_norm
+    from kvxfer.serving.model.model import rms_norm
 
     cfg = model.config
     t = len(ids)
@@ -183,7 +183,7 @@ def test_linear_rows_do_not_depend_on_row_count():
     multiple of ROW_PAD rows (with the thread counts workers use)."""
     import torch.nn.functional as F
 
-    from kvxfer.serving.attention import ROW_PAD
+    from kvxfer.serving.model.attention import ROW_PAD
 
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
@@ -230,7 +230,7 @@ def test_prefix_reuse_gives_same_output(engine, spare):
 
 
 def test_chunked_prefill_matches_whole(engine, spare):
-    from kvxfer.serving.scheduler import Scheduler
+    from kvxfer.serving.engine.scheduler import Scheduler
 
     ids = engine.tokenizer.encode(LONG + " and paper")
     saved = engine.scheduler

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from ...errors import KVXferError
-from ..sequence import Sequence, SequenceStatus
+from ..engine.sequence import Sequence, SequenceStatus
 from .loop import WorkerLoop
 from .runtime import finish_reason, sampling_params
 

@@ -35,7 +35,7 @@ PAUSE_WAIT_S = 0.05
 class WorkerContext:
     name: str
     role: str
-    channel: object  # kvxfer.serving.ipc.WorkerChannel
+    channel: object  # kvxfer.serving.server.ipc.WorkerChannel
     runtime: object  # kvxfer.serving.workers.runtime.Runtime
     agent: object | None  # kvxfer.Agent (None when colocated)
     transfer_timeout_s: float

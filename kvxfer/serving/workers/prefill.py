@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ...errors import KVXferError, PeerDisconnected
-from ..sequence import Sequence
+from ..engine.sequence import Sequence
 from .loop import WorkerLoop
 from .runtime import sampling_params
 

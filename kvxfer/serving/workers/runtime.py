@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..attention import Chunk
-from ..block_manager import BlockManager
-from ..config import EngineConfig
-from ..model import LlamaModel
-from ..sampling import SamplingParams, sample_row
-from ..scheduler import Scheduler
-from ..sequence import Sequence, SequenceStatus
+from ..model.attention import Chunk
+from ..engine.block_manager import BlockManager
+from ..engine.config import EngineConfig
+from ..model.model import LlamaModel
+from ..engine.sampling import SamplingParams, sample_row
+from ..engine.scheduler import Scheduler
+from ..engine.sequence import Sequence, SequenceStatus
 
 
 def sampling_params(raw: dict) -> SamplingParams:
-    """The router's parameter dict (:meth:`kvxfer.serving.api._SamplingFields.sampling`)."""
+    """The router's parameter dict (:meth:`kvxfer.serving.server.api._SamplingFields.sampling`)."""
     return SamplingParams(temperature=float(raw.get("temperature", 1.0)),
                           top_p=float(raw.get("top_p", 1.0)),
                           max_tokens=int(raw.get("max_tokens", 16)),

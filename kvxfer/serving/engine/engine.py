@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence as 
 
 import torch
 
-from .attention import Chunk
+from ..model.attention import Chunk
 from .block_manager import BlockManager, OutOfBlocks
 from .config import EngineConfig
-from .detokenize import IncrementalDetokenizer
+from ..model.detokenize import IncrementalDetokenizer
 from .sampling import SamplingParams, sample
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -46,10 +46,10 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from .gguf_loader import load_weights, open_gguf, read_model_config
-        from .kv_cache import KVCache
-        from .model import LlamaModel
-        from .tokenizer import Tokenizer
+        from ..model.gguf_loader import load_weights, open_gguf, read_model_config
+        from ..model.kv_cache import KVCache
+        from ..model.model import LlamaModel
+        from ..model.tokenizer import Tokenizer
 
         self.config = config = config if config is not None else EngineConfig()
         if config.num_threads is not None:

@@ -1,7 +1,7 @@
 """A plain-torch Llama decoder (GQA, RMSNorm, SwiGLU, RoPE) with paged attention.
 
 Weights are fp32, dequantized from GGUF. The model reads and writes K/V only
-through its :class:`~kvxfer.serving.kv_cache.KVCache`; :meth:`LlamaModel.forward`
+through its :class:`~kvxfer.serving.model.kv_cache.KVCache`; :meth:`LlamaModel.forward`
 runs one step (prefill chunks or decode tokens) and returns last-token logits.
 """
 from __future__ import annotations

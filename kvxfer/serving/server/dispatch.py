@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import KVXferError
+from ...errors import KVXferError
 from .launcher import Cluster, WorkerProcess
 from .prom import FAST_BUCKETS, LATENCY_BUCKETS, Registry
 from .serve_config import ServeConfig

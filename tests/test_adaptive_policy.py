@@ -1,9 +1,9 @@
-"""The P/D rebalancing decision policy (kvxfer.serving.adaptive_policy): a pure function."""
+"""The P/D rebalancing decision policy (kvxfer.serving.server.adaptive_policy): a pure function."""
 from __future__ import annotations
 
 import pytest
 
-from kvxfer.serving.adaptive_policy import (AdaptivePolicy, Move, Observation, PolicyState,
+from kvxfer.serving.server.adaptive_policy import (AdaptivePolicy, Move, Observation, PolicyState,
                                             changed, decide, wanted_move)
 
 P = AdaptivePolicy(interval_s=1.0, min_dwell_s=10.0, sustain=3, prefill_queue_high=4,

@@ -109,7 +109,7 @@ def _pair(text: str, flag: str) -> tuple[float, float]:
 
 
 def _adaptive_policy(args: argparse.Namespace):
-    from kvxfer.serving.adaptive_policy import AdaptivePolicy
+    from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
 
     pq = _pair(args.adaptive_prefill_queue, "--adaptive-prefill-queue")
     da = _pair(args.adaptive_decode_active, "--adaptive-decode-active")

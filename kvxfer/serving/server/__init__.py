@@ -2,5 +2,7 @@
 
 ``router`` (HTTP, SSE, ``guard``, ``api``) -> ``dispatch`` (per request) ->
 ``launcher`` (local workers) or ``remote`` (workers found through discovery), over
-``ipc`` / ``netchannel`` messages; ``serve_config`` is the frozen server config.
+``ipc`` / ``netchannel`` messages; ``serve_config`` is the frozen server config;
+``rebalancer`` (``--adaptive``) moves workers between prefill and decode as
+``adaptive_policy`` (a pure function of observed stats) decides.
 """

@@ -1,7 +1,7 @@
 """Dynamic P/D rebalancing in the router (``kvxfer serve --adaptive``).
 
 Every ``policy.interval_s`` the :class:`Rebalancer` observes the cluster and
-asks :func:`kvxfer.serving.adaptive_policy.decide` whether to move a worker
+asks :func:`kvxfer.serving.server.adaptive_policy.decide` whether to move a worker
 between the prefill and decode roles. A move is carried out in three steps:
 
 1. **drain**: the least-loaded worker of the source role is marked

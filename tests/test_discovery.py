@@ -158,6 +158,19 @@ def test_serve_with_discovery_starts_local_workers(etcd):
         body = server.complete("The capital of France is", max_tokens=3)
         assert body["kvxfer"]["kv_bytes"] > 0 and body["kvxfer"]["recomputed"] is False
         assert {m.role for m in open_discovery(url).members()} == {"prefill", "decode"}
+
+        # a local worker that dies is started again (same name, new process) and used
+        [decode] = [w for w in health["workers"] if w["role"] == "decode"]
+        os.kill(decode["pid"], signal.SIGKILL)
+
+        def restarted():
+            ws = [w for w in server.health()["workers"] if w["role"] == "decode" and w["alive"]]
+            return ws and ws[0]["pid"] not in (None, decode["pid"]) and ws[0]["name"] == decode["name"]
+
+        _until(restarted, 180, "decode worker restarted")
+        again = server.complete("The capital of France is", max_tokens=3)
+        assert again["kvxfer"]["token_ids"] == body["kvxfer"]["token_ids"]
+        assert again["kvxfer"]["kv_bytes"] > 0
     finally:
         server.stop()
     _until(lambda: open_discovery(url).members() == [], 15, "local workers withdrawn")

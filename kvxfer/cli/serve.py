@@ -134,25 +134,27 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvxfer serve: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s router %(levelname)s %(message)s")
-    local = _local_workers(args) if args.discovery else []
+    local = _local_workers(args, config) if args.discovery else None
     try:
         # uvicorn's SIGTERM/SIGINT handling stops accepting, lets in-flight
         # responses finish (bounded), then runs the lifespan exit: workers drain.
         uvicorn.run(create_app(config), host=config.host, port=config.port,
                     log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout_s))
     finally:
-        _stop_local(local, config.drain_timeout_s)
+        if local is not None:
+            local.stop(config.drain_timeout_s)
     return 0
 
 
-def _local_workers(args: argparse.Namespace) -> list:
+def _local_workers(args: argparse.Namespace, config):
     """``--discovery`` with ``--prefill N``/``--decode M``: start that many ``kvxfer worker``
     processes on this host; they publish themselves like any other worker (listening on
     ``--host``, or 127.0.0.1 when that is a wildcard) and are found through discovery.
-    They share the router's process group and are drained when it exits."""
-    import subprocess
+    They share the router's process group, are restarted with backoff when they die
+    (:mod:`kvxfer.serving.server.local_workers`) and drained when it exits."""
     import sys
 
+    from kvxfer.serving.server.local_workers import LocalWorkers
     from kvxfer.serving.server.serve_config import parse_cpu_group
 
     roles = ["prefill"] * (args.prefill or 0) + ["decode"] * (args.decode or 0)
@@ -162,7 +164,7 @@ def _local_workers(args: argparse.Namespace) -> list:
     if len(groups) not in (0, 1, len(roles)):
         raise SystemExit(f"kvxfer serve: --cpus: give 1 group or one per worker ({len(roles)})")
     host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
-    procs = []
+    argvs = []
     for i, role in enumerate(roles):
         argv = [sys.executable, "-m", "kvxfer.cli", "worker", "--role", role,
                 "--listen", f"{host}:0", "--discovery", args.discovery,
@@ -176,20 +178,5 @@ def _local_workers(args: argparse.Namespace) -> list:
                             ("--cpus", args.cpus[i if len(groups) > 1 else 0] if groups else None)):
             if value:
                 argv += [flag, value]
-        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-    return procs
-
-
-def _stop_local(procs: list, timeout_s: float) -> None:
-    import signal
-    import subprocess
-
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # drain, withdraw from discovery, exit
-    for proc in procs:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        argvs.append(argv)
+    return LocalWorkers(argvs, config.restart_backoff_s, config.restart_backoff_max_s).start()

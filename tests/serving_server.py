@@ -19,6 +19,13 @@ STARTUP_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 
 
+def faults_env(**env: str) -> dict:
+    """``env`` plus ``PYTHONPATH`` starting with tests/faults (its sitecustomize patches
+    the server's processes: ``KVXFER_FAULT_FILE``, ``KVXFER_PAUSE_FILE``)."""
+    faults = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+    return {**env, "PYTHONPATH": os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")])}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,9 +1,10 @@
 """Adaptive P/D rebalancing end to end: a load shifting from prompt-heavy to decode-heavy.
 
 Real processes, real HTTP, the real model: ``kvxfer serve --prefill 1 --decode 2
---adaptive`` with small thresholds. The test hook ``KVXFER_TEST_PAUSE`` holds a
-worker's model steps while a file exists, so each phase's queue is there when
-the router looks, whatever the machine's speed (no timing assumptions):
+--adaptive`` with small thresholds. The test hook ``KVXFER_PAUSE_FILE``
+(tests/faults/sitecustomize.py) holds a worker's model steps while a file
+exists, so each phase's queue is there when the router looks, whatever the
+machine's speed (no timing assumptions):
 
 1. prompt-heavy: prefill-0 paused, prompts pile up for it -> a decode worker is
    drained (its requests finish once prefill-0 resumes) and becomes a prefill worker;
@@ -20,7 +21,7 @@ import threading
 import time
 
 import pytest
-from serving_server import Server
+from serving_server import Server, faults_env
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ def test_shifting_mix_moves_workers_and_answers_equal_colocated(reference, tmp_p
                     "--adaptive-interval", "0.25", "--adaptive-dwell", "1",
                     "--adaptive-sustain", "2", "--adaptive-prefill-queue", "1,3",
                     "--adaptive-decode-active", "1,3",
-                    env={"KVXFER_TEST_PAUSE": str(pause)})
+                    env=faults_env(KVXFER_PAUSE_FILE=str(pause)))
     try:
         metrics = server.client.get("/metrics").text
         assert 'kvxfer_workers{role="prefill"} 1' in metrics

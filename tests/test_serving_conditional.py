@@ -3,8 +3,8 @@ prefill queue is long, prefills on the decode worker.
 
 Real processes: ``kvxfer serve --prefill 1 --decode 1 --local-prefill-tokens 8
 --local-prefill-queue 1``. A prompt of token ids lets the test pick exactly how
-many tokens stay uncached; the ``KVXFER_TEST_PAUSE`` hook holds the prefill
-worker's steps so its queue is long for as long as the test needs.
+many tokens stay uncached; the ``KVXFER_PAUSE_FILE`` hook (tests/faults) holds
+the prefill worker's steps so its queue is long for as long as the test needs.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from serving_server import Server
+from serving_server import Server, faults_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ MAX_TOKENS = 5
 def server(tmp_path_factory):
     pause = tmp_path_factory.mktemp("hook") / "pause"
     srv = Server("--prefill", "1", "--decode", "1", "--local-prefill-tokens", "8",
-                 "--local-prefill-queue", "1", env={"KVXFER_TEST_PAUSE": str(pause)})
+                 "--local-prefill-queue", "1", env=faults_env(KVXFER_PAUSE_FILE=str(pause)))
     srv.pause = pause
     try:
         yield srv

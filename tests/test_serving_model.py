@@ -131,7 +131,7 @@ def test_kv_moved_to_other_blocks_decodes_identically(engine, spare):
     pool_b = spare.with_cache(KVCache(40, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
     logits = pool_a.forward([Chunk(ids, 0, (4, 5, 6))])
     first = int(logits[0].argmax())
-    pool_b.kv_cache.write_blocks([31, 2, 17], pool_a.kv_cache.read_blocks([4, 5, 6]))
+    pool_b.kv_cache.tensor[[31, 2, 17]] = pool_a.kv_cache.tensor[[4, 5, 6]]
     assert torch.equal(pool_b.kv_cache.tensor[[31, 2, 17]], pool_a.kv_cache.tensor[[4, 5, 6]])
     # the prompt's full blocks have the same bits whichever block ids held them
     assert torch.equal(pool_a.kv_cache.tensor[[4]], pool_a.kv_cache.tensor[[0]])
@@ -199,24 +199,6 @@ def test_linear_rows_do_not_depend_on_row_count():
         torch.set_num_threads(threads)
 
 
-def test_engine_prefill_then_reserve_admit_matches_colocated(engine):
-    params = SamplingParams(temperature=0, max_tokens=6)
-    want = engine.generate([LONG], params)[0]
-    p_seq = engine.make_sequence(LONG, params)
-    first = engine.prefill(p_seq)
-    d_seq = engine.make_sequence(LONG, params)
-    to_fill = engine.reserve(d_seq)  # prefix blocks are hits; the rest must be sent
-    skip = d_seq.num_cached_tokens // 16
-    assert skip >= 1 and len(to_fill) == len(p_seq.block_table) - skip
-    engine.kv_cache.copy_blocks(p_seq.block_table[skip:], to_fill)
-    engine.release(p_seq)
-    events = [engine.admit_prefilled(d_seq, first)]
-    while not events[-1].finished:
-        events += [e for e in engine.step() if e.request_id == d_seq.request_id]
-    assert [e.token_id for e in events] == want
-    engine.block_manager.check_invariants()
-
-
 def test_prefix_reuse_gives_same_output(engine, spare):
     tok = engine.tokenizer
     shared = LONG + " that could print pages quickly for many readers"
@@ -233,14 +215,14 @@ def test_chunked_prefill_matches_whole(engine, spare):
     from kvxfer.serving.engine.scheduler import Scheduler
 
     ids = engine.tokenizer.encode(LONG + " and paper")
-    saved = engine.scheduler
-    engine.scheduler = Scheduler(EngineConfig(num_blocks=96, max_num_batched_tokens=10,
+    saved = engine.runtime.scheduler
+    engine.runtime.scheduler = Scheduler(EngineConfig(num_blocks=96, max_num_batched_tokens=10,
                                               enable_prefix_caching=False), engine.block_manager)
     engine.block_manager.enable_prefix_caching = False
     try:
         got = engine.generate([ids], SamplingParams(temperature=0, max_tokens=4))[0]
     finally:
-        engine.scheduler = saved
+        engine.runtime.scheduler = saved
         engine.block_manager.enable_prefix_caching = True
     assert got == greedy_tokens(spare, ids, (0, 1, 2), 4)
 

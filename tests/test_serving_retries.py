@@ -2,7 +2,7 @@
 
 Real processes: ``kvxfer serve --colocated 2 --retries 1`` and a disaggregated
 ``--prefill 2 --decode 1 --retries 1``; workers are killed with SIGKILL. The
-``KVXFER_TEST_PAUSE`` hook holds the workers' model steps, so the kill lands
+``KVXFER_PAUSE_FILE`` hook (tests/faults) holds the workers' model steps, so the kill lands
 before token 0 (or after it) by construction, not by timing.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from serving_server import Server
+from serving_server import Server, faults_env
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _retries(server, role: str) -> int:
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
     pause = tmp_path_factory.mktemp("hook") / "pause"
-    server = Server("--colocated", "2", "--retries", "1", env={"KVXFER_TEST_PAUSE": str(pause)})
+    server = Server("--colocated", "2", "--retries", "1", env=faults_env(KVXFER_PAUSE_FILE=str(pause)))
     server.pause = pause
     try:
         yield server
@@ -112,7 +112,7 @@ def test_worker_killed_after_a_token_stream_ends_with_an_error(colocated):
 def test_prefill_worker_killed_before_token_0_retried_on_another_prefill_worker(tmp_path):
     pause = tmp_path / "pause"
     server = Server("--prefill", "2", "--decode", "1", "--retries", "1",
-                    env={"KVXFER_TEST_PAUSE": str(pause)})
+                    env=faults_env(KVXFER_PAUSE_FILE=str(pause)))
     try:
         reference = server.complete(PROMPT, max_tokens=MAX_TOKENS)["kvxfer"]["token_ids"]
         held = [tmp_path / "pause-prefill-0", tmp_path / "pause-prefill-1"]

@@ -9,41 +9,41 @@ Role switch (``op: switch_role``, adaptive P/D rebalancing): the worker stops
 taking requests, finishes what it holds, and :meth:`WorkerLoop.run` returns with
 ``next_role`` set; ``workers/main.py`` then checks every KV block is free and
 builds the new role's loop over the same runtime and agent.
-
-Test hook: ``KVXFER_TEST_PAUSE=PATH`` makes a worker skip its model steps (it
-still reads messages, admits and polls transfers) while ``PATH`` or
-``PATH-<worker name>`` exists, so a test can hold a queue up deterministically.
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...agent import Agent
+    from ..engine.runtime import Runtime
+    from ..server.ipc import WorkerChannel
+    from ..server.netchannel import NetWorkerChannel
 
 log = logging.getLogger("kvxfer.worker")
 
 IDLE_WAIT_S = 0.5  # nothing held: wake up for messages only
 POLL_WAIT_S = 0.002  # transfers pending: poll their handles this often
-PAUSE_ENV = "KVXFER_TEST_PAUSE"
-PAUSE_WAIT_S = 0.05
 
 
 @dataclass
 class WorkerContext:
     name: str
     role: str
-    channel: object  # kvxfer.serving.server.ipc.WorkerChannel
-    runtime: object  # kvxfer.serving.workers.runtime.Runtime
-    agent: object | None  # kvxfer.Agent (None when colocated)
+    channel: WorkerChannel | NetWorkerChannel
+    runtime: Runtime
+    agent: Agent | None  # None when colocated
     transfer_timeout_s: float
     on_transfer_failure: str
-    released: object = None  # queue.SimpleQueue of request ids whose agent lease ended
+    released: queue.SimpleQueue | None = None  # request ids whose agent lease ended
     request_timeout_s: float = 600.0
-    peers: dict = field(default_factory=dict)  # prefill: decode agent address -> kvxfer.Peer,
-    # kept across role switches
+    # prefill: decode agent address -> kvxfer.Peer, kept across role switches
+    peers: dict = field(default_factory=dict)
 
 
 class WorkerLoop:
@@ -54,8 +54,6 @@ class WorkerLoop:
         self.counters: dict[str, float] = {}
         self.is_draining = False
         self.next_role: str | None = None  # set by switch_role: run() returns once drained
-        hook = os.environ.get(PAUSE_ENV) or None
-        self._pause_paths = (hook, f"{hook}-{ctx.name}") if hook else ()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Ctrl-C reaches the whole process group; the router drains us instead.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -79,18 +77,11 @@ class WorkerLoop:
     def stats(self) -> dict:
         return {}
 
-    def is_paused(self) -> bool:
-        """Test hook (module docstring): skip model steps while a pause file exists."""
-        return any(os.path.exists(p) for p in self._pause_paths)
-
     def run(self) -> int:
         """Serve until ``shutdown``/SIGTERM (after draining) or the router goes away."""
         inbox = self.ctx.channel.inbox
         while True:
-            if self.is_paused():
-                wait = PAUSE_WAIT_S
-            else:
-                wait = 0.0 if self.is_busy() else (POLL_WAIT_S if self.has_work() else IDLE_WAIT_S)
+            wait = 0.0 if self.is_busy() else (POLL_WAIT_S if self.has_work() else IDLE_WAIT_S)
             try:
                 msg = inbox.get(timeout=wait) if wait else inbox.get_nowait()
                 while True:

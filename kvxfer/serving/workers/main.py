@@ -90,11 +90,10 @@ def _pin(cpus: str | None, num_threads: int) -> None:
 
 def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue,
                 secret: bytes, listen: str):
-    import kvxfer
+    from ...agent import Agent
 
-    agent = kvxfer.Agent(name, listen=listen, secret=secret,
-                         lease_timeout=lease_timeout_s,
-                         on_release=lambda request_id, block_ids, reason: released.put(request_id))
+    agent = Agent(name, listen=listen, secret=secret, lease_timeout=lease_timeout_s,
+                  on_release=lambda request_id, block_ids, reason: released.put(request_id))
     agent.register_kv(runtime.cache.kv_layout())
     return agent
 
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         _pin(args.cpus, args.threads)
         from ..engine.config import EngineConfig
         from .loop import WorkerContext
-        from .runtime import Runtime
+        from ..engine.runtime import Runtime
 
         config = EngineConfig(model_path=args.model, num_blocks=args.num_blocks,
                               max_num_seqs=args.max_num_seqs,

@@ -32,6 +32,7 @@ while IFS='|' read -r label args; do
   echo "== $label ($args), load average $(cut -d' ' -f1-3 /proc/loadavg)"
   $PY -m kvxfer.cli loadgen --url "http://127.0.0.1:$PORT" $LOAD --slo "$SLO" --label "$label" \
       --json "$OUT/$label.json" --no-progress || true
+  curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/$label.metrics.txt" || true  # e.g. role changes
   kill -TERM "$server"
   wait "$server" || true
   trap - EXIT

@@ -70,6 +70,21 @@ def test_poisson_requests():
         poisson_requests(rate=0, num_requests=1, input_length=1, output_length=1)
 
 
+def test_phased_requests_shift_the_mix():
+    from kvxfer.loadgen.poisson import parse_phases, phased_requests
+
+    phases = parse_phases("4:400:4,5:32:48:2", rate=1.0)
+    assert phases == [(4, 400, 4, 1.0), (5, 32, 48, 2.0)]
+    reqs = phased_requests(phases, seed=3)
+    assert [(r.input_length, r.output_length) for r in reqs] == [(400, 4)] * 4 + [(32, 48)] * 5
+    assert all(x.timestamp_ms < y.timestamp_ms for x, y in zip(reqs, reqs[1:]))
+    ids = [h for r in reqs for h in r.hash_ids]
+    assert len(ids) == len(set(ids))  # no accidental prefix sharing across phases
+    for bad in ("4:400", "a:1:2", ""):
+        with pytest.raises(ValueError):
+            parse_phases(bad, rate=1.0)
+
+
 def _rec(ttft, e2e, tokens, kv_ms=None, sent=0.0, ok=True):
     r = RequestResult(index=0, scheduled_s=sent, sent_s=sent, ttft_s=ttft, e2e_s=e2e,
                       output_tokens=tokens, kv_transfer_ms=kv_ms,

@@ -4,6 +4,7 @@
         --length-scale 0.02 --time-scale 0.1 --slo 2000,150 --label disagg --json d.json
     kvxfer loadgen --results d.json c.json --slo 2000,150 --plot cdf.png   # compare runs
     kvxfer loadgen --trace T.jsonl ... --slo auto --calibrate-only   # single-request SLO
+    kvxfer loadgen --poisson 0.5 --phases 16:400:4,16:32:48 --slo 3000,300   # shifting mix
 
 ``--slo auto`` measures single-request TTFT/TPOT on the server first (the
 median-length request of the run, one at a time) and sets the SLO to
@@ -34,6 +35,10 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=64, help="Poisson mode: mean output tokens")
     p.add_argument("--spread", type=float, default=0.0, help="Poisson mode: lengths uniform within ±spread")
     p.add_argument("--shared-blocks", type=int, default=0, help="Poisson mode: shared-prefix 512-token blocks")
+    p.add_argument("--phases", default=None, metavar="N:IN:OUT[:RATE],...",
+                   help="Poisson mode: a mix that shifts mid-run, phase after phase (N requests of "
+                        "IN input and OUT output tokens each, at --poisson RATE unless given); "
+                        "replaces --num-requests/--input-len/--output-len")
     p.add_argument("--model", default=None, help="model name sent in requests")
     p.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS",
                    help="SLO for goodput, or 'auto': from single-request latencies measured first")
@@ -53,6 +58,17 @@ def add_parser(sub) -> None:
 
 
 def _requests(args):
+    if args.phases is not None and args.poisson is None:
+        raise SystemExit("kvxfer loadgen: --phases needs --poisson RATE")
+    if args.phases is not None:
+        from ..loadgen.poisson import parse_phases, phased_requests
+
+        try:
+            reqs = phased_requests(parse_phases(args.phases, args.poisson), spread=args.spread,
+                                   shared_blocks=args.shared_blocks, seed=args.seed)
+        except ValueError as exc:
+            raise SystemExit(f"kvxfer loadgen: {exc}") from None
+        return reqs[: args.max_requests] if args.max_requests else reqs
     if args.poisson is not None:
         from ..loadgen.poisson import poisson_requests
 

@@ -33,12 +33,12 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ...errors import KVXferError
 from .launcher import Cluster, WorkerProcess
 from .prom import FAST_BUCKETS, LATENCY_BUCKETS, Registry
+from .request_state import RequestState
 from .serve_config import ServeConfig
 
 log = logging.getLogger("kvxfer.serve")
@@ -54,43 +54,6 @@ RETRYABLE_KINDS = ("worker_error", "shutting_down")
 def _usable(worker, role: str) -> bool:
     return (worker is not None and worker.is_alive and worker.role == role
             and not getattr(worker, "is_switching", False))
-
-
-@dataclass
-class RequestState:
-    rid: str
-    prompt_ids: list[int]
-    params: dict
-    t_arrival: float = field(default_factory=time.perf_counter)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    transfer_settled: asyncio.Event = field(default_factory=asyncio.Event)
-    prefill: WorkerProcess | None = None
-    decode: WorkerProcess | None = None
-    first_token: int | None = None
-    token_times: list[float] = field(default_factory=list)
-    cached_blocks: int = 0
-    kv_bytes: int = 0
-    kv_transfer_ms: float | None = None  # prefill side: send posted -> data visible at decode
-    recomputed: bool = False
-    is_transfer_failed: bool = False
-    is_finished: bool = False
-    public_rid: str = ""  # the client-facing id; ``rid`` is the current attempt's wire id
-    attempts: int = 0  # retries so far
-
-    def __post_init__(self) -> None:
-        self.public_rid = self.public_rid or self.rid
-
-    def summary(self) -> dict:
-        """The ``kvxfer`` object of the final chunk / response (see docs/serving.md)."""
-        return {"kv_bytes": self.kv_bytes, "kv_transfer_ms": self.kv_transfer_ms,
-                "recomputed": self.recomputed, "cached_blocks": self.cached_blocks,
-                "prefill_worker": self.prefill.name if self.prefill else None,
-                "decode_worker": self.decode.name if self.decode else None,
-                "ttft_ms": self.ttft_s * 1e3 if self.ttft_s is not None else None}
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] - self.t_arrival if self.token_times else None
 
 
 class Dispatcher:

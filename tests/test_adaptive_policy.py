@@ -119,3 +119,16 @@ def test_policy_validation():
         AdaptivePolicy(sustain=0)
     with pytest.raises(ValueError):
         AdaptivePolicy(min_dwell_s=-1)
+
+
+def test_serve_config_accepts_adaptive_only_where_a_worker_can_move():
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    policy = AdaptivePolicy()
+    assert ServeConfig(num_prefill=1, num_decode=2, adaptive=policy).adaptive is policy
+    for bad in (dict(num_prefill=1, num_decode=1), dict(num_colocated=3, num_prefill=0, num_decode=0),
+                dict(discovery="static://127.0.0.1:9", num_prefill=0, num_decode=0)):
+        with pytest.raises(ValueError):
+            ServeConfig(adaptive=policy, **bad)
+    with pytest.raises(ValueError):
+        ServeConfig(retries=-1)

@@ -252,8 +252,10 @@ class Dispatcher:
         for w in (st.prefill, st.decode):
             if w is not None and old in w.inflight:
                 w.inflight.discard(old)
-                if w.is_alive:
+                try:
                     w.send({"op": "abort", "rid": old})
+                except ConnectionError:  # that worker is gone too: nothing left to abort
+                    pass
         st.attempts += 1
         st.rid = f"{st.public_rid}~{st.attempts}"
         st.prefill = st.decode = st.first_token = None

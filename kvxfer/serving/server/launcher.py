@@ -144,7 +144,8 @@ class WorkerProcess:
         return {"name": self.name, "role": self.role, "alive": self.is_alive,
                 "pid": self.proc.pid if self.proc else None, "exit_code": self.exit_code,
                 "inflight": self.load, "draining": self.is_draining,
-                "switching": self.is_switching, "restarts": self.restarts, "restarting": self.is_restarting,
+                "switching": self.is_switching, "restarts": self.restarts,
+                "restarting": self.is_restarting,
                 "cpus": list(self.spec.cpus) if self.spec.cpus else None,
                 "threads": self.spec.num_threads,
                 "transport": self.info.get("transport")}

@@ -103,33 +103,22 @@ void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     if (st != UCS_OK) throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
 }
 
-Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_vm) {
+Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages)
+    : allow_vm_(allow_vm) {
+    if (hugepages != "advise" && hugepages != "collapse" && hugepages != "off")
+        throw std::invalid_argument("hugepages must be advise, collapse or off, got '" + hugepages + "'");
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
-    // UCX emulates RMA over TCP with active messages; 8 KiB segments cap it at
-    // ~0.4x a plain socket, 64 KiB reach ~0.65-0.85x (docs/benchmarks.md).
-    // An explicit UCX_TCP_*_SEG_SIZE in the environment wins.
-    for (const char* key : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
-        if (!std::getenv((std::string("UCX_") + key).c_str())) ucp_config_modify(config, key, "64k");
-    // With peer error handling UCX only puts an RMA lane on a memory domain that
-    // advertises remote-key invalidation (UCT_MD_FLAG_INVALIDATE_RMA), which
-    // UCX uses to fence a failed peer out of a rendezvous buffer. CMA does not
-    // claim it unless CMA_MEMORY_INVALIDATE=y, so on one host put/get would be
-    // emulated over shared-memory active messages (~1 GB/s, target progress
-    // needed). kvxfer never relies on that fencing (its data moves by one-sided
-    // put/get that the initiator drives; notifications are eager), so it turns
-    // the claim on: cma zero-copy RMA, peer failure still reported (cma ep_check,
-    // keepalive on the am lane, the pidfd). UCX_CMA_MEMORY_INVALIDATE=n restores
-    // UCX's choice. See docs/registration.md.
-    if (!std::getenv("UCX_CMA_MEMORY_INVALIDATE")) ucp_config_modify(config, "CMA_MEMORY_INVALIDATE", "y");
-    // UCX's TCP transport listens on every interface it opens; the agent narrows
-    // the devices to the one holding its own address (kvxfer/transport/netdev.py).
-    if (!net_devices.empty() && !std::getenv("UCX_NET_DEVICES")) {
-        st = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+    // The settings kvxfer/transport/ucx.py passes: its defaults (TCP segment size, cma
+    // RMA, the agent's network device; why: see UCX_DEFAULTS there) and AgentConfig.ucx.
+    // An explicit UCX_<key> in the environment wins, as UCX's own rule.
+    for (const auto& kv : ucx) {
+        if (std::getenv(("UCX_" + kv.first).c_str())) continue;
+        st = ucp_config_modify(config, kv.first.c_str(), kv.second.c_str());
         if (st != UCS_OK) {
             ucp_config_release(config);
-            throw Error(ucs_error("ucp_config_modify(NET_DEVICES)", st));
+            throw Error(ucs_error(("ucp_config_modify(" + kv.first + "=" + kv.second + ")").c_str(), st));
         }
     }
     ucp_params_t params;
@@ -184,7 +173,7 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
     self_.probe_addr = reinterpret_cast<uint64_t>(probe_);
     self_.probe_length = kProbeBytes;
     self_.probe_token.assign(probe_, kProbeTokenBytes);
-    registry_ = std::make_unique<Registry>(context_);
+    registry_ = std::make_unique<Registry>(context_, hugepages);
 }
 
 Engine::~Engine() {

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,9 +68,10 @@ ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_a
 
 class Engine {
 public:
-    // net_devices: a UCX_NET_DEVICES value ("" keeps UCX's default of every device);
-    // an explicit UCX_NET_DEVICES in the environment wins.
-    Engine(bool allow_vm, const std::string& net_devices);
+    // ucx: settings applied with ucp_config_modify (key without the UCX_ prefix; an
+    // explicit UCX_<key> in the environment wins); hugepages: "advise", "collapse" or
+    // "off" for registered host ranges (AgentConfig; kvxfer/transport/ucx.py builds both).
+    Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages);
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;

@@ -18,6 +18,7 @@ def copy_tiles(
     streaming: bool = False,
 ) -> None: ...
 def memcpy_parallel(dst: int, src: int, nbytes: int, num_threads: int) -> None: ...
+def set_vm_copy_config(threads: int, split_bytes: int) -> None: ...  # 0 / < 0: defaults; process-wide
 
 # ---- registration and transfer engine (kvxfer/memory.py, kvxfer/transport/ucx.py wrap it) ----
 # Errors: RegistrationError, InvalidDescriptor, PeerDisconnected, TransferTimeout,
@@ -27,7 +28,7 @@ RegionTuple = tuple[int, int, int, int, int, bool, bool]  # id, addr, length, ki
 class Engine:
     """UCP context + worker, memory registry, connections. Explicit progress, no thread."""
 
-    def __init__(self, allow_vm: bool = True, net_devices: str = "") -> None: ...
+    def __init__(self, allow_vm: bool = True, ucx: dict[str, str] = {}, hugepages: str = "advise") -> None: ...
     @property
     def uid(self) -> int: ...
     @property

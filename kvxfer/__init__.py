@@ -35,6 +35,7 @@ _LAZY = {
     "unpack": "kvxfer.kernels",
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
+    "AgentConfig": "kvxfer.config",
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
 }

@@ -170,7 +170,7 @@ def test_slow_reader_never_blocks_the_sender(server):
     a, b = socket.socketpair()
     closed = []
     handler = type("H", (), {"on_frame": lambda *x: None, "on_close": lambda s, c, e: closed.append(e)})()
-    conn = server._loop.add_conn(a, handler)
+    conn = server._state.loop.add_conn(a, handler)
     frames = [encode(Msg.ACK, tag=i) for i in range(20000)]  # ~0.5 MB, more than a socket buffer
     for f in frames:
         assert conn.send(f)

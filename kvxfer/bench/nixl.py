@@ -24,6 +24,12 @@ Fair configuration (the same threads kvxfer's bench endpoints run):
 - ``threads``: NIXL's UCX backend ``num_threads`` option, set by the caller to the
   copy threads kvxfer's path uses (:mod:`kvxfer.bench.resources`); 0 keeps
   NIXL's default.
+
+Across hosts (``kvxfer bench transfer --listen/--connect --compare nixl``) the
+target runs under :func:`listen` on the other host (the kvxfer port + 1) and
+:class:`NixlSession` ``(connect=...)`` spawns only the initiator; both sides
+take UCX's transports from the environment (``UCX_TLS=tcp`` in
+``benchmarks/tcp_netns.sh``).
 """
 from __future__ import annotations
 
@@ -92,6 +98,19 @@ def _make_agent(name: str, pool: _Pool, threads: int):
         raise KVXferError("NIXL has no UCX backend plugin")
     agent.register_memory([(pool.addr, pool.nbytes, 0, "kv")], "DRAM")
     return agent
+
+
+def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
+    """Serve one NIXL target for a :class:`NixlSession` ``(connect=address)`` elsewhere."""
+    from multiprocessing.connection import Listener
+
+    host, port = address.rsplit(":", 1)
+    with Listener((host, int(port)), authkey=authkey) as listener:
+        conn = listener.accept()
+        if not conn.poll(timeout or 60):
+            raise TransferTimeout("no NIXL session parameters from the initiator")
+        pool_bytes, threads = conn.recv()
+        _target_main(conn, pool_bytes, threads)
 
 
 def _target_main(conn, pool_bytes: int, threads: int) -> None:
@@ -186,10 +205,12 @@ class NixlSession:
 
     transport = "nixl:UCX"
 
-    def __init__(self, pool_bytes: int, *, timeout: float = 60.0, threads: int = 0):
+    def __init__(self, pool_bytes: int, *, timeout: float = 60.0, threads: int = 0,
+                 connect: str | None = None, authkey: bytes = b""):
         self.pool_bytes = pool_bytes
         self.timeout = timeout
         self.threads = int(threads)
+        self.connect, self.authkey = connect, authkey  # target under listen() at this address
         self._procs: list = []
         self._init = self._target = None
 
@@ -209,13 +230,19 @@ class NixlSession:
     def __enter__(self) -> "NixlSession":
         _api()  # fail here, in the parent, with a clear message
         ctx = mp.get_context("spawn")
-        self._target, t_child = ctx.Pipe()
         self._init, i_child = ctx.Pipe()
-        self._procs = [
-            ctx.Process(target=_target_main, args=(t_child, self.pool_bytes, self.threads), daemon=True),
-            ctx.Process(target=_initiator_main, args=(i_child, self.pool_bytes, self.timeout, self.threads),
-                        daemon=True),
-        ]
+        self._procs = [ctx.Process(target=_initiator_main, daemon=True,
+                                   args=(i_child, self.pool_bytes, self.timeout, self.threads))]
+        if self.connect:
+            from multiprocessing.connection import Client
+
+            host, port = self.connect.rsplit(":", 1)
+            self._target = Client((host, int(port)), authkey=self.authkey)
+            self._target.send((self.pool_bytes, self.threads))
+        else:
+            self._target, t_child = ctx.Pipe()
+            self._procs.append(ctx.Process(target=_target_main, args=(t_child, self.pool_bytes, self.threads),
+                                           daemon=True))
         for p in self._procs:
             p.start()
         try:

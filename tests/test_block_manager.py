@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from kvxfer.serving.block_manager import BlockManager, OutOfBlocks, block_hash
-from kvxfer.serving.sequence import Sequence
+from kvxfer.serving.engine.block_manager import BlockManager, OutOfBlocks, block_hash
+from kvxfer.serving.engine.sequence import Sequence
 
 B = 4
 

@@ -16,7 +16,7 @@ import pytest
 import etcd_server
 from kvxfer.discovery import Member, StaticDiscovery, open_discovery
 from kvxfer.errors import AuthenticationError
-from kvxfer.serving.netchannel import NetWorkerChannel, connect_worker
+from kvxfer.serving.server.netchannel import NetWorkerChannel, connect_worker
 from serving_server import free_port
 
 SECRET = b"discovery-test-secret-0123456789"

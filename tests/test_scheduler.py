@@ -1,8 +1,8 @@
 """Scheduler: chunked prefill by token budget, continuous batching, preemption (no model)."""
-from kvxfer.serving.block_manager import BlockManager
-from kvxfer.serving.config import EngineConfig
-from kvxfer.serving.scheduler import Scheduler
-from kvxfer.serving.sequence import Sequence, SequenceStatus
+from kvxfer.serving.engine.block_manager import BlockManager
+from kvxfer.serving.engine.config import EngineConfig
+from kvxfer.serving.engine.scheduler import Scheduler
+from kvxfer.serving.engine.sequence import Sequence, SequenceStatus
 
 import pytest
 

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from serving_server import Server
@@ -38,8 +39,11 @@ def colocated():
 @pytest.fixture(scope="module")
 def disaggregated(tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("hook") / "fail-transfers"
+    # tests/faults/sitecustomize.py: Agent.send fails in the workers while fault_file exists
+    faults = str(Path(__file__).parent / "faults")
     server = Server("--prefill", "1", "--decode", "1", "--on-transfer-failure", "recompute",
-                    env={"KVXFER_TEST_FAIL_TRANSFER": str(fault_file)})
+                    env={"KVXFER_FAULT_FILE": str(fault_file),
+                         "PYTHONPATH": os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")])})
     server.fault_file = fault_file
     try:
         yield server

@@ -14,8 +14,8 @@ import threading
 import httpx
 import pytest
 
-from kvxfer.serving.router import Router, create_app
-from kvxfer.serving.serve_config import ServeConfig
+from kvxfer.serving.server.router import Router, create_app
+from kvxfer.serving.server.serve_config import ServeConfig
 
 KEY = "sk-test-0123456789abcdef"
 LIMIT = 64 << 10

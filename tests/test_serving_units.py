@@ -8,10 +8,10 @@ import socket
 import pytest
 
 from kvxfer.errors import ProtocolError
-from kvxfer.serving import ipc
-from kvxfer.serving.prom import Registry
-from kvxfer.serving.serve_config import ServeConfig, parse_cpu_group
-from kvxfer.serving.sse import DONE, event
+from kvxfer.serving.server import ipc
+from kvxfer.serving.server.prom import Registry
+from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
+from kvxfer.serving.server.sse import DONE, event
 
 
 def test_ipc_round_trip_both_ends():
@@ -101,7 +101,7 @@ def test_sse_event_format():
 def test_request_schema_defaults_and_limits():
     from pydantic import ValidationError
 
-    from kvxfer.serving.api import ChatRequest, CompletionRequest
+    from kvxfer.serving.server.api import ChatRequest, CompletionRequest
 
     req = CompletionRequest(prompt="hi")
     assert req.stop == [] and req.sampling([2])["stop_token_ids"] == [2]

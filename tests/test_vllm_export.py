@@ -43,8 +43,8 @@ def test_export_files(tmp_path):
     assert "<|im_start|>" in tok_cfg["chat_template"] and tok_cfg["eos_token"] == "<|im_end|>"
     from tokenizers import Tokenizer
 
-    from kvxfer.serving.gguf_loader import open_gguf
-    from kvxfer.serving.tokenizer import Tokenizer as Ours
+    from kvxfer.serving.model.gguf_loader import open_gguf
+    from kvxfer.serving.model.tokenizer import Tokenizer as Ours
 
     ours = Ours.from_gguf(open_gguf())
     text = "<|im_start|>user\nHello, 2024 worlds!<|im_end|>"

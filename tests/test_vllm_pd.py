@@ -79,9 +79,9 @@ def _wait_for(pred, timeout: float = 60.0) -> bool:
 
 
 def test_export_matches_kvxfer_model(engines):
-    from kvxfer.serving.config import EngineConfig
-    from kvxfer.serving.engine import Engine
-    from kvxfer.serving.sampling import SamplingParams
+    from kvxfer.serving.engine.config import EngineConfig
+    from kvxfer.serving.engine.engine import Engine
+    from kvxfer.serving.engine.sampling import SamplingParams
 
     names = ["short", "long"]
     ours = Engine(EngineConfig(num_blocks=64, num_threads=1)).generate(

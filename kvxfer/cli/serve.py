@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from kvxfer.serving.serve_config import ServeConfig, parse_cpu_group
+    from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
 
     if args.colocated and (args.prefill or args.decode):
         raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvxfer.serving.router import create_app
+    from kvxfer.serving.server.router import create_app
 
     try:
         config = config_from_args(args)
@@ -109,7 +109,7 @@ def _local_workers(args: argparse.Namespace) -> list:
     import subprocess
     import sys
 
-    from kvxfer.serving.serve_config import parse_cpu_group
+    from kvxfer.serving.server.serve_config import parse_cpu_group
 
     roles = ["prefill"] * (args.prefill or 0) + ["decode"] * (args.decode or 0)
     if roles and not (args.secret_file or os.environ.get("KVXFER_SECRET")):

@@ -95,6 +95,3 @@ class StagingRing:
             self._waiting.clear()
             self._cond.notify_all()
 
-    def cancel_waiting(self, callback) -> None:
-        with self._cond:
-            self._waiting = [w for w in self._waiting if w[1] is not callback]

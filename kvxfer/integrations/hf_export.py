@@ -10,7 +10,7 @@ What changes on the way (everything else is a rename):
   ``w.reshape(n_head, D/2, 2, in).transpose(1, 2).reshape(out, in)``;
 * tied embeddings stay tied (no ``lm_head.weight``, ``tie_word_embeddings``);
 * ``config.json`` comes from the ``llama.*`` metadata, ``tokenizer.json`` from
-  ``tokenizer.ggml.*`` through :class:`kvxfer.serving.tokenizer.Tokenizer`, and
+  ``tokenizer.ggml.*`` through :class:`kvxfer.serving.model.tokenizer.Tokenizer`, and
   the chat template goes into ``tokenizer_config.json``.
 
 Example::
@@ -97,8 +97,8 @@ def export_hf(out_dir: str, *, model_path: str | None = None, dtype: str = "bflo
     import torch
     from safetensors.torch import save_file
 
-    from ..serving.gguf_loader import load_weights, metadata, open_gguf, read_model_config
-    from ..serving.tokenizer import Tokenizer
+    from ..serving.model.gguf_loader import load_weights, metadata, open_gguf, read_model_config
+    from ..serving.model.tokenizer import Tokenizer
 
     reader = open_gguf(model_path)
     config = read_model_config(reader)

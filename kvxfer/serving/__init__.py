@@ -1,9 +1,11 @@
 """Reference serving stack: real model, paged KV pool, block manager, scheduler, engine.
 
-Data flow (one concept a module)::
+Subpackages, in data-flow order::
 
-    gguf_loader -> config -> model (attention, rope) over kv_cache
-    tokenizer -> sequence -> block_manager -> scheduler -> engine (sampling, detokenize)
+    model/    gguf_loader -> config -> model (attention, rope) over kv_cache; tokenizer
+    engine/   sequence -> block_manager -> scheduler -> engine (sampling)
+    workers/  one process per role (prefill, decode, colocated), one kvxfer.Agent each
+    server/   router (HTTP) -> dispatch -> launcher / remote, over ipc / netchannel
 
 Everything heavy (torch, gguf, tokenizers) is imported lazily by the modules
 that need it; ``import kvxfer.serving`` alone loads nothing heavy.
@@ -13,19 +15,19 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "ModelConfig": "kvxfer.serving.config",
-    "EngineConfig": "kvxfer.serving.config",
-    "SamplingParams": "kvxfer.serving.sampling",
-    "Engine": "kvxfer.serving.engine",
-    "TokenEvent": "kvxfer.serving.engine",
-    "Chunk": "kvxfer.serving.attention",
-    "KVCache": "kvxfer.serving.kv_cache",
-    "LlamaModel": "kvxfer.serving.model",
-    "Tokenizer": "kvxfer.serving.tokenizer",
-    "BlockManager": "kvxfer.serving.block_manager",
-    "Scheduler": "kvxfer.serving.scheduler",
-    "Sequence": "kvxfer.serving.sequence",
-    "default_model_path": "kvxfer.serving.gguf_loader",
+    "ModelConfig": "kvxfer.serving.model.config",
+    "EngineConfig": "kvxfer.serving.engine.config",
+    "SamplingParams": "kvxfer.serving.engine.sampling",
+    "Engine": "kvxfer.serving.engine.engine",
+    "TokenEvent": "kvxfer.serving.engine.engine",
+    "Chunk": "kvxfer.serving.model.attention",
+    "KVCache": "kvxfer.serving.model.kv_cache",
+    "LlamaModel": "kvxfer.serving.model.model",
+    "Tokenizer": "kvxfer.serving.model.tokenizer",
+    "BlockManager": "kvxfer.serving.engine.block_manager",
+    "Scheduler": "kvxfer.serving.engine.scheduler",
+    "Sequence": "kvxfer.serving.engine.sequence",
+    "default_model_path": "kvxfer.serving.model.gguf_loader",
 }
 
 __all__ = list(_LAZY)

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 
 from ...errors import KVXferError
-from ..sequence import Sequence, SequenceStatus
+from ..engine.sequence import Sequence, SequenceStatus
 from .loop import WorkerLoop
-from .runtime import finish_reason, sampling_params
+from ..engine.runtime import finish_reason, sampling_params
 
 log = logging.getLogger("kvxfer.worker")
 
@@ -211,7 +211,7 @@ class DecodeWorker(WorkerLoop):
     def tick(self) -> None:
         self._try_admit_remote()
         self._poll_transfers()
-        produced, _ = self.runtime.step()
+        produced = self.runtime.step().produced
         for seq, token in produced:
             if seq.request_id not in self.seqs:
                 continue

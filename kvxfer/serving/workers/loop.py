@@ -12,6 +12,13 @@ import queue
 import signal
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...agent import Agent
+    from ..engine.runtime import Runtime
+    from ..server.ipc import WorkerChannel
+    from ..server.netchannel import NetWorkerChannel
 
 log = logging.getLogger("kvxfer.worker")
 
@@ -23,12 +30,12 @@ POLL_WAIT_S = 0.002  # transfers pending: poll their handles this often
 class WorkerContext:
     name: str
     role: str
-    channel: object  # kvxfer.serving.ipc.WorkerChannel
-    runtime: object  # kvxfer.serving.workers.runtime.Runtime
-    agent: object | None  # kvxfer.Agent (None when colocated)
+    channel: WorkerChannel | NetWorkerChannel
+    runtime: Runtime
+    agent: Agent | None  # None when colocated
     transfer_timeout_s: float
     on_transfer_failure: str
-    released: object = None  # queue.SimpleQueue of request ids whose agent lease ended
+    released: queue.SimpleQueue | None = None  # request ids whose agent lease ended
     request_timeout_s: float = 600.0
 
 

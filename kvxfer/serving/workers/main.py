@@ -7,7 +7,7 @@ the agent, and only then report ``ready`` with the agent's address.
 Two ways to reach the router: ``--ipc-fd`` (spawned by ``kvxfer serve``, a
 private socket pair; the worker exits with its router) or ``--listen HOST:PORT``
 (``kvxfer worker`` on any host: an authenticated TCP channel,
-:mod:`kvxfer.serving.netchannel`; the worker outlives routers and, with
+:mod:`kvxfer.serving.server.netchannel`; the worker outlives routers and, with
 ``--discovery``, publishes itself so routers find it).
 
 The agents' shared secret: ``KVXFER_AGENT_SECRET`` (hex, set by ``kvxfer serve``
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _pin(cpus: str | None, num_threads: int) -> None:
     import torch
 
-    from ..serve_config import parse_cpu_group
+    from ..server.serve_config import parse_cpu_group
 
     if cpus:
         os.sched_setaffinity(0, parse_cpu_group(cpus))
@@ -90,11 +90,10 @@ def _pin(cpus: str | None, num_threads: int) -> None:
 
 def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue,
                 secret: bytes, listen: str):
-    import kvxfer
+    from ...agent import Agent
 
-    agent = kvxfer.Agent(name, listen=listen, secret=secret,
-                         lease_timeout=lease_timeout_s,
-                         on_release=lambda request_id, block_ids, reason: released.put(request_id))
+    agent = Agent(name, listen=listen, secret=secret, lease_timeout=lease_timeout_s,
+                  on_release=lambda request_id, block_ids, reason: released.put(request_id))
     agent.register_kv(runtime.cache.kv_layout())
     return agent
 
@@ -103,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
-    from ..ipc import WorkerChannel
+    from ..server.ipc import WorkerChannel
 
     try:
         secret = load_secret(args.secret_file)
         if args.listen is not None:
-            from ..netchannel import NetWorkerChannel
+            from ..server.netchannel import NetWorkerChannel
 
             channel = NetWorkerChannel(args.listen, secret)
         else:
@@ -120,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     registration = None
     try:
         _pin(args.cpus, args.threads)
-        from ..config import EngineConfig
+        from ..engine.config import EngineConfig
         from .loop import WorkerContext
-        from .runtime import Runtime
+        from ..engine.runtime import Runtime
 
         config = EngineConfig(model_path=args.model, num_blocks=args.num_blocks,
                               max_num_seqs=args.max_num_seqs,
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def runtime_model_name(model_path: str | None) -> str:
     """The model's name as the router derives it (the GGUF file's base name)."""
-    from ..gguf_loader import default_model_path
+    from ..model.gguf_loader import default_model_path
 
     return os.path.basename(model_path or default_model_path()).split(".")[0]
 

@@ -8,28 +8,20 @@ posted, so the write starts at once) and report ``sent`` with the handle's
 send -> done time as soon as it completes. The blocks are held
 until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
-
-Test hook: ``KVXFER_TEST_FAIL_TRANSFER`` in the worker's environment makes
-sends fail before they are posted, as if the peer had gone away: ``1`` every
-send, a file path every send while that file exists (so a test can switch
-failures on and off in a running server).
 """
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass
 
 from ...errors import KVXferError, PeerDisconnected
-from ..sequence import Sequence
+from ..engine.sequence import Sequence
 from .loop import WorkerLoop
-from .runtime import sampling_params
+from ..engine.runtime import sampling_params
 
 log = logging.getLogger("kvxfer.worker")
-
-FAIL_TRANSFER_ENV = "KVXFER_TEST_FAIL_TRANSFER"
 
 
 @dataclass
@@ -46,7 +38,6 @@ class PrefillWorker(WorkerLoop):
         self.seqs: dict[str, Sequence] = {}
         self.outgoing: dict[str, Outgoing] = {}
         self.peers: dict[str, object] = {}  # decode agent address -> kvxfer.Peer
-        self._fault_hook = os.environ.get(FAIL_TRANSFER_ENV) or None
         self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
 
     def on_prefill(self, msg: dict) -> None:
@@ -72,7 +63,7 @@ class PrefillWorker(WorkerLoop):
 
     def tick(self) -> None:
         self._poll_sends()
-        produced, _ = self.runtime.step()
+        produced = self.runtime.step().produced
         for seq, token in produced:
             rid = seq.request_id
             # Prefill is all this worker does: the sequence leaves the batch
@@ -96,8 +87,6 @@ class PrefillWorker(WorkerLoop):
         rid = seq.request_id
         block_ids = seq.block_table[int(msg.get("skip_blocks", 0)):]
         try:
-            if self._is_fault_injected():
-                raise PeerDisconnected(f"injected transfer failure ({FAIL_TRANSFER_ENV})")
             handle = self.agent.send(self._peer(msg["dst"]), rid, block_ids)
         except KVXferError as exc:
             if isinstance(exc, PeerDisconnected):
@@ -105,22 +94,17 @@ class PrefillWorker(WorkerLoop):
             self._settle(seq, f"{type(exc).__name__}: {exc}")
             return
         self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter())
-        # Report completion from a thread: the main loop may be inside a
-        # seconds-long prefill step when the data lands.
-        threading.Thread(target=self._report_sent, args=(rid, handle), daemon=True,
-                         name=f"sent-{rid}").start()
+        handle.add_done_callback(functools.partial(self._report_sent, rid))
 
     def _report_sent(self, rid: str, handle) -> None:
-        try:
-            handle.wait(timeout=self.ctx.transfer_timeout_s)
-        except KVXferError:
-            return  # failures and expiry are the main loop's (_poll_sends)
+        """Done callback, on the agent's thread: ``sent`` goes out as soon as the data
+        landed, even while the main loop is inside a seconds-long prefill step (the
+        channel's send is one short locked ``sendall``). Failures and expiry are the
+        main loop's (:meth:`_poll_sends`)."""
+        if handle.state != "done":
+            return
         self.send({"ev": "sent", "rid": rid, "kv_bytes": handle.nbytes,
                    "transfer_ms": (handle.finished - handle.created) * 1e3})
-
-    def _is_fault_injected(self) -> bool:
-        hook = self._fault_hook
-        return hook is not None and (hook == "1" or os.path.exists(hook))
 
     def _poll_sends(self) -> None:
         now = time.perf_counter()

@@ -1,6 +1,6 @@
 """Measure the engine's prefill and decode speed, and the matmul dtypes on this CPU.
 
-    python -m kvxfer.serving.bench_engine --threads 1 [--model PATH.gguf] [--dtypes]
+    python -m kvxfer.serving.engine.bench --threads 1 [--model PATH.gguf] [--dtypes]
 
 Prefill: one prompt of ``--prompt-len`` tokens in one step. Decode: greedy
 steps over a batch of ``--batch`` sequences (tok/s counts all sequences; ms per
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    from .attention import Chunk
+    from ..model.attention import Chunk
     from .config import EngineConfig
     from .engine import Engine
 

@@ -1,9 +1,9 @@
 """Workers on any host, found through discovery (``kvxfer serve --discovery URL``).
 
-:class:`RemoteCluster` has the interface of :class:`kvxfer.serving.launcher.Cluster`
+:class:`RemoteCluster` has the interface of :class:`kvxfer.serving.server.launcher.Cluster`
 (``workers``, ``pick``, ``start``, ``stop``, ``health``) but spawns nothing: it
 watches the discovery prefix (:mod:`kvxfer.discovery`) and connects to each
-published worker's control address (:mod:`kvxfer.serving.netchannel`,
+published worker's control address (:mod:`kvxfer.serving.server.netchannel`,
 authenticated with the shared secret).
 
 - A worker that appears is connected at once and takes requests as soon as its
@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Callable
 
-from ..errors import KVXferError
+from ...errors import KVXferError
 from .serve_config import ServeConfig
 
 log = logging.getLogger("kvxfer.serve")
@@ -80,8 +80,8 @@ class RemoteCluster:
     """See the module docstring."""
 
     def __init__(self, config: ServeConfig, on_message: Callable, on_worker_exit: Callable):
-        from ..discovery import open_discovery
-        from .workers.main import load_secret
+        from ...discovery import open_discovery
+        from ..workers.main import load_secret
 
         self.config = config
         self.discovery = open_discovery(config.discovery)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -74,10 +73,3 @@ def sample_row(logits: torch.Tensor, params: SamplingParams,
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 
-
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[S, vocab]``; rows are sampled independently."""
-    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
-        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params")
-    return [sample_row(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]

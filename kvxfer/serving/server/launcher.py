@@ -1,7 +1,7 @@
 """Start, watch and stop the worker processes.
 
 Each worker is ``python -m kvxfer.serving.workers`` with one end of a private
-socket pair (:mod:`kvxfer.serving.ipc`). The agents' shared secret travels in
+socket pair (:mod:`kvxfer.serving.server.ipc`). The agents' shared secret travels in
 the child's environment (``KVXFER_AGENT_SECRET``), never on a command line and
 never in a log.
 
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Callable
 
-from ..errors import KVXferError
+from ...errors import KVXferError
 from .ipc import RouterChannel
 from .serve_config import ServeConfig, WorkerSpec
 

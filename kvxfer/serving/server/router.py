@@ -8,7 +8,7 @@ the workers only see token ids.
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
 true: SSE ``data: {...}`` chunks then ``data: [DONE]``), ``GET /health``,
 ``GET /metrics`` (Prometheus text), ``GET /v1/models``. Bearer-token check,
-body limit and error bodies: :mod:`kvxfer.serving.guard`. Tokenization runs on
+body limit and error bodies: :mod:`kvxfer.serving.server.guard`. Tokenization runs on
 a small thread pool (the tokenizer releases the GIL), never on the event loop,
 so a large prompt does not hold up ``/health`` or other requests.
 """
@@ -84,7 +84,7 @@ class Router:
             st = self.dispatcher.submit(rid, prompt_ids, params)
         except NoWorkerAvailable as exc:
             raise RequestFailed(str(exc), "unavailable", 503) from None
-        from .detokenize import IncrementalDetokenizer
+        from ..model.detokenize import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.codec.tokenizer, req.stop)
         token_ids: list[int] = []

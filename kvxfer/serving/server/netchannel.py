@@ -1,6 +1,6 @@
 """Router <-> worker messaging over TCP, for workers on other hosts (``kvxfer worker``).
 
-The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.ipc`,
+The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.server.ipc`,
 behind a mutual HMAC-SHA256 challenge over the deployment's shared secret (the
 secret never crosses the wire; labels differ from the agents' handshake, so a
 proof cannot be replayed from one protocol into the other)::
@@ -33,7 +33,7 @@ import select
 import socket
 import threading
 
-from ..errors import AuthenticationError, ProtocolError
+from ...errors import AuthenticationError, ProtocolError
 from .ipc import _HEADER, RouterChannel, _recv_exact, decode, encode
 
 log = logging.getLogger("kvxfer.worker")
@@ -69,11 +69,11 @@ class _Conn:
 
 class NetWorkerChannel:
     """Worker end: listens on ``listen`` (``host:port``); same ``inbox``/``send`` as
-    :class:`kvxfer.serving.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
+    :class:`kvxfer.serving.server.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
     message every newly connected router receives first."""
 
     def __init__(self, listen: str, secret: bytes):
-        from ..control.peers import split_address
+        from ...control.peers import split_address
 
         if len(secret) < 16:
             raise ValueError("the shared secret must be at least 16 bytes")
@@ -218,7 +218,7 @@ async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> 
     """Router end: connect, prove the secret, check the worker's proof; returns the
     channel and the worker's ``ready`` message. Raises ``OSError``/``asyncio.TimeoutError``,
     :class:`AuthenticationError` or :class:`ProtocolError`."""
-    from ..control.peers import split_address
+    from ...control.peers import split_address
 
     host, port = split_address(address)
 

@@ -9,7 +9,7 @@ Token ``t`` of a sequence with block table ``bt`` lives in block
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,32 +53,6 @@ class KVCache:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
-
-    def _check_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
-            raise ValueError(f"block ids must lie in [0, {self.num_blocks}), got {list(block_ids)}")
-        return ids
-
-    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """Copy whole blocks (all layers) ``src_ids[i] -> dst_ids[i]`` within this pool."""
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
-        src, dst = self._check_ids(src_ids), self._check_ids(dst_ids)
-        self.tensor[dst] = self.tensor[src]
-
-    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A copy of the given blocks, ``[n, L, 2, B, H, D]``."""
-        return self.tensor[self._check_ids(block_ids)]
-
-    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """Write ``data`` ``[n, L, 2, B, H, D]`` (e.g. from another pool) into ``block_ids``."""
-        ids = self._check_ids(block_ids)
-        expected = (len(ids), *self.tensor.shape[1:])
-        if tuple(data.shape) != expected or data.dtype != self.tensor.dtype:
-            raise ValueError(f"data must be {expected} {self.tensor.dtype}, "
-                             f"got {tuple(data.shape)} {data.dtype}")
-        self.tensor[ids] = data.to(self.tensor.device)
 
     def kv_layout(self) -> "KVLayout":
         """The pool as a :class:`kvxfer.KVLayout` (built on first call, then cached)."""

@@ -1,25 +1,27 @@
-"""One worker's engine: model replica, KV pool, block manager, scheduler, one step.
+"""The one engine core: model replica, KV pool, block manager, scheduler, one step.
 
-The worker loops (:mod:`.decode`, :mod:`.prefill`) own the request lifecycle;
-this module only runs a scheduled step and says which sequences produced a
-token. The pool is ``model.kv_cache.tensor`` ``[N, L, 2, B, H, D]``, the very
-tensor the worker's :class:`kvxfer.Agent` registers.
+:class:`Runtime` runs a scheduled step and says which sequences produced a
+token; its owner keeps the request lifecycle: the worker loops
+(:mod:`kvxfer.serving.workers.decode`, :mod:`.prefill`) or the in-process
+:class:`kvxfer.serving.engine.engine.Engine`. The pool is
+``model.kv_cache.tensor`` ``[N, L, 2, B, H, D]``, the very tensor a worker's
+:class:`kvxfer.Agent` registers.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import NamedTuple
 
-from ..attention import Chunk
-from ..block_manager import BlockManager
-from ..config import EngineConfig
-from ..model import LlamaModel
-from ..sampling import SamplingParams, sample_row
-from ..scheduler import Scheduler
-from ..sequence import Sequence, SequenceStatus
+from ..model.attention import Chunk
+from ..model.model import LlamaModel
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sampling import SamplingParams, sample_row
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
 
 
 def sampling_params(raw: dict) -> SamplingParams:
-    """The router's parameter dict (:meth:`kvxfer.serving.api._SamplingFields.sampling`)."""
+    """The router's parameter dict (:meth:`kvxfer.serving.server.api._SamplingFields.sampling`)."""
     return SamplingParams(temperature=float(raw.get("temperature", 1.0)),
                           top_p=float(raw.get("top_p", 1.0)),
                           max_tokens=int(raw.get("max_tokens", 16)),
@@ -34,6 +36,14 @@ def finish_reason(seq: Sequence, token: int) -> str | None:
     if seq.num_output_tokens >= seq.params.max_tokens:
         return "length"
     return None
+
+
+class Step(NamedTuple):
+    """What one :meth:`Runtime.step` did."""
+
+    produced: list[tuple[Sequence, int]]  # (sequence, sampled token) per finished chunk
+    is_prefill: bool
+    num_tokens: int  # tokens run through the model
 
 
 class Runtime:
@@ -55,9 +65,8 @@ class Runtime:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def step(self, on_layer_done: Callable[[int], None] | None = None
-             ) -> tuple[list[tuple[Sequence, int]], bool]:
-        """Run the scheduler's next step: ``([(seq, sampled_token), ...], is_prefill)``.
+    def step(self) -> Step:
+        """Run the scheduler's next step: ``Step([(seq, sampled_token), ...], is_prefill, n)``.
 
         A sequence appears only when its chunk reached its last token (prefill
         complete, or a decode token); the caller appends the token and decides
@@ -66,11 +75,10 @@ class Runtime:
         """
         chunks, is_prefill = self.scheduler.schedule()
         if not chunks:
-            return [], False
+            return Step([], False, 0)
         logits = self.model.forward(
             [Chunk(tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
-                   tuple(c.seq.block_table)) for c in chunks],
-            on_layer_done=on_layer_done)
+                   tuple(c.seq.block_table)) for c in chunks])
         produced = []
         for row, c in enumerate(chunks):
             seq = c.seq
@@ -79,7 +87,7 @@ class Runtime:
             if c.completes_prefill:
                 seq.status = SequenceStatus.DECODING
                 produced.append((seq, sample_row(logits[row], seq.params, seq.generator)))
-        return produced, is_prefill
+        return Step(produced, is_prefill, sum(c.num_tokens for c in chunks))
 
     def release(self, seq: Sequence, reason: str = "abort") -> None:
         """Free ``seq``'s blocks, wherever it is (scheduler queues or held by the worker)."""

@@ -1,25 +1,23 @@
-"""The colocated engine: requests in, tokens out, one step at a time.
+"""The in-process engine: text or ids in, tokens and text out, one step at a time.
 
-It also exposes the pieces a disaggregated deployment needs: a prefill-only
-call that keeps the prompt's blocks (:meth:`Engine.prefill`), and the decode
-side's reserve/admit pair that lets KV arrive from elsewhere
-(:meth:`Engine.reserve`, :meth:`Engine.admit_prefilled`).
+It adds a tokenizer, request ids and incremental detokenization to the one
+engine core, :class:`~kvxfer.serving.engine.runtime.Runtime`, which the worker
+processes run too.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence as Seq
 
 import torch
 
-from .attention import Chunk
-from .block_manager import BlockManager, OutOfBlocks
+from ..model.detokenize import IncrementalDetokenizer
+from .block_manager import OutOfBlocks
 from .config import EngineConfig
-from .detokenize import IncrementalDetokenizer
-from .sampling import SamplingParams, sample
-from .scheduler import ScheduledChunk, Scheduler
-from .sequence import Sequence, SequenceStatus
+from .runtime import Runtime
+from .sampling import SamplingParams
+from .sequence import Sequence
 
 if TYPE_CHECKING:
     from kvxfer.layout import KVLayout
@@ -46,10 +44,10 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from .gguf_loader import load_weights, open_gguf, read_model_config
-        from .kv_cache import KVCache
-        from .model import LlamaModel
-        from .tokenizer import Tokenizer
+        from ..model.gguf_loader import load_weights, open_gguf, read_model_config
+        from ..model.kv_cache import KVCache
+        from ..model.model import LlamaModel
+        from ..model.tokenizer import Tokenizer
 
         self.config = config = config if config is not None else EngineConfig()
         if config.num_threads is not None:
@@ -61,9 +59,8 @@ class Engine:
                         self.model_config.num_kv_heads, self.model_config.head_dim)
         self.model = LlamaModel(self.model_config, load_weights(reader, self.model_config), cache)
         self.kv_cache = cache
-        self.block_manager = BlockManager(config.num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.runtime = Runtime(self.model, config)
+        self.block_manager = self.runtime.blocks
         self._seqs: dict[str, Sequence] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
 
@@ -116,44 +113,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- stepping ---------------------------------------------------------
-    def run_chunks(self, chunks: Seq[Chunk], *,
-                   on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run chunks straight through the model (no scheduling); logits ``[S, vocab]``."""
-        return self.model.forward(chunks, on_layer_done=on_layer_done)
+    @property
+    def scheduler(self):
+        return self.runtime.scheduler
 
+    # ---- stepping ---------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """Run one scheduled step; returns the tokens it produced."""
-        scheduled, is_prefill = self.scheduler.schedule()
-        if not scheduled:
+        began = time.perf_counter()
+        step = self.runtime.step()
+        if not step.num_tokens:
             if self.scheduler.has_work():
                 raise OutOfBlocks("no request can make progress with the free KV blocks")
             return []
-        chunks = [Chunk(c.seq.token_ids[c.start:c.start + c.num_tokens], c.start, c.seq.block_table)
-                  for c in scheduled]
-        began = time.perf_counter()
-        logits = self.model.forward(chunks)
-        kind = "prefill" if is_prefill else "decode"
+        kind = "prefill" if step.is_prefill else "decode"
         self.stats[f"{kind}_s"] += time.perf_counter() - began
-        self.stats[f"{kind}_tokens"] += sum(c.num_tokens for c in scheduled)
-        return self._postprocess(scheduled, logits)
-
-    def _postprocess(self, scheduled: list[ScheduledChunk], logits: torch.Tensor) -> list[TokenEvent]:
-        ready, rows = [], []
-        for i, c in enumerate(scheduled):
-            c.seq.num_computed_tokens = c.start + c.num_tokens
-            self.block_manager.cache_full_blocks(c.seq)
-            if c.completes_prefill:
-                ready.append(c.seq)
-                rows.append(i)
-        if not ready:
-            return []
-        tokens = sample(logits[rows], [s.params for s in ready], [s.generator for s in ready])
-        return [self._append_token(seq, tok) for seq, tok in zip(ready, tokens)]
+        self.stats[f"{kind}_tokens"] += step.num_tokens
+        return [self._append_token(seq, tok) for seq, tok in step.produced]
 
     def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent:
         seq.token_ids.append(token_id)
-        seq.status = SequenceStatus.DECODING
         params = seq.params
         reason = None
         if (token_id == self.tokenizer.eos_id and not params.ignore_eos) \
@@ -194,58 +173,6 @@ class Engine:
             for ev in self.step():
                 out[ev.request_id].append(ev.token_id)
         return [out[r] for r in rids]
-
-    # ---- disaggregation hooks ----------------------------------------------
-    def prefill(self, seq: Sequence, *, on_layer_done: Callable[[int], None] | None = None) -> int:
-        """Prefill side: allocate blocks (reusing cached prefix blocks), compute the
-        rest of the prompt in one step, and return the first sampled token.
-
-        The blocks stay held (``seq.block_table``) until :meth:`release`; the
-        prompt's full blocks are registered for prefix reuse.
-        """
-        if seq.status is not SequenceStatus.WAITING or seq.block_table:
-            raise ValueError(f"prefill needs a fresh sequence, got {seq!r}")
-        self.block_manager.allocate(seq)
-        start = seq.num_computed_tokens
-        logits = self.model.forward([Chunk(seq.token_ids[start:], start, seq.block_table)],
-                                    on_layer_done=on_layer_done)
-        seq.num_computed_tokens = seq.num_tokens
-        seq.status = SequenceStatus.PREFILLING  # held, not scheduled
-        self.block_manager.cache_full_blocks(seq)
-        return sample(logits, [seq.params], [seq.generator])[0]
-
-    def release(self, seq: Sequence) -> None:
-        """Free blocks held by :meth:`prefill` or :meth:`reserve` (idempotent)."""
-        if seq.block_table:
-            self.block_manager.deallocate(seq)
-        seq.status = SequenceStatus.FINISHED
-
-    def reserve(self, seq: Sequence) -> list[int]:
-        """Decode side: allocate blocks for ``seq``'s prompt, reusing cached prefix blocks.
-
-        Returns the block ids whose KV must arrive from the prefill side:
-        ``seq.block_table[seq.num_cached_tokens // block_size:]``. Raises
-        :class:`OutOfBlocks` when the pool cannot hold the prompt.
-        """
-        if seq.status is not SequenceStatus.WAITING or seq.block_table:
-            raise ValueError(f"reserve needs a fresh sequence, got {seq!r}")
-        self.block_manager.allocate(seq)
-        seq.status = SequenceStatus.PREFILLING
-        return seq.block_table[seq.num_cached_tokens // self.config.block_size:]
-
-    def admit_prefilled(self, seq: Sequence, first_token_id: int) -> TokenEvent:
-        """Decode side: the prompt's KV is in ``seq``'s blocks; append the first token
-        (sampled by the prefill side) and decode the rest in later :meth:`step` s."""
-        if seq.status is not SequenceStatus.PREFILLING or not seq.block_table:
-            raise ValueError(f"admit_prefilled needs a reserved sequence, got {seq!r}")
-        if not 0 <= int(first_token_id) < self.model_config.vocab_size:
-            raise ValueError(f"first token id {first_token_id} out of vocabulary range")
-        seq.num_computed_tokens = seq.num_tokens
-        self.block_manager.cache_full_blocks(seq)
-        seq.status = SequenceStatus.DECODING
-        self._seqs[seq.request_id] = seq
-        self.scheduler.add_running(seq)
-        return self._append_token(seq, int(first_token_id))
 
     def kv_layout(self) -> "KVLayout":
         """The KV pool as a :class:`kvxfer.KVLayout` (dims ``"N L 2 B H D"``)."""

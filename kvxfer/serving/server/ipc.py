@@ -38,7 +38,7 @@ import socket
 import struct
 import threading
 
-from ..errors import ProtocolError
+from ...errors import ProtocolError
 
 _HEADER = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits

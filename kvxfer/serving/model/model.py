@@ -1,14 +1,14 @@
 """A plain-torch Llama decoder (GQA, RMSNorm, SwiGLU, RoPE) with paged attention.
 
 Weights are fp32, dequantized from GGUF. The model reads and writes K/V only
-through its :class:`~kvxfer.serving.kv_cache.KVCache`; :meth:`LlamaModel.forward`
+through its :class:`~kvxfer.serving.model.kv_cache.KVCache`; :meth:`LlamaModel.forward`
 runs one step (prefill chunks or decode tokens) and returns last-token logits.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -123,14 +123,12 @@ class LlamaModel:
         return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_eps), self.lm_head)[:rows]
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[Chunk], *,
-                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Run one step; returns logits ``[S, vocab]`` of each chunk's last token.
 
         Writes K/V of every chunk token into the pool (positions
         ``start_pos .. end_pos-1`` of each block table) and reads earlier
-        positions from it. ``on_layer_done(layer)`` is called once layer
-        ``layer``'s K/V are in the pool (for layer-wise sending).
+        positions from it.
         """
         cache = self.kv_cache
         batch = StepBatch(chunks, block_size=cache.block_size, num_blocks=cache.num_blocks,
@@ -139,7 +137,5 @@ class LlamaModel:
         rope = self.rope.tables(batch.positions)
         for layer in range(self.config.num_layers):
             x = self.attention_block(layer, x, batch, rope)
-            if on_layer_done is not None:
-                on_layer_done(layer)
             x = self.mlp_block(layer, x)
         return self.logits(x[batch.last_rows])

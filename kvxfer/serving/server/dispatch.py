@@ -28,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..errors import KVXferError
+from ...errors import KVXferError
 from .launcher import Cluster, WorkerProcess
 from .prom import FAST_BUCKETS, LATENCY_BUCKETS, Registry
 from .serve_config import ServeConfig

@@ -15,15 +15,15 @@ _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
 
 @dataclass(frozen=True)
 class TextCodec:
-    tokenizer: Any  # kvxfer.serving.tokenizer.Tokenizer
+    tokenizer: Any  # kvxfer.serving.model.tokenizer.Tokenizer
     model_name: str
     max_position: int
     stop_token_ids: list[int]
 
     @classmethod
     def load(cls, model_path: str | None) -> "TextCodec":
-        from .gguf_loader import default_model_path, metadata, open_gguf, read_model_config
-        from .tokenizer import Tokenizer
+        from ..model.gguf_loader import default_model_path, metadata, open_gguf, read_model_config
+        from ..model.tokenizer import Tokenizer
 
         path = model_path or default_model_path()
         reader = open_gguf(path)

@@ -1,4 +1,4 @@
-"""Paged attention over :class:`~kvxfer.serving.kv_cache.KVCache`.
+"""Paged attention over :class:`~kvxfer.serving.model.kv_cache.KVCache`.
 
 A step runs a list of :class:`Chunk` s (one per sequence): a prefill chunk is
 many tokens of one prompt (``start_pos > 0`` when a prefix is already in the

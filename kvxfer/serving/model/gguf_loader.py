@@ -3,7 +3,7 @@
 Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants``.
 GGUF stores q/k projections in Meta's interleaved rotary layout (llama.cpp
 permutes Hugging Face checkpoints on conversion), so the model rotates
-*adjacent* pairs ``(x[2i], x[2i+1])``; see :mod:`kvxfer.serving.rope`.
+*adjacent* pairs ``(x[2i], x[2i+1])``; see :mod:`kvxfer.serving.model.rope`.
 """
 from __future__ import annotations
 

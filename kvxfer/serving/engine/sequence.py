@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .detokenize import IncrementalDetokenizer
+    from ..model.detokenize import IncrementalDetokenizer
 
 _ids = itertools.count()
 

@@ -4,7 +4,7 @@ Only the fields the reference server implements are declared; unknown fields
 are ignored (clients send many). Wrong types, out-of-range or non-finite numbers
 (``NaN``, ``Infinity``) and text that is not valid Unicode (a lone surrogate such
 as ``"\\ud800"``) fail validation: the router answers 400 with an OpenAI-style
-error body (:func:`error_body`, see :mod:`kvxfer.serving.guard`).
+error body (:func:`error_body`, see :mod:`kvxfer.serving.server.guard`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,44 @@
+"""The engine's budgets: a frozen, validated :class:`EngineConfig`.
+
+Built once at the entry point (CLI, worker) and passed down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.config import check_positive
+
+SCHEDULES = ("mixed", "separate")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Budgets of one engine: KV pool size, batch limits, threads.
+
+    ``num_blocks`` KV blocks of ``block_size`` tokens are allocated once.
+    A prefill step takes at most ``max_num_batched_tokens`` prompt tokens
+    (longer prompts are prefilled in chunks); a decode step at most
+    ``max_num_seqs`` sequences. ``schedule``: ``"mixed"`` puts the decode
+    tokens and prompt chunks in the same step (the budget counts both),
+    ``"separate"`` runs prefill steps and decode steps apart (see
+    :mod:`kvxfer.serving.engine.scheduler`). ``num_threads`` (if set) is applied with
+    ``torch.set_num_threads`` when the engine starts.
+    """
+
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    num_blocks: int = 512
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 16
+    num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    schedule: str = "mixed"
+
+    def __post_init__(self) -> None:
+        check_positive(self, "num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.num_threads is not None:
+            check_positive(self, "num_threads")
+        if self.model_path is not None and not isinstance(self.model_path, str):
+            raise TypeError(f"model_path must be a str or None, got {type(self.model_path).__name__}")

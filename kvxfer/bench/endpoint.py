@@ -246,14 +246,21 @@ class RemoteEndpoint:
         self.pipe.close()
 
 
-def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
-    """Serve one remote bench session on ``host:port`` (the target side of ``--connect``)."""
+def accept_session(address: str, authkey: bytes, timeout: float | None = None):
+    """Accept one authenticated connection on ``host:port``; return it and its first
+    message (the session parameters), waiting at most ``timeout`` (60 s) for them."""
     from multiprocessing.connection import Listener
 
     host, port = address.rsplit(":", 1)
     with Listener((host, int(port)), authkey=authkey) as listener:
         conn = listener.accept()
-        if not conn.poll(timeout or 60):
-            raise TransferTimeout("no session parameters from the initiator")
-        backend, slot_bytes, batch = conn.recv()
-        _serve(conn, backend, slot_bytes, batch)
+    if not conn.poll(timeout or 60):
+        conn.close()
+        raise TransferTimeout("no session parameters from the initiator")
+    return conn, conn.recv()
+
+
+def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
+    """Serve one remote bench session on ``host:port`` (the target side of ``--connect``)."""
+    conn, (backend, slot_bytes, batch) = accept_session(address, authkey, timeout)
+    _serve(conn, backend, slot_bytes, batch)

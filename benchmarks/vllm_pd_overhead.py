@@ -3,8 +3,10 @@
 For a prompt of N tokens (default 2,048): P's prefill time (P's
 ``vllm:request_prefill_time_seconds``), D's TTFT measured by the client
 (streaming), D's own compute of the last prompt token (D's
-``vllm:request_prefill_time_seconds``), and the bytes and seconds of D's recv
-(the connector's log line). Reports ``(D TTFT - D compute) / P prefill`` and
+``vllm:request_prefill_time_seconds``: from the step that schedules the loaded
+request to its first token; the load itself happens before that step), D's
+inter-token gap (one more one-token step, a cross-check), and the bytes and
+seconds of D's recv (the connector's log line). Reports ``(D TTFT - D compute) / P prefill`` and
 the transfer's bytes/s against a memcpy of the same size measured in this run.
 
     python benchmarks/vllm_pd_overhead.py [--tokens 2048] [--runs 3] [--dtype float32]
@@ -37,17 +39,24 @@ def memcpy_seconds(nbytes: int, reps: int = 5) -> float:
     return statistics.median(best)
 
 
-def ttft(server: VllmServer, prompt, params) -> float:
+def stream_times(server: VllmServer, prompt, params) -> tuple:
+    """``(ttft, itl)``: seconds to D's first streamed token and from it to the second.
+
+    The stream is read to its end: a client that hangs up after the first token
+    aborts the request, and vLLM then records no prefill time for it."""
     import httpx
 
     body = {"model": server.model_name(), "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "kv_transfer_params": params}
+    stamps = []
     t0 = time.perf_counter()
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600.0) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - t0
-    raise RuntimeError("no token streamed")
+                stamps.append(time.perf_counter() - t0)
+    if len(stamps) < 2:
+        raise RuntimeError(f"expected 2 streamed tokens, got {len(stamps)}")
+    return stamps[0], stamps[1] - stamps[0]
 
 
 def main() -> int:
@@ -56,6 +65,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--connector", choices=("kvxfer", "nixl"), default="kvxfer")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="OpenMP threads per engine (default: all cores, so P prefills as fast as it can)")
     ap.add_argument("--model", default=None, help="HF dir (default: export SmolLM2 to a temp dir)")
     args = ap.parse_args()
     model = args.model
@@ -65,8 +76,8 @@ def main() -> int:
         from kvxfer.integrations.hf_export import export_hf
 
         model = export_hf(tempfile.mkdtemp(prefix="smollm2-hf-"), dtype=args.dtype)
-    p = VllmServer(model, args.dtype, "producer", connector=args.connector)
-    d = VllmServer(model, args.dtype, "consumer", connector=args.connector)
+    p = VllmServer(model, args.dtype, "producer", connector=args.connector, threads=args.threads)
+    d = VllmServer(model, args.dtype, "consumer", connector=args.connector, threads=args.threads)
     start_all([p, d])
     rng = random.Random(1)
     rows = []
@@ -77,10 +88,12 @@ def main() -> int:
             params = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
             p_prefill = p.metric("vllm:request_prefill_time_seconds_sum") - p_before
             d_before = d.metric("vllm:request_prefill_time_seconds_sum")
-            t_first = ttft(d, prompt, params)
-            time.sleep(1.0)
+            t_first, itl = stream_times(d, prompt, params)
             d_compute = d.metric("vllm:request_prefill_time_seconds_sum") - d_before
+            if d_compute <= 0:
+                raise RuntimeError("D recorded no prefill time for the request")
             row = {"p_prefill_s": p_prefill, "d_ttft_s": t_first, "d_compute_s": d_compute,
+                   "d_itl_s": itl, "overhead_s": t_first - d_compute,
                    "overhead_ratio": (t_first - d_compute) / p_prefill}
             logs = re.findall(r"kvxfer: loaded (\S+): (\d+) B in ([0-9.]+) s", d.tail(200000))
             if args.connector == "kvxfer":

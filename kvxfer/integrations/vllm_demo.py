@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,10 @@ import tempfile
 import time
 
 START_TIMEOUT_S = 900.0
+# Two engines on a small CPU: one OpenMP thread each, unbound (vLLM CPU's default binds
+# every engine's threads to the same cores, and they spin against each other).
+# Set these variables yourself to override.
+SMALL_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 def _port() -> int:
@@ -60,6 +65,8 @@ def main() -> int:
     print(f"exported SmolLM2-135M-Instruct to {model}", flush=True)
     env = dict(os.environ, KVXFER_SECRET=os.environ.get("KVXFER_SECRET") or secrets.token_hex(16),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    for key, value in SMALL_CPU_ENV.items():
+        env.setdefault(key, value)
     p_port, d_port, proxy_port = _port(), _port(), _port()
     logs, procs = [], []
     try:
@@ -86,6 +93,9 @@ def main() -> int:
             if chunk.choices and chunk.choices[0].delta.content:
                 print(chunk.choices[0].delta.content, end="", flush=True)
         print("\n\n(prefilled on P, KV moved by kvxfer, decoded on D)")
+        with open(logs[1].name, errors="replace") as f:
+            loaded = [line.strip() for line in f if "kvxfer: loaded" in line]
+        print("D's connector: " + (loaded[-1] if loaded else "no load logged (D recomputed the prompt)"))
         return 0
     finally:
         for p in procs:
@@ -99,6 +109,7 @@ def main() -> int:
                 p.wait(30)
         for log in logs:
             log.close()
+        shutil.rmtree(model, ignore_errors=True)  # ~0.5 GB; the logs stay in the work dir
 
 
 if __name__ == "__main__":

@@ -132,27 +132,6 @@ PYBIND11_MODULE(_C, m) {
             .def("progress", &Engine::progress, py::call_guard<py::gil_scoped_release>())
             .def_property_readonly("event_fd", &Engine::event_fd)
             .def("arm", &Engine::arm, py::call_guard<py::gil_scoped_release>())
-            .def("notify", [](Engine& e, uint64_t conn, py::bytes payload) {
-                    std::string s = payload;
-                    py::gil_scoped_release nogil;
-                    e.notify(conn, s);
-                }, py::arg("conn_id"), py::arg("payload"))
-            .def("poll_notifications", [](Engine& e) {
-                    std::vector<std::pair<uint64_t, std::string>> got;
-                    {
-                        py::gil_scoped_release nogil;
-                        got = e.poll_notifications();
-                    }
-                    py::list out;
-                    for (auto& kv : got) out.append(py::make_tuple(kv.first, py::bytes(kv.second)));
-                    return out;
-                })
-            .def("local_copy", [=](Engine& e, const Descs& d) {
-                    const size_t n = rows(d);
-                    const int64_t* p = d.data();
-                    py::gil_scoped_release nogil;
-                    e.local_copy_batch(p, n);
-                }, py::arg("descs"), "memcpy a batch between local regions (benchmark limit)")
             .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
     }
 }

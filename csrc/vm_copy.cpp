@@ -264,9 +264,4 @@ void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
     vm_copy_ops(pid, ops.data(), ops.size(), is_write);
 }
 
-void local_copy(const std::vector<Op>& ops) {
-    for (const Op& op : ops)
-        std::memcpy(reinterpret_cast<void*>(op.raddr), reinterpret_cast<const void*>(op.laddr), op.length);
-}
-
 }  // namespace kvxfer

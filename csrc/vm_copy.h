@@ -56,8 +56,4 @@ size_t vm_split_bytes();
 // (EFAULT: the peer unmapped the memory it advertised).
 void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write);
 
-// Single-thread memcpy of the same ops inside one process: the limit the
-// benchmark compares with (ops' raddr is treated as a local address).
-void local_copy(const std::vector<Op>& ops);
-
 }  // namespace kvxfer

@@ -20,7 +20,7 @@ import uuid
 
 from .control.handshake import HANDSHAKE_TIMEOUT_S, client_handshake
 from .control.loop import IOLoop
-from .control.peers import InboundHandler, Peer, PeerHandler, make_backend, split_address
+from .control.peers import InboundHandler, Peer, PeerHandler, split_address
 from .control.gate import HandshakeGate
 from .control.messages import Msg, encode
 from .control.receiver import ReceiverSide
@@ -35,6 +35,7 @@ from .kernels.device import device_for
 from .lease import LeaseTable
 from .metrics import Metrics
 from .plan import CostModel, Geometry
+from .transport import make_backend
 
 
 log = logging.getLogger("kvxfer.agent")

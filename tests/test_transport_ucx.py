@@ -149,22 +149,6 @@ def test_tcp_batched_write_to_a_deregistered_region_is_refused_by_the_target():
         assert not np.frombuffer(_ask(pipe, "bytes"), np.uint8).any()
 
 
-@pytest.mark.parametrize("mode", ["vm", "tcp"])
-def test_notifications_reach_the_peer(mode):
-    with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
-        conn = b.connect(meta)
-        b.post_notify(conn, b"req-1 done")
-        b.post_notify(conn, b"")
-        deadline = time.monotonic() + 20
-        notes = []
-        while len(notes) < 2 and time.monotonic() < deadline:
-            b.progress()
-            notes += _ask(pipe, "notes")
-        assert (b.uid, b"req-1 done") in notes and (b.uid, b"") in notes
-        with pytest.raises(ValueError):
-            b.post_notify(conn, b"x" * (64 * 1024 + 1))
-
-
 @pytest.mark.parametrize("mode", ["vm", "ucx"])
 def test_remote_bounds_and_deregistration_enforced(mode):
     src = np.full(3 * BLOCK, 7, np.uint8)

@@ -50,24 +50,6 @@ class Peer:
         return f"<Peer {self.name!r} {state} transport={self.transport}>"
 
 
-def make_backend(spec, listen_host: str):
-    """The agent's backend: ``spec`` itself if it is one, else built by name.
-
-    UCX backends are narrowed to the network devices holding ``listen_host``
-    so the agent listens on nothing beyond the address it was asked for.
-    """
-    from ..transport import make_backend as registry
-    from ..transport.base import Backend
-
-    if isinstance(spec, Backend):
-        return spec
-    if spec == "loopback":
-        return registry(spec)
-    from ..transport.netdev import net_devices_for
-
-    return registry(spec, net_devices=net_devices_for(listen_host))
-
-
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():

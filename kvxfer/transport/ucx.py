@@ -20,13 +20,14 @@ and reported by ``Connection.transport``:
 
 Descriptors are ``int64 [n, 5]`` rows ``(local_region, local_offset,
 remote_region, remote_offset, length)``, validated in full (C++) before anything
-moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`,
-:meth:`arm` and :meth:`poll_notifications` drive UCX. A *target* must drive it
+moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`
+and :meth:`arm` drive UCX. A *target* must drive it
 too: emulated RMA over TCP is served, and connections that peers opened or
 closed are accepted and reaped, only while it progresses. :meth:`event_fd`
 becomes readable when UCX has such work (after :meth:`arm` returned True), so an
 owner can sleep in ``select`` and call :meth:`arm` when it fires (the Agent's
-I/O thread does). Notifications are UCX active messages (eager, at most 64 KiB).
+I/O thread does). Notifications are not the backend's: the agent sends them on
+its control channel after the data completed.
 """
 from __future__ import annotations
 
@@ -102,8 +103,7 @@ class UcxBackend(Backend):
         return self._engine.num_rejected
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(name="ucx", one_sided_read=True, cuda=True, same_host_only=False,
-                            per_desc_overhead_us=0.1)
+        return Capabilities(name="ucx", per_desc_overhead_us=0.1)
 
     # -- registration -------------------------------------------------------
     def register(self, addr: int, length: int, *, device: str = "cpu", device_id: int = 0) -> int:
@@ -184,17 +184,6 @@ class UcxBackend(Backend):
     def arm(self) -> bool:
         """Progress until idle, then arm :meth:`event_fd`; False while events are still pending."""
         return self._engine.arm()
-
-    # -- notifications ------------------------------------------------------
-    def post_notify(self, conn: Connection, payload: bytes) -> None:
-        """Send a small (<= 64 KiB) message; it is buffered locally when this returns."""
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TypeError("notification payload must be bytes")
-        self._engine.notify(conn.peer_id, bytes(payload))
-
-    def poll_notifications(self) -> list[tuple[int, bytes]]:
-        """Progress, then drain received notifications as ``(sender uid, payload)``."""
-        return self._engine.poll_notifications()
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:

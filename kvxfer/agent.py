@@ -286,18 +286,11 @@ class Agent:
 
 
 def _make_backend(spec, listen_host: str, config: AgentConfig):
-    """The agent's backend: ``spec`` itself if it is one, else built by name.
-
-    UCX backends are narrowed to the network devices holding ``listen_host``
-    so the agent listens on nothing beyond the address it was asked for.
-    """
+    """The agent's backend: ``spec`` itself if it is one, else built by name with the
+    config's transport knobs, narrowed to the devices holding ``listen_host``."""
     from .transport import make_backend
     from .transport.base import Backend
 
-    if isinstance(spec, Backend):
-        return spec
-    if spec == "loopback":
+    if isinstance(spec, Backend) or spec == "loopback":
         return make_backend(spec)
-    from .transport.netdev import net_devices_for
-
-    return make_backend(spec, net_devices=net_devices_for(listen_host), config=config)
+    return make_backend(spec, listen_host=listen_host, config=config)

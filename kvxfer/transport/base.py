@@ -29,10 +29,7 @@ class Capabilities:
     """What a backend can do; used by the agent's cost model."""
 
     name: str
-    one_sided_read: bool = True
-    cuda: bool = False
-    same_host_only: bool = False
-    # rough per-descriptor cost and per-byte rate, for choosing zero-copy vs pack
+    # rough per-descriptor cost, for choosing zero-copy vs pack
     per_desc_overhead_us: float = 1.0
 
 

@@ -126,8 +126,7 @@ class UcxBackend(Backend):
         return self._engine.num_rejected
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(name="ucx", one_sided_read=True, cuda=True, same_host_only=False,
-                            per_desc_overhead_us=0.1)
+        return Capabilities(name="ucx", per_desc_overhead_us=0.1)
 
     # -- registration -------------------------------------------------------
     def register(self, addr: int, length: int, *, device: str = "cpu", device_id: int = 0) -> int:

@@ -92,9 +92,9 @@ class Dispatcher:
         self.m_kv_bytes = r.counter("kvxfer_kv_transfer_bytes_total", "KV bytes moved prefill -> decode.")
         self.m_kv_failures = r.counter("kvxfer_kv_transfer_failures_total", "KV transfers that failed.")
         self.m_recomputes = r.counter("kvxfer_kv_recomputes_total", "Prompts recomputed on the decode worker after a failed transfer.")
-        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.")
+        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.", ("outcome",))
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
-        self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.")
+        self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.", ("reason",))
 
     def new_rid(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"

@@ -54,10 +54,10 @@ class Router:
         self.codec = TextCodec.load(config.model_path)
         self.model_name = self.codec.model_name
         self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
-        self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.")
-        self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).")
-        self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.")
-        self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.")
+        self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.", ("worker",))
+        self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).", ("worker",))
+        self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.", ("worker", "stat"))
+        self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.", ("worker", "key", "value"))
         self._pool_tokens = 0  # a worker's KV pool in tokens, from its ready message
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 

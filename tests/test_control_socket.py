@@ -200,7 +200,7 @@ def test_handler_errors_are_logged_and_the_loop_goes_on(server, caplog):
 
     handler = type("H", (), {"on_frame": on_frame, "on_close": on_close})()
     with caplog.at_level(logging.ERROR, logger="kvxfer"):
-        server._loop.add_conn(a, handler)
+        server._state.loop.add_conn(a, handler)
         b.sendall(encode(Msg.ACK, tag=1))
         assert closed.wait(T)
         deadline = time.monotonic() + T
@@ -211,4 +211,4 @@ def test_handler_errors_are_logged_and_the_loop_goes_on(server, caplog):
     assert any("close handler" in m for m in messages), messages
     assert all(r.exc_info for r in caplog.records if "handler" in r.getMessage())
     b.close()
-    assert server._loop.thread.is_alive()
+    assert server._state.loop.thread.is_alive()

@@ -36,6 +36,7 @@ _LAZY = {
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
     "AgentConfig": "kvxfer.config",
+    "PeerLimits": "kvxfer.control.limits",
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
 }

@@ -40,7 +40,8 @@ std::string read_table(const BatchHeader& h, const void* data, size_t length, st
 
 }  // namespace
 
-std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, bool is_write) {
+std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, bool is_write,
+                                   size_t max_am_header) {
     std::vector<BatchMsg> out;
     size_t bytes = kBatchMaxBytes;  // forces a new message on the first op
     for (const Op& op : ops) {
@@ -55,13 +56,16 @@ std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, b
             BatchMsg& m = out.back();
             m.table.push_back({op.raddr + off, n});
             m.iov.push_back({reinterpret_cast<void*>(op.laddr + off), n});
+            m.bytes += n;
             bytes += n;
             off += n;
         }
     }
     for (BatchMsg& m : out) {
         m.header.count = static_cast<uint32_t>(m.table.size());
-        if (is_write)  // the table leads the payload
+        if (!is_write) continue;
+        m.rndv = m.bytes >= kRndvMinBytes && rndv_header_bytes(m) <= max_am_header;
+        if (!m.rndv)  // eager: the table leads the payload
             m.iov.insert(m.iov.begin(), {m.table.data(), m.table.size() * sizeof(BatchEntry)});
     }
     return out;
@@ -82,6 +86,20 @@ std::string apply_batch(const Registry& registry, const BatchHeader& h, const vo
         src += e.length;
     }
     return {};
+}
+
+std::string check_rndv_batch(const Registry& registry, const void* header, size_t header_length,
+                             size_t data_length, BatchHeader& h, std::vector<BatchEntry>& table) {
+    if (header_length < sizeof(BatchHeader)) return "malformed header";
+    std::memcpy(&h, header, sizeof(h));
+    const size_t table_bytes = header_length - sizeof(BatchHeader);
+    if (table_bytes != static_cast<size_t>(h.count) * sizeof(BatchEntry)) return "malformed table";
+    std::string why = read_table(h, static_cast<const char*>(header) + sizeof(BatchHeader), table_bytes, table);
+    if (!why.empty()) return why;
+    uint64_t total = 0;
+    why = check_entries(registry, table, total);
+    if (!why.empty()) return why;
+    return total == data_length ? "" : "payload length does not match its table";
 }
 
 std::string check_get(const Registry& registry, const BatchHeader& h, const void* data, size_t length,

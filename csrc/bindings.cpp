@@ -9,6 +9,7 @@
 #include "copy.h"
 #include "errors.h"      // registration and transfer engine
 #include "ucx_engine.h"  // registration and transfer engine
+#include "vm_copy.h"
 
 namespace py = pybind11;
 
@@ -47,6 +48,11 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
             "Contiguous memcpy split across threads (benchmark baseline); raw addresses, GIL released.");
+        m.def(
+            "set_vm_copy_config",
+            [](size_t threads, long long split_bytes) { kvxfer::set_vm_copy_config(threads, split_bytes); },
+            py::arg("threads"), py::arg("split_bytes"),
+            "Same-host copy threads (0: default) and split size (< 0: default), process-wide (vm_copy.h).");
     }
 
     // ---- registration and transfer engine (owner: memory/transport) ----
@@ -84,8 +90,9 @@ PYBIND11_MODULE(_C, m) {
                                   r.mapping->device_id, r.mapping->is_pinned, r.is_cached);
         };
         py::class_<Engine>(m, "Engine", "UCP context+worker, memory registry and connections (see ucx_engine.h)")
-            .def(py::init<bool, const std::string&>(), py::arg("allow_vm") = true,
-                 py::arg("net_devices") = std::string())
+            .def(py::init<bool, const std::map<std::string, std::string>&, const std::string&>(),
+                 py::arg("allow_vm") = true, py::arg("ucx") = std::map<std::string, std::string>(),
+                 py::arg("hugepages") = std::string("advise"))
             .def_property_readonly("uid", &Engine::uid)
             .def_property_readonly("closed", &Engine::closed)
             .def_property_readonly("num_rejected", &Engine::num_rejected)
@@ -132,27 +139,6 @@ PYBIND11_MODULE(_C, m) {
             .def("progress", &Engine::progress, py::call_guard<py::gil_scoped_release>())
             .def_property_readonly("event_fd", &Engine::event_fd)
             .def("arm", &Engine::arm, py::call_guard<py::gil_scoped_release>())
-            .def("notify", [](Engine& e, uint64_t conn, py::bytes payload) {
-                    std::string s = payload;
-                    py::gil_scoped_release nogil;
-                    e.notify(conn, s);
-                }, py::arg("conn_id"), py::arg("payload"))
-            .def("poll_notifications", [](Engine& e) {
-                    std::vector<std::pair<uint64_t, std::string>> got;
-                    {
-                        py::gil_scoped_release nogil;
-                        got = e.poll_notifications();
-                    }
-                    py::list out;
-                    for (auto& kv : got) out.append(py::make_tuple(kv.first, py::bytes(kv.second)));
-                    return out;
-                })
-            .def("local_copy", [=](Engine& e, const Descs& d) {
-                    const size_t n = rows(d);
-                    const int64_t* p = d.data();
-                    py::gil_scoped_release nogil;
-                    e.local_copy_batch(p, n);
-                }, py::arg("descs"), "memcpy a batch between local regions (benchmark limit)")
             .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
     }
 }

@@ -20,16 +20,14 @@ namespace {
 // Backs the 2 MiB-aligned interior of a host region with transparent huge pages,
 // best effort. process_vm_writev pins the target's pages per range and walks both
 // sides' page tables; on huge pages that costs ~1/512 as many entries (measured on a
-// 2-core EPYC VM: 4.5-5.8 -> 8.1-8.8 GB/s for 32 KiB runs). KVXFER_HUGEPAGES:
+// 2-core EPYC VM: 4.5-5.8 -> 8.1-8.8 GB/s for 32 KiB runs). Mode (AgentConfig.hugepages):
 // "advise" (default: MADV_HUGEPAGE; pages first touched after it -- including by the
 // mlock that pins the region -- are huge, pages already there stay as they are),
 // "collapse" (also MADV_COLLAPSE: rebuilds the pages already there as huge pages,
 // contents kept, once per mapping; costs ~2-4 ms per MiB at registration), "off".
-void prefer_huge_pages(uintptr_t addr, size_t length) {
+void prefer_huge_pages(uintptr_t addr, size_t length, const std::string& m) {
     constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-    const char* mode = std::getenv("KVXFER_HUGEPAGES");
-    const std::string m = mode && *mode ? mode : "advise";
-    if (m == "off" || m == "0" || m == "no") return;
+    if (m == "off") return;
     const uintptr_t lo = (addr + kHuge - 1) & ~(kHuge - 1);
     const uintptr_t hi = (addr + length) & ~(kHuge - 1);
     if (hi <= lo) return;
@@ -92,7 +90,7 @@ std::shared_ptr<Mapping> Registry::map_new(uintptr_t addr, size_t length, MemKin
     m->kind = kind;
     m->device_id = device_id;
 
-    if (kind == MemKind::Host) prefer_huge_pages(addr, length);  // before UCX or mlock see the pages
+    if (kind == MemKind::Host) prefer_huge_pages(addr, length, hugepages_);  // before UCX or mlock see the pages
 
     ucp_mem_map_params_t p;
     std::memset(&p, 0, sizeof(p));

@@ -40,7 +40,9 @@ struct Region {
 
 class Registry {
 public:
-    explicit Registry(ucp_context_h context) : context_(context) {}
+    // hugepages: "advise", "collapse" or "off" (see prefer_huge_pages in registry.cpp)
+    Registry(ucp_context_h context, std::string hugepages)
+        : context_(context), hugepages_(std::move(hugepages)) {}
     ~Registry();
     Registry(const Registry&) = delete;
     Registry& operator=(const Registry&) = delete;
@@ -68,6 +70,7 @@ private:
     uint64_t next_id_ = 1;
     std::unordered_map<uint64_t, Region> regions_;
     std::vector<std::shared_ptr<Mapping>> mappings_;
+    std::string hugepages_;
 };
 
 }  // namespace kvxfer

@@ -17,10 +17,7 @@ namespace kvxfer {
 
 namespace {
 
-constexpr unsigned kNotifyAmId = 17;
-constexpr size_t kMaxNotifyBytes = 64 * 1024;
 constexpr size_t kMaxRetired = 4096;
-constexpr size_t kMaxInbox = 1 << 20;
 
 // The transport of the first rma_bw lane in ucp_ep_print_info's text, e.g.
 // "lane[0]:  2:cma/memory.0 md[2] -> md[2]/cma/sysdev[255] rma_bw#0" -> "cma";
@@ -59,11 +56,6 @@ std::string ep_print_info(ucp_ep_h ep) {
     return out;
 }
 
-void on_notify_sent(void* request, ucs_status_t, void* user_data) {
-    delete static_cast<std::string*>(user_data);
-    ucp_request_free(request);
-}
-
 void brief_pause() {
     struct timespec ts = {0, 20000};
     nanosleep(&ts, nullptr);
@@ -75,19 +67,6 @@ void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* c = static_cast<PeerConn*>(arg);
     c->failed = true;
     c->failure = ucs_error("peer endpoint failed", status);
-}
-
-ucs_status_t on_notification(void* arg, const void* header, size_t header_length, void* data,
-                             size_t length, const ucp_am_recv_param_t* param) {
-    auto* e = static_cast<Engine*>(arg);
-    // Senders force eager protocol; anything else is not ours and is dropped.
-    if (header_length != sizeof(uint64_t) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
-        length > kMaxNotifyBytes || e->inbox_.size() >= kMaxInbox)
-        return UCS_OK;
-    uint64_t sender;
-    std::memcpy(&sender, header, sizeof(sender));
-    e->inbox_.emplace_back(sender, std::string(static_cast<const char*>(data), length));
-    return UCS_OK;
 }
 
 void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
@@ -103,33 +82,22 @@ void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     if (st != UCS_OK) throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
 }
 
-Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_vm) {
+Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages)
+    : allow_vm_(allow_vm) {
+    if (hugepages != "advise" && hugepages != "collapse" && hugepages != "off")
+        throw std::invalid_argument("hugepages must be advise, collapse or off, got '" + hugepages + "'");
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
-    // UCX emulates RMA over TCP with active messages; 8 KiB segments cap it at
-    // ~0.4x a plain socket, 64 KiB reach ~0.65-0.85x (docs/benchmarks.md).
-    // An explicit UCX_TCP_*_SEG_SIZE in the environment wins.
-    for (const char* key : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
-        if (!std::getenv((std::string("UCX_") + key).c_str())) ucp_config_modify(config, key, "64k");
-    // With peer error handling UCX only puts an RMA lane on a memory domain that
-    // advertises remote-key invalidation (UCT_MD_FLAG_INVALIDATE_RMA), which
-    // UCX uses to fence a failed peer out of a rendezvous buffer. CMA does not
-    // claim it unless CMA_MEMORY_INVALIDATE=y, so on one host put/get would be
-    // emulated over shared-memory active messages (~1 GB/s, target progress
-    // needed). kvxfer never relies on that fencing (its data moves by one-sided
-    // put/get that the initiator drives; notifications are eager), so it turns
-    // the claim on: cma zero-copy RMA, peer failure still reported (cma ep_check,
-    // keepalive on the am lane, the pidfd). UCX_CMA_MEMORY_INVALIDATE=n restores
-    // UCX's choice. See docs/registration.md.
-    if (!std::getenv("UCX_CMA_MEMORY_INVALIDATE")) ucp_config_modify(config, "CMA_MEMORY_INVALIDATE", "y");
-    // UCX's TCP transport listens on every interface it opens; the agent narrows
-    // the devices to the one holding its own address (kvxfer/transport/netdev.py).
-    if (!net_devices.empty() && !std::getenv("UCX_NET_DEVICES")) {
-        st = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+    // The settings kvxfer/transport/ucx.py passes: its defaults (TCP segment size, cma
+    // RMA, the agent's network device; why: see UCX_DEFAULTS there) and AgentConfig.ucx.
+    // An explicit UCX_<key> in the environment wins, as UCX's own rule.
+    for (const auto& kv : ucx) {
+        if (std::getenv(("UCX_" + kv.first).c_str())) continue;
+        st = ucp_config_modify(config, kv.first.c_str(), kv.second.c_str());
         if (st != UCS_OK) {
             ucp_config_release(config);
-            throw Error(ucs_error("ucp_config_modify(NET_DEVICES)", st));
+            throw Error(ucs_error(("ucp_config_modify(" + kv.first + "=" + kv.second + ")").c_str(), st));
         }
     }
     ucp_params_t params;
@@ -154,7 +122,12 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
     try {
         st = ucp_worker_get_efd(worker_, &efd_);
         if (st != UCS_OK) throw Error(ucs_error("ucp_worker_get_efd", st));
-        set_am_handler(kNotifyAmId, on_notification);
+        ucp_worker_attr_t wa;
+        std::memset(&wa, 0, sizeof(wa));
+        wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+        st = ucp_worker_query(worker_, &wa);
+        if (st != UCS_OK) throw Error(ucs_error("ucp_worker_query", st));
+        max_am_header_ = wa.max_am_header;
         set_am_handler(kBatchAmId, on_batch);
         set_am_handler(kBatchAckAmId, on_batch_ack);
         set_am_handler(kGetAmId, on_get);
@@ -184,7 +157,7 @@ Engine::Engine(bool allow_vm, const std::string& net_devices) : allow_vm_(allow_
     self_.probe_addr = reinterpret_cast<uint64_t>(probe_);
     self_.probe_length = kProbeBytes;
     self_.probe_token.assign(probe_, kProbeTokenBytes);
-    registry_ = std::make_unique<Registry>(context_);
+    registry_ = std::make_unique<Registry>(context_, hugepages);
 }
 
 Engine::~Engine() {
@@ -211,12 +184,14 @@ void Engine::deregister(uint64_t region_id) {
     if (num_pending_ > 0)
         throw RegistrationError("cannot deregister while " + std::to_string(num_pending_) +
                                 " transfer(s) are in flight; wait for them first");
-    // Answers to peers' reads may still be gathered from our memory: let them go out.
+    // Answers to peers' reads may still be gathered from our memory, peers'
+    // writes may still be landing in it: let them finish.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (replies_in_flight_ > 0 && std::chrono::steady_clock::now() < deadline) ucp_worker_progress(worker_);
-    if (replies_in_flight_ > 0)
-        throw RegistrationError("cannot deregister while " + std::to_string(replies_in_flight_) +
-                                " peer read(s) of this process are being sent");
+    while ((replies_in_flight_ > 0 || landings_in_flight_ > 0) && std::chrono::steady_clock::now() < deadline)
+        ucp_worker_progress(worker_);
+    if (replies_in_flight_ > 0 || landings_in_flight_ > 0)
+        throw RegistrationError("cannot deregister while " + std::to_string(replies_in_flight_ + landings_in_flight_) +
+                                " peer read(s)/write(s) of this process's memory are in flight");
     registry_->remove(region_id);
 }
 
@@ -539,62 +514,10 @@ bool Engine::arm() {
     throw Error(ucs_error("ucp_worker_arm", st));
 }
 
-void Engine::notify(uint64_t conn_id, const std::string& payload) {
-    if (payload.size() > kMaxNotifyBytes)
-        throw std::invalid_argument("notification larger than " + std::to_string(kMaxNotifyBytes) + " bytes");
-    std::lock_guard<std::mutex> g(mu_);
-    require_open();
-    PeerConn& c = conn_locked(conn_id);
-    if (c.failed) throw PeerDisconnected(c.failure);
-    if (c.process && !c.process->alive()) {
-        c.failed = true;
-        c.failure = "peer process " + std::to_string(c.process->pid()) + " exited";
-        throw PeerDisconnected(c.failure);
-    }
-    auto* buf = new std::string(payload);
-    ucp_request_param_t p;
-    std::memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
-    p.cb.send = on_notify_sent;
-    p.user_data = buf;
-    const uint64_t header = self_.uid;
-    void* req = ucp_am_send_nbx(c.ep, kNotifyAmId, &header, sizeof(header), buf->data(), buf->size(), &p);
-    if (UCS_PTR_IS_PTR(req)) return;  // on_notify_sent frees the copy
-    delete buf;
-    if (UCS_PTR_IS_ERR(req)) {
-        ucs_status_t st = UCS_PTR_STATUS(req);
-        if (c.failed || is_peer_failure(st)) throw PeerDisconnected(ucs_error("ucp_am_send_nbx", st));
-        throw Error(ucs_error("ucp_am_send_nbx", st));
-    }
-}
-
-std::vector<std::pair<uint64_t, std::string>> Engine::poll_notifications() {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<uint64_t, std::string>> out;
-    if (worker_)
-        for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
-        }
-    out.reserve(inbox_.size());
-    while (!inbox_.empty()) {
-        out.push_back(std::move(inbox_.front()));
-        inbox_.pop_front();
-    }
-    return out;
-}
-
-void Engine::local_copy_batch(const int64_t* descs, size_t n) {
-    std::lock_guard<std::mutex> g(mu_);
-    require_open();
-    // Present the local regions as a "remote" table so the same validation applies.
-    std::unordered_map<uint64_t, RemoteRegion> self_table;
-    for (const Region* r : registry_->all()) self_table[r->id] = {r->id, r->addr, r->length, nullptr, r->mapping->kind == MemKind::Host};
-    kvxfer::local_copy(validate_batch(descs, n, *registry_, self_table));
-}
-
 void Engine::close() {
     std::lock_guard<std::mutex> g(mu_);
     if (!worker_) return;
+    closing_ = true;  // rendezvous data canceled from here on gets no answer
     for (auto& kv : conns_) close_ep(*kv.second);
     for (auto& kv : requests_) {
         XferRequest& r = kv.second;
@@ -609,7 +532,6 @@ void Engine::close() {
     conns_.clear();
     requests_.clear();
     retired_.clear();
-    inbox_.clear();
     registry_->clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;

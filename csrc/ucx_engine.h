@@ -1,8 +1,8 @@
 // The transfer engine: one UCP context + worker per agent, the memory registry,
-// connections to peers, batched one-sided writes/reads and small notifications.
+// connections to peers, batched one-sided writes/reads.
 //
 // Progress is explicit: nothing runs unless the owner calls test(), wait(),
-// progress(), arm() or poll_notifications(); no background thread. The owner
+// progress() or arm(); no background thread. The owner
 // learns when UCX has work from event_fd() (UCP_FEATURE_WAKEUP): it becomes
 // readable after arm() returned true and something arrived (a connection, an
 // active message, a closed socket), so an idle owner can sleep in poll/select
@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,6 +60,19 @@ struct XferRequest {
     std::string error;  // set when a failure was decided outside UCX
 };
 
+// Rendezvous data of a checked message being received into this process's
+// memory: on the target a write's checked ranges (reply_ep set: answer when it
+// landed), on the initiator a read answer's local ranges (reply_ep null).
+class Engine;
+
+struct Landing {
+    Engine* engine;
+    ucp_ep_h reply_ep;
+    BatchAck ack;
+    std::vector<ucp_dt_iov_t> iov;
+    bool counted = false;  // in landings_in_flight_
+};
+
 // Active-message handlers of the target-checked path (checked_rma.cpp).
 ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
@@ -67,9 +81,10 @@ ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_a
 
 class Engine {
 public:
-    // net_devices: a UCX_NET_DEVICES value ("" keeps UCX's default of every device);
-    // an explicit UCX_NET_DEVICES in the environment wins.
-    Engine(bool allow_vm, const std::string& net_devices);
+    // ucx: settings applied with ucp_config_modify (key without the UCX_ prefix; an
+    // explicit UCX_<key> in the environment wins); hugepages: "advise", "collapse" or
+    // "off" for registered host ranges (AgentConfig; kvxfer/transport/ucx.py builds both).
+    Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages);
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
@@ -95,13 +110,6 @@ public:
     // event_fd()), false when events are still pending (call again).
     bool arm();
 
-    void notify(uint64_t conn_id, const std::string& payload);
-    std::vector<std::pair<uint64_t, std::string>> poll_notifications();
-
-    // Benchmark limit: memcpy the same batch inside this process, both sides
-    // named by local regions (the remote region column names a local region).
-    void local_copy_batch(const int64_t* descs, size_t n);
-
     void close();
     bool closed() const { return worker_ == nullptr; }
     // Messages this engine refused as a target (ranges outside its regions).
@@ -109,12 +117,12 @@ public:
 
 private:
     friend void on_ep_error(void*, ucp_ep_h, ucs_status_t);
-    friend ucs_status_t on_notification(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend void on_get_reply_sent(void*, ucs_status_t, void*);
+    friend void on_landed(void*, ucs_status_t, size_t, void*);
 
     void require_open() const;
     PeerConn& conn_locked(uint64_t conn_id);
@@ -126,6 +134,9 @@ private:
     // checked_rma.cpp: the target-checked path of am_rma endpoints.
     void post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id, bool is_write);
     BatchMsg* pending_message(uint64_t token, uint32_t seq, XferRequest*& r);
+    BatchMsg* take_answer(const void* header, size_t header_length, BatchAck& ack, XferRequest*& r);
+    void receive(void* desc, Landing* l);  // takes l
+    void landed(Landing& l, ucs_status_t status);
     void set_am_handler(unsigned id, ucp_am_recv_callback_t cb);
     void close_ep(PeerConn& c);
 
@@ -142,9 +153,11 @@ private:
     std::unordered_map<uint64_t, std::unique_ptr<PeerConn>> conns_;
     std::unordered_map<uint64_t, XferRequest> requests_;
     std::deque<uint64_t> retired_;
-    std::deque<std::pair<uint64_t, std::string>> inbox_;
     size_t num_pending_ = 0;
     size_t replies_in_flight_ = 0;  // read answers UCX may still gather from our memory
+    size_t landings_in_flight_ = 0;  // rendezvous data UCX may still write into our memory
+    size_t max_am_header_ = 0;       // the worker's largest AM header (rendezvous tables)
+    bool closing_ = false;
     uint64_t num_rejected_ = 0;
 };
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
@@ -108,13 +109,8 @@ void vm_copy_ops(pid_t pid, const Op* ops, size_t n, bool is_write) {
     }
 }
 
-size_t env_size(const char* name, size_t fallback) {
-    const char* v = std::getenv(name);
-    if (!v || !*v) return fallback;
-    char* end = nullptr;
-    const unsigned long long x = std::strtoull(v, &end, 10);
-    return end && *end == '\0' ? static_cast<size_t>(x) : fallback;
-}
+std::atomic<size_t> g_vm_threads{0};  // 0: min(cores, kVmDefaultThreads)
+std::atomic<long long> g_vm_split{-1};  // < 0: kVmSplitBytes
 
 // A few copy threads shared by every engine of the process, started on first use
 // and kept (parked on a condition variable) for the life of the process. One job
@@ -204,11 +200,20 @@ private:
 
 size_t vm_copy_threads() {
     const unsigned hw = std::thread::hardware_concurrency();
-    const size_t want = env_size("KVXFER_VM_THREADS", std::min<size_t>(hw ? hw : 1, kVmDefaultThreads));
+    const size_t set = g_vm_threads.load();
+    const size_t want = set ? set : std::min<size_t>(hw ? hw : 1, kVmDefaultThreads);
     return std::min<size_t>(std::max<size_t>(want, 1), kVmMaxThreads) - 1;
 }
 
-size_t vm_split_bytes() { return env_size("KVXFER_VM_SPLIT_BYTES", kVmSplitBytes); }
+size_t vm_split_bytes() {
+    const long long set = g_vm_split.load();
+    return set < 0 ? kVmSplitBytes : static_cast<size_t>(set);
+}
+
+void set_vm_copy_config(size_t threads, long long split_bytes) {
+    g_vm_threads.store(threads);
+    g_vm_split.store(split_bytes);
+}
 
 void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
     size_t total = 0;
@@ -262,11 +267,6 @@ void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
         }
     }
     vm_copy_ops(pid, ops.data(), ops.size(), is_write);
-}
-
-void local_copy(const std::vector<Op>& ops) {
-    for (const Op& op : ops)
-        std::memcpy(reinterpret_cast<void*>(op.raddr), reinterpret_cast<const void*>(op.laddr), op.length);
 }
 
 }  // namespace kvxfer

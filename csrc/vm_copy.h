@@ -42,22 +42,21 @@ bool vm_probe(pid_t pid, uint64_t probe_addr, uint64_t probe_length, const std::
 // boundaries, >= 1 MiB, up to 8 per thread) taken in turn by the calling thread and
 // a small persistent pool of copy threads (vm_copy_threads() helpers, started on
 // first use, parked between batches; a caller that finds the pool busy copies alone). Smaller batches stay on the
-// calling thread. Environment: KVXFER_VM_THREADS (copying threads including the
-// caller, default min(cores, 2); 1 disables the pool) and KVXFER_VM_SPLIT_BYTES
-// (default 4 MiB; 0 disables splitting).
+// calling thread. Configured by set_vm_copy_config (AgentConfig.copy_threads: copying
+// threads including the caller, default min(cores, 2), 1 disables the pool, fixed by the
+// first batch that uses the pool; AgentConfig.vm_split_bytes: default 4 MiB, 0 disables
+// splitting). Both are process-wide: the last call before use wins.
 constexpr size_t kVmDefaultThreads = 2;
 constexpr size_t kVmMaxThreads = 4;
 constexpr size_t kVmSplitBytes = size_t{4} << 20;
 size_t vm_copy_threads();  // helper threads the pool starts (copying threads - 1)
 size_t vm_split_bytes();
+// threads 0 / split_bytes < 0: the default.
+void set_vm_copy_config(size_t threads, long long split_bytes);
 
 // Copies every op (local laddr <-> remote raddr). Throws PeerDisconnected
 // (ESRCH, EPERM: the process is gone or no longer ours), InvalidDescriptor
 // (EFAULT: the peer unmapped the memory it advertised).
 void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write);
-
-// Single-thread memcpy of the same ops inside one process: the limit the
-// benchmark compares with (ops' raddr is treated as a local address).
-void local_copy(const std::vector<Op>& ops);
 
 }  // namespace kvxfer

@@ -35,6 +35,8 @@ _LAZY = {
     "unpack": "kvxfer.kernels",
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
+    "AgentConfig": "kvxfer.config",
+    "PeerLimits": "kvxfer.control.limits",
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
 }

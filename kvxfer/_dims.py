@@ -132,7 +132,6 @@ def make_planes(groups: list, split_kv: bool, letters: tuple, shape: dict) -> tu
         return index_of[key]
 
     num_kv = 1 if "C" in letters else 2
-    num_layers = shape.get("L", 1) * len(groups)
     planes = []
     for group in groups:
         for li in range(shape.get("L", 1)):
@@ -145,6 +144,5 @@ def make_planes(groups: list, split_kv: bool, letters: tuple, shape: dict) -> tu
                 last = "C" if "C" in letters else "D"
                 strides = (stride["N"], stride["B"], stride.get("H", 0), stride[last])
                 row.append(Plane(tensor_index(t), offset, strides))
-            planes.append(tuple(row))
-    assert len(planes) == num_layers
+            planes.append(tuple(row))  # one row per layer: L x len(groups) rows
     return tuple(planes), tuple(tensors)

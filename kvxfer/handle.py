@@ -8,6 +8,11 @@ unpacked); for ``read``, the bytes are in the local blocks. A handle that
 streams layers also records each layer as it lands, so ``wait(layer=l)`` can
 return before the whole request has arrived. :meth:`TransferHandle.add_done_callback`
 runs a function once the handle is final (for engines that poll nothing).
+
+The agent side never touches a handle's fields: it creates a
+:class:`HandleCompleter`, gives the caller ``completer.handle`` and completes it
+through the completer's small interface (``succeed``, ``fail``, ``mark_layers``,
+``expect_layers``).
 """
 from __future__ import annotations
 
@@ -193,3 +198,37 @@ class TransferHandle:
             self._layers_done.update(layers)
             if self._layer_waiters:  # a whole-transfer wait would only wake to sleep again
                 self._cond.notify_all()
+
+
+class HandleCompleter:
+    """The agent's side of one :class:`TransferHandle` (internal interface).
+
+    Created with the handle's arguments; ``handle`` goes to the caller, the completer
+    stays with the agent, which moves the handle to a final state only through it.
+    ``succeed``/``fail`` return False if the handle was already final (set once).
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, kind: str, request_id: str, peer: str | None, *, layers=(), on_cancel=None) -> None:
+        self.handle = TransferHandle(kind, request_id, peer, layers=layers, on_cancel=on_cancel)
+
+    def set_canceller(self, fn) -> None:
+        """``fn(handle)`` runs once if the caller cancels a still pending handle."""
+        self.handle._on_cancel = fn
+
+    def succeed(self) -> bool:
+        """Final DONE: every promised layer landed (wakes waiters, runs callbacks)."""
+        return self.handle._succeed()
+
+    def fail(self, error: KVXferError) -> bool:
+        """Final FAILED with ``error`` (raised by ``wait``)."""
+        return self.handle._fail(error)
+
+    def mark_layers(self, layers) -> None:
+        """These layers landed (``wait(layer=l)`` returns for them)."""
+        self.handle._mark_layers(layers)
+
+    def expect_layers(self, layers) -> None:
+        """The layers this handle promises, once known (a streaming send learns them at match)."""
+        self.handle._layers = frozenset(layers)

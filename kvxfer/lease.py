@@ -45,7 +45,8 @@ class LeaseTable:
 
     def release(self, key: tuple, reason: str) -> bool:
         """End the lease (once); call the hook outside the lock. False if already released."""
-        assert reason in REASONS, reason
+        if reason not in REASONS:
+            raise ValueError(f"unknown release reason {reason!r}; one of {REASONS}")
         with self._lock:
             lease = self._leases.pop(key, None)
         if lease is None:

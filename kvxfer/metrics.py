@@ -1,4 +1,4 @@
-"""Per-agent counters and histograms, readable as a dict or Prometheus text.
+"""Per-agent counters and histograms, read as a dict (:meth:`Metrics.to_dict`).
 
 Durations are split the way transfer engines report them: ``prepare`` (plan,
 descriptors, pack), ``post`` (handing descriptors to the backend) and
@@ -53,13 +53,15 @@ class Metrics:
         self.info: dict[str, str] = {}  # e.g. backend, transport per peer
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
-        assert name in COUNTERS, name
+        if name not in COUNTERS:
+            raise ValueError(f"unknown counter {name!r}")
         key = (name, tuple(sorted(labels.items())) if len(labels) > 1 else tuple(labels.items()))
         with self._lock:
             self._counters[key] = self._counters.get(key, 0) + value
 
     def observe(self, name: str, seconds: float, **labels) -> None:
-        assert name in HISTOGRAMS, name
+        if name not in HISTOGRAMS:
+            raise ValueError(f"unknown histogram {name!r}")
         key = (name, tuple(sorted(labels.items())) if len(labels) > 1 else tuple(labels.items()))
         with self._lock:
             hist = self._hists.get(key)
@@ -83,35 +85,3 @@ class Metrics:
                 hists.setdefault(name, []).append({"labels": dict(labels), **h.to_dict()})
             return {"agent": self.agent, "info": dict(self.info), "counters": counters,
                     "histograms": hists}
-
-    def prometheus(self, prefix: str = "kvxfer") -> str:
-        """Prometheus text exposition (version 0.0.4)."""
-
-        def fmt(labels) -> str:
-            items = [("agent", self.agent), *labels]
-            return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in items) + "}"
-
-        lines = []
-        with self._lock:
-            for key, value in sorted(self.info.items()):
-                lines.append(f'{prefix}_info{fmt([("key", key), ("value", value)])} 1')
-            for name, help_text in COUNTERS.items():
-                rows = [(lab, v) for (n, lab), v in self._counters.items() if n == name]
-                lines += [f"# HELP {prefix}_{name}_total {help_text}", f"# TYPE {prefix}_{name}_total counter"]
-                lines += [f"{prefix}_{name}_total{fmt(lab)} {v:g}" for lab, v in sorted(rows)]
-            for name, help_text in HISTOGRAMS.items():
-                lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} histogram"]
-                for (n, lab), h in sorted(self._hists.items(), key=lambda kv: kv[0]):
-                    if n != name:
-                        continue
-                    cum = 0
-                    for le, c in zip([*map(str, BUCKETS), "+Inf"], h.counts):
-                        cum += c
-                        lines.append(f"{prefix}_{name}_bucket{fmt([*lab, ('le', le)])} {cum}")
-                    lines.append(f"{prefix}_{name}_sum{fmt(lab)} {h.sum:.9g}")
-                    lines.append(f"{prefix}_{name}_count{fmt(lab)} {h.count}")
-        return "\n".join(lines) + "\n"
-
-
-def _escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

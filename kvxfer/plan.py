@@ -22,7 +22,7 @@ plus the staging round trip. Both paths move identical bytes to identical places
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -47,13 +47,24 @@ class Geometry:
     def head_range(self) -> tuple:
         return (self.head_lo, self.head_lo + self.num_heads)
 
+    @cached_property
+    def _hash_value(self) -> int:
+        # a peer's geometry keys the descriptor caches on every request: hash its planes
+        # once (cached_property writes the instance dict; the dataclass stays frozen)
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
     def __hash__(self) -> int:
-        # a peer's geometry keys the descriptor caches on every request: hash its planes once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return self._hash_value
+
+    @cached_property
+    def _plane_cache(self) -> dict:
+        """Per-geometry memo of planned columns and descriptor templates (see below)."""
+        return {}
+
+    @cached_property
+    def is_uniform(self) -> bool:
+        """Every plane has the same strides (the usual case): plan all planes in one numpy pass."""
+        return len({p[2:] for p in self.planes}) == 1
 
     def plane(self, layer: int, kv: int) -> tuple:
         return self.planes[layer * self.num_kv + kv]
@@ -142,26 +153,17 @@ def tile_runs(src: Geometry, sp: tuple, dst: Geometry, dp: tuple, heads: tuple):
 
 def count_runs(src: Geometry, dst: Geometry, num_ids: int, layers, heads) -> int:
     """Upper bound of zero-copy descriptors (before coalescing across tiles)."""
-    if _uniform(src) and _uniform(dst):
+    if src.is_uniform and dst.is_uniform:
         runs = len(tile_runs(src, src.planes[0], dst, dst.planes[0], heads)[2])
         return runs * num_ids * len(layers) * src.num_kv
     return sum(len(tile_runs(src, src.plane(l, kv), dst, dst.plane(l, kv), heads)[2]) * num_ids
                for l in layers for kv in range(src.num_kv))
 
 
-def _uniform(g: Geometry) -> bool:
-    """Every plane has the same strides (the usual case): plan all planes in one numpy pass."""
-    cached = g.__dict__.get("_uniform")
-    if cached is None:
-        cached = len({p[2:] for p in g.planes}) == 1
-        object.__setattr__(g, "_uniform", cached)
-    return cached
-
-
 def _plane_cols(g: Geometry, layers, num_kv: int):
     """``(region ids index, offsets)`` of the selected planes, in (layer, kv) order."""
     key = ("_cols", tuple(layers))
-    cache = g.__dict__.setdefault("_plane_cache", {})
+    cache = g._plane_cache
     cols = cache.get(key)
     if cols is None:
         sel = [g.planes[l * num_kv + kv] for l in layers for kv in range(num_kv)]
@@ -175,7 +177,7 @@ def _template(src: Geometry, dst: Geometry, layers: tuple, heads: tuple, src_reg
               dst_regions: tuple) -> np.ndarray:
     """Descriptors of block 0 -> block 0 for every selected plane, ``int64 [plane, run, 5]``
     (cached: a request then only adds ``id * stride_n`` to the offset columns)."""
-    cache = src.__dict__.setdefault("_plane_cache", {})
+    cache = src._plane_cache
     key = ("_tmpl", dst, layers, heads, src_regions, dst_regions)
     base = cache.get(key)
     if base is None:
@@ -197,7 +199,7 @@ def _template(src: Geometry, dst: Geometry, layers: tuple, heads: tuple, src_reg
 def _template1(src: Geometry, dst: Geometry, layers: tuple, heads: tuple, src_regions: tuple,
                dst_regions: tuple) -> np.ndarray:
     """Coalesced descriptors of block 0 -> block 0 over the selected planes, ``int64 [n, 5]`` (cached)."""
-    cache = src.__dict__.setdefault("_plane_cache", {})
+    cache = src._plane_cache
     key = ("_tmpl1", dst, layers, heads, src_regions, dst_regions)
     out = cache.get(key)
     if out is None:
@@ -216,7 +218,7 @@ def zero_copy_descs(src: Geometry, src_ids, dst: Geometry, dst_ids, layers, head
     ``src_regions``/``dst_regions`` map region index -> backend region id.
     """
     layers = tuple(layers)
-    if len(src_ids) == 1 and len(dst_ids) == 1 and layers and _uniform(src) and _uniform(dst):
+    if len(src_ids) == 1 and len(dst_ids) == 1 and layers and src.is_uniform and dst.is_uniform:
         # one block: coalescing is invariant under shifting every row by the same
         # offsets, so the coalesced template is cached and only shifted per request
         out = _template1(src, dst, layers, heads, tuple(src_regions), tuple(dst_regions)).copy()
@@ -225,7 +227,7 @@ def zero_copy_descs(src: Geometry, src_ids, dst: Geometry, dst_ids, layers, head
         return out
     sids = np.asarray(src_ids, dtype=np.int64)
     dids = np.asarray(dst_ids, dtype=np.int64)
-    if _uniform(src) and _uniform(dst) and layers:
+    if src.is_uniform and dst.is_uniform and layers:
         base = _template(src, dst, layers, heads, tuple(src_regions), tuple(dst_regions))
         out = np.repeat(base[:, None], sids.size, axis=1)  # [plane, block, run, 5]
         out[..., 1] += (sids * src.planes[0][2])[None, :, None]

@@ -152,29 +152,3 @@ def block_runs(layout, block_ids, *, layers=None, heads=None) -> np.ndarray:
     lengths = np.diff(np.append(first, offs.size)) * row
     return np.stack([regs[first], offs[first], first * row, lengths], axis=1).astype(np.int64)
 
-
-def pair_runs(src_runs: np.ndarray, dst_runs: np.ndarray) -> np.ndarray:
-    """Match two sides' :func:`block_runs` of the same wire bytes into transfer descriptors.
-
-    Returns int64 ``[m, 5]``: src region, src offset, dst region, dst offset,
-    length, one per piece contiguous on both sides, coalesced in source order.
-    """
-    src, dst = np.asarray(src_runs, dtype=np.int64), np.asarray(dst_runs, dtype=np.int64)
-    total_s, total_d = int(src[:, 3].sum()) if len(src) else 0, int(dst[:, 3].sum()) if len(dst) else 0
-    if total_s != total_d:
-        raise ValueError(f"the two sides cover different wire sizes: {total_s} vs {total_d} bytes")
-    if total_s == 0:
-        return np.zeros((0, 5), dtype=np.int64)
-    cuts = np.union1d(src[:, 2], dst[:, 2])
-    lens = np.diff(np.append(cuts, total_s))
-    si = np.searchsorted(src[:, 2], cuts, side="right") - 1
-    di = np.searchsorted(dst[:, 2], cuts, side="right") - 1
-    desc = np.stack([src[si, 0], src[si, 1] + cuts - src[si, 2], dst[di, 0], dst[di, 1] + cuts - dst[di, 2], lens], 1)
-    desc = desc[np.lexsort((desc[:, 1], desc[:, 0]))]
-    brk = np.ones(len(desc), dtype=bool)
-    brk[1:] = ((desc[1:, 0] != desc[:-1, 0]) | (desc[1:, 1] != desc[:-1, 1] + desc[:-1, 4])
-               | (desc[1:, 2] != desc[:-1, 2]) | (desc[1:, 3] != desc[:-1, 3] + desc[:-1, 4]))
-    first = np.flatnonzero(brk)
-    out = desc[first].copy()
-    out[:, 4] = np.add.reduceat(desc[:, 4], first)
-    return out

@@ -55,7 +55,7 @@ def test_pack_requests_larger_than_staging_are_complete(multiple, p_dims, d_dims
         assert hs.path == hr.path == "pack"
         assert hr.nbytes == hs.nbytes == dl.wire_nbytes(n)
         _check(pl, src, dl, dst)
-        assert d._stage_in.used_bytes == 0 and not d.held_blocks() and not p.held_blocks()
+        assert d._state.pool.stage_in.used_bytes == 0 and not d.held_blocks() and not p.held_blocks()
     finally:
         p.close()
         d.close()

@@ -44,7 +44,7 @@ def test_close_finishes_every_step_when_a_step_fails():
                   on_release=lambda req, ids, reason: released.append((req, reason)))
     agent.register_kv(make_pool("2 N B H D", None))
     handles = [agent.recv(f"r{i}", [i], timeout=T) for i in range(3)]
-    stage = weakref.ref(agent._stage_in_t)
+    stage = weakref.ref(agent._state.pool.stage_in_t)
     assert len(_agent_threads("closing")) == 3  # I/O, send and receive workers
     with pytest.raises(KVXferError, match="injected: close failed"):  # typed, once
         agent.close()
@@ -52,7 +52,7 @@ def test_close_finishes_every_step_when_a_step_fails():
     assert all(h.state == "failed" for h in handles)
     assert sorted(released) == [(f"r{i}", "closed") for i in range(3)] and agent.held_blocks() == {}
     assert agent.closed and not _agent_threads("closing")
-    assert agent._stage_in_t is None and agent._stage_out_t is None
+    assert agent._state.pool is None  # staging tensors and layout dropped
     del handles
     assert stage() is None
     agent.close()  # idempotent and silent: the backend is not asked again
@@ -75,7 +75,7 @@ def test_close_after_a_timed_out_ucx_write_finishes(monkeypatch):
             with pytest.raises(TransferTimeout):
                 h.wait(T)
             p.close()  # the transfer is still posted in UCX: close must cancel it, not give up
-            assert p.closed and p._backend._engine.closed and p.held_blocks() == {}
+            assert p.closed and p._state.backend._engine.closed and p.held_blocks() == {}
             assert not _agent_threads("p")
             p.close()
         finally:
@@ -94,7 +94,7 @@ def test_closed_agents_free_their_staging_buffers_without_the_cycle_collector():
             hr = d.recv("r", [3, 4], timeout=T)
             p.send(p.connect(d.address), "r", [1, 2]).wait(T)
             hr.wait(T)
-            refs = [weakref.ref(t) for a in (p, d) for t in (a._stage_in_t, a._stage_out_t)]
+            refs = [weakref.ref(t) for a in (p, d) for t in (a._state.pool.stage_in_t, a._state.pool.stage_out_t)]
             p.close()
             d.close()
             del p, d, hr

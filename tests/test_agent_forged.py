@@ -56,8 +56,8 @@ def _good_transfer(p, d, peer, req="good"):
     hs = p.send(peer, req, src)
     hs.wait(T)
     hr.wait(T)
-    assert torch.equal(kvxfer.pack(p._layout, src, backend="reference"),
-                       kvxfer.pack(d._layout, dst, backend="reference"))
+    assert torch.equal(kvxfer.pack(p._state.layout, src, backend="reference"),
+                       kvxfer.pack(d._state.layout, dst, backend="reference"))
 
 
 @pytest.mark.parametrize("path", ["pack", "zero_copy"])
@@ -68,7 +68,7 @@ def test_bad_recv_post_fails_that_request_on_both_sides_and_no_worker(agents, pa
     fields.update({"layer": dict(layers=[0, L]), "block": dict(blocks=[1, N]), "heads": dict(heads=(0, H + 1)),
                    "dup_block": dict(blocks=[2, 2])}[bad])
     hr = d.recv("evil", [1, 2], timeout=60.0)  # before any peer: the post goes out on connect
-    op = d._recvs["evil"]
+    op = d._receiver.recvs["evil"]
     op.post_frame = encode(Msg.RECV_POST, req="evil", xid=op.xid, skip=0, **fields)
     peer = p.connect(d.address)
     hs = p.send(peer, "evil", [3, 4])
@@ -76,7 +76,7 @@ def test_bad_recv_post_fails_that_request_on_both_sides_and_no_worker(agents, pa
         hs.wait(T)
     with pytest.raises(InvalidDescriptor):
         hr.wait(T)
-    assert all(t.is_alive() for t in p._workers + d._workers)
+    assert all(t.is_alive() for a in (p, d) for t in (a._sender.shipper.worker.thread, a._receiver.worker.thread))
     _until(lambda: not p.held_blocks() and not d.held_blocks(), "leases released")
     _good_transfer(p, d, peer)  # pack and > 4 MiB sends need the send worker
     assert peer.is_connected
@@ -90,13 +90,13 @@ def test_worker_survives_a_raising_job(agents, caplog):
         raise IndexError("a bug")
 
     with caplog.at_level("ERROR", logger="kvxfer"):
-        p._send_q.put(boom)
+        p._sender.shipper.worker.submit(boom)
         _good_transfer(p, d, peer)
     assert any("a bug" in (r.exc_text or "") for r in caplog.records)
 
 
 def _grant(p, peer, tag, nbytes):
-    wait = p._grant_waits[tag] = _GrantWait(peer)
+    wait = p._sender.shipper._grant_waits[tag] = _GrantWait(peer)
     peer.send(encode(Msg.STAGE_REQ, tag=tag, nbytes=nbytes))
     assert wait.event.wait(T)
     return wait.offset
@@ -106,9 +106,9 @@ def _grant(p, peer, tag, nbytes):
 def test_bad_pack_data_done_frees_its_grant(agents, bad):
     p, d = agents("pack")
     peer = p.connect(d.address)
-    nbytes = d._staging_bytes // 2  # two leaked grants would fill D's ring for good
+    nbytes = d.config.staging_bytes // 2  # two leaked grants would fill D's ring for good
     hr = d.recv("r", [1], timeout=60.0)
-    xid = d._recvs["r"].xid
+    xid = d._receiver.recvs["r"].xid
     peer.send(encode(Msg.MATCHED, req="r", xid=xid))
     for tag in (901, 902):
         off = _grant(p, peer, tag, nbytes)
@@ -118,7 +118,7 @@ def test_bad_pack_data_done_frees_its_grant(agents, bad):
         peer.send(encode(Msg.DATA_DONE, **f))
     with pytest.raises(InvalidDescriptor):
         hr.wait(T)
-    _until(lambda: d._stage_in.used_bytes == 0 and not d._grants, "grants freed")
+    _until(lambda: d._state.pool.stage_in.used_bytes == 0 and not d._receiver.grants, "grants freed")
     _good_transfer(p, d, peer)
 
 
@@ -127,7 +127,7 @@ def test_zero_copy_data_done_must_match_the_request(agents):
     peer = p.connect(d.address)
     # nothing written, 0 bytes claimed
     hr = d.recv("z", [1, 2], timeout=60.0)
-    xid = d._recvs["z"].xid
+    xid = d._receiver.recvs["z"].xid
     peer.send(encode(Msg.MATCHED, req="z", xid=xid))
     peer.send(encode(Msg.DATA_DONE, req="z", xid=xid, tag=0, pack=False, blocks=[], layers=list(range(L)),
                      heads=(0, H), offset=0, nbytes=0))
@@ -135,9 +135,9 @@ def test_zero_copy_data_done_must_match_the_request(agents):
         hr.wait(T)
     # a DATA_DONE from a peer that never said it would write this request
     hr2 = d.recv("z2", [3], timeout=60.0)
-    xid2 = d._recvs["z2"].xid
+    xid2 = d._receiver.recvs["z2"].xid
     peer.send(encode(Msg.DATA_DONE, req="z2", xid=xid2, tag=0, pack=False, blocks=[], layers=list(range(L)),
-                     heads=(0, H), offset=0, nbytes=d._layout.wire_nbytes(1)))
+                     heads=(0, H), offset=0, nbytes=d._state.layout.wire_nbytes(1)))
     with pytest.raises(ProtocolError):
         hr2.wait(T)
     _good_transfer(p, d, peer)
@@ -148,19 +148,19 @@ def test_pack_chunk_naming_another_requests_blocks_is_refused(agents):
     peer = p.connect(d.address)
     ha = d.recv("a", [1, 2], timeout=60.0)
     hb = d.recv("b", [5, 6], timeout=60.0)
-    xid = d._recvs["a"].xid
+    xid = d._receiver.recvs["a"].xid
     peer.send(encode(Msg.MATCHED, req="a", xid=xid))
-    nbytes = d._layout.wire_nbytes(2)
+    nbytes = d._state.layout.wire_nbytes(2)
     off = _grant(p, peer, 903, nbytes)
-    d._stage_in_t[off:off + nbytes] = 7  # what a forged chunk would scatter
+    d._state.pool.stage_in_t[off:off + nbytes] = 7  # what a forged chunk would scatter
     peer.send(encode(Msg.DATA_DONE, req="a", xid=xid, tag=903, pack=True, blocks=[5, 6], layers=list(range(L)),
                      heads=(0, H), offset=off, nbytes=nbytes))
     with pytest.raises(InvalidDescriptor):
         ha.wait(T)
     assert not hb.done()
-    assert not kvxfer.pack(d._layout, [1, 2, 5, 6], backend="reference").any()  # nothing scattered
+    assert not kvxfer.pack(d._state.layout, [1, 2, 5, 6], backend="reference").any()  # nothing scattered
     hb.cancel()
-    _until(lambda: d._stage_in.used_bytes == 0, "staging freed")
+    _until(lambda: d._state.pool.stage_in.used_bytes == 0, "staging freed")
     _good_transfer(p, d, peer)
 
 
@@ -179,5 +179,5 @@ def test_sender_layers_must_cover_the_receivers(agents):
     hr = d.recv("fine", [5], layers=[2], timeout=T)
     p.send(peer, "fine", [6], layers=[1, 2]).wait(T)
     hr.wait(T)
-    assert torch.equal(kvxfer.pack(p._layout, [6], layers=[2], backend="reference"),
-                       kvxfer.pack(d._layout, [5], layers=[2], backend="reference"))
+    assert torch.equal(kvxfer.pack(p._state.layout, [6], layers=[2], backend="reference"),
+                       kvxfer.pack(d._state.layout, [5], layers=[2], backend="reference"))

@@ -50,8 +50,8 @@ def _roundtrip(p, peer, d, req):
     hr = d.recv(req, [3, 4], timeout=T)
     p.send(peer, req, [5, 6]).wait(T)
     hr.wait(T)
-    assert torch.equal(kvxfer.pack(p._layout, [5, 6], backend="reference"),
-                       kvxfer.pack(d._layout, [3, 4], backend="reference"))
+    assert torch.equal(kvxfer.pack(p._state.layout, [5, 6], backend="reference"),
+                       kvxfer.pack(d._state.layout, [3, 4], backend="reference"))
 
 
 def _peer_named(agent, name):
@@ -73,7 +73,7 @@ def test_cached_posts_are_bounded_per_peer_and_never_cost_another_peer(agents):
     t0 = time.monotonic()
     _until(lambda: f"f{n - 1}" in book.posts, "the flood to land", 120.0)
     print(f"{n} posts in {time.monotonic() - t0:.1f} s")
-    assert len(p._posts) <= limits.MAX_POSTS_PER_PEER
+    assert len(p._sender.posts) <= limits.MAX_POSTS_PER_PEER
     # the other peer is still connected and served
     hr = good.recv("legit", [3, 4], timeout=T)
     p_of_good = _peer_named(p, "good")
@@ -117,9 +117,9 @@ def test_stage_req_flood_closes_only_the_flooding_peer(agents):
     seen = []
     blob = b"".join(encode(Msg.STAGE_REQ, tag=10 ** 6 + i, nbytes=256) for i in range(2000))
     flood_peer.conn.send(blob)
-    _until(lambda: not flood_peer.is_connected or (seen.append(len(d._grants)) and False), "the flood")
+    _until(lambda: not flood_peer.is_connected or (seen.append(len(d._receiver.grants)) and False), "the flood")
     assert max(seen, default=0) <= limits.MAX_STAGE_REQS_PER_PEER
-    _until(lambda: d._stage_in.used_bytes == 0 and not d._grants, "its grants freed")
+    _until(lambda: d._state.pool.stage_in.used_bytes == 0 and not d._receiver.grants, "its grants freed")
     _roundtrip(good, good_peer, d, "after-stage")
 
 
@@ -138,7 +138,7 @@ def test_unauthenticated_client_buffers_at_most_a_few_kib():
                     s.sendall(b"\0" * (32 << 10))
                 except (socket.timeout, OSError):
                     break
-                biggest = max([biggest] + [c.reader.pending_bytes for c in list(d._loop._conns)])
+                biggest = max([biggest] + [c.reader.pending_bytes for c in list(d._state.loop._conns)])
         finally:
             s.close()
         assert biggest <= 4096

@@ -147,7 +147,7 @@ def test_receiver_timeout_mid_write_keeps_blocks_until_writer_quiet():
                 break
             threading.Event().wait(0.01)
         assert released == [("slow", "expired")] and d.held_blocks() == {} and p.held_blocks() == {}
-        assert d._stage_in.used_bytes == 0
+        assert d._state.pool.stage_in.used_bytes == 0
     finally:
         p_backend.gate.set()
         p.close()
@@ -202,7 +202,7 @@ def test_tp2_to_tp1_two_senders(path):
             h.wait(T)
         for rank, a in enumerate(ps):
             lo = rank * 2
-            assert torch.equal(kvxfer.pack(a._layout, [0, 5, 9], backend="reference"),
+            assert torch.equal(kvxfer.pack(a._state.layout, [0, 5, 9], backend="reference"),
                                kvxfer.pack(d_layout, [6, 1, 20], heads=(lo, lo + 2), backend="reference"))
     finally:
         for a in ps + [d]:
@@ -225,7 +225,7 @@ def test_tp1_to_tp2_one_sender_two_receivers():
             h.wait(T)
         for rank, a in enumerate(ds):
             assert torch.equal(kvxfer.pack(p_layout, [4, 12], heads=(2 * rank, 2 * rank + 2), backend="reference"),
-                               kvxfer.pack(a._layout, [rank + 1, 8], backend="reference"))
+                               kvxfer.pack(a._state.layout, [rank + 1, 8], backend="reference"))
     finally:
         for a in ds + [p]:
             a.close()
@@ -342,13 +342,14 @@ def test_metrics_repr_and_idempotent_close():
     m = p.metrics.to_dict()
     assert m["counters"]["bytes_sent"][0]["value"] == pl.wire_nbytes(1)
     assert m["info"]["transport:d"] == "loopback"
-    text = d.metrics.prometheus()
-    assert 'kvxfer_transfers_total{agent="d",kind="recv",path="zero_copy"} 1' in text
-    assert "kvxfer_transfer_seconds_count" in text
+    got = d.metrics.to_dict()
+    assert {"labels": {"kind": "recv", "path": "zero_copy"}, "value": 1} in got["counters"]["transfers"]
+    assert "transfer_seconds" in got["histograms"]
     p.close()
     p.close()
     d.close()
-    assert p.closed and not any(t.is_alive() for t in [*p._workers, p._loop.thread])
+    assert p.closed and not any(t.is_alive() for t in [p._sender.shipper.worker.thread, p._receiver.worker.thread,
+                                                      p._state.loop.thread])
     with pytest.raises(KVXferError):
         p.send(peer, "after-close", [1])
 
@@ -368,15 +369,15 @@ def test_thousand_sequential_requests_flat_memory_no_leaks():
                 rss = proc.memory_info().rss
         grown = proc.memory_info().rss - rss
         assert grown < 16 << 20, f"RSS grew {grown} B over 800 requests"
-        assert not p._sends and not d._recvs and not p._posts and not d._quiet_wait
+        assert not p._sender.sends and not d._receiver.recvs and not p._sender.posts and not d._receiver.quiet_wait
         assert not p.held_blocks() and not d.held_blocks()
-        assert d._stage_in.used_bytes == 0
+        assert d._state.pool.stage_in.used_bytes == 0
         nregions = len(pl.regions()) + 2
-        assert p._backend.num_regions == nregions
+        assert p._state.backend.num_regions == nregions
     finally:
         p.close()
         d.close()
-    assert p._backend.num_regions == 0 and d._backend.num_regions == 0
+    assert p._state.backend.num_regions == 0 and d._state.backend.num_regions == 0
     for _ in range(100):
         if threading.active_count() <= threads_before:
             break

@@ -36,8 +36,8 @@ def pair():
 
 
 def _same(p, src, d, dst):
-    return torch.equal(kvxfer.pack(p._layout, src, backend="reference"),
-                       kvxfer.pack(d._layout, dst, backend="reference"))
+    return torch.equal(kvxfer.pack(p._state.layout, src, backend="reference"),
+                       kvxfer.pack(d._state.layout, dst, backend="reference"))
 
 
 @pytest.mark.parametrize("recv_first", [True, False])

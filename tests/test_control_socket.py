@@ -2,8 +2,10 @@
 raw garbage. The agent keeps serving its good peers throughout."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -170,7 +172,7 @@ def test_slow_reader_never_blocks_the_sender(server):
     a, b = socket.socketpair()
     closed = []
     handler = type("H", (), {"on_frame": lambda *x: None, "on_close": lambda s, c, e: closed.append(e)})()
-    conn = server._loop.add_conn(a, handler)
+    conn = server._state.loop.add_conn(a, handler)
     frames = [encode(Msg.ACK, tag=i) for i in range(20000)]  # ~0.5 MB, more than a socket buffer
     for f in frames:
         assert conn.send(f)
@@ -181,3 +183,32 @@ def test_slow_reader_never_blocks_the_sender(server):
     assert [decode(*f)[1]["tag"] for f in got] == list(range(len(frames)))
     assert closed == []
     b.close()
+
+
+def test_handler_errors_are_logged_and_the_loop_goes_on(server, caplog):
+    """A frame handler that raises a non-kvxfer error, then a close handler that raises:
+    both are logged with their traceback, the connection is dropped, the loop still serves."""
+    a, b = socket.socketpair()
+    closed = threading.Event()
+
+    def on_frame(self, conn, kind, fields):
+        raise RuntimeError("handler bug")
+
+    def on_close(self, conn, exc):
+        closed.set()
+        raise RuntimeError("close handler bug")
+
+    handler = type("H", (), {"on_frame": on_frame, "on_close": on_close})()
+    with caplog.at_level(logging.ERROR, logger="kvxfer"):
+        server._state.loop.add_conn(a, handler)
+        b.sendall(encode(Msg.ACK, tag=1))
+        assert closed.wait(T)
+        deadline = time.monotonic() + T
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("frame handler raised" in m for m in messages), messages
+    assert any("close handler" in m for m in messages), messages
+    assert all(r.exc_info for r in caplog.records if "handler" in r.getMessage())
+    b.close()
+    assert server._state.loop.thread.is_alive()

@@ -144,6 +144,26 @@ def test_worker_channel_authenticates_and_aborts_on_router_loss():
         NetWorkerChannel("127.0.0.1:0", b"short")
 
 
+def test_worker_channel_refuses_a_large_frame_before_auth():
+    import socket
+
+    from kvxfer.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, read_frame
+    from kvxfer.serving.server import ipc
+    from kvxfer.serving.server.netchannel import PRE_AUTH_MAX_BYTES
+
+    chan = NetWorkerChannel("127.0.0.1:0", SECRET)
+    host, port = chan.address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            hello = ipc.decode(*read_frame(sock, PRE_AUTH_MAX_BYTES))
+            assert "nonce" in hello
+            # a header announcing one byte over the pre-auth limit: refused on the header
+            sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, ipc.IPC_MSG, PRE_AUTH_MAX_BYTES + 1))
+            assert sock.recv(1) == b""  # closed without reading a payload
+    finally:
+        chan.close()
+
+
 @pytest.mark.slow
 def test_serve_with_discovery_starts_local_workers(etcd):
     from serving_server import Server

@@ -208,18 +208,19 @@ def test_connect_rejects_garbage_metadata_with_typed_errors(backend):
 
 
 @pytest.mark.parametrize("mode", ["advise", "collapse", "off"])
-def test_huge_page_preference_keeps_contents(mode, monkeypatch):
-    # KVXFER_HUGEPAGES asks for transparent huge pages at registration (collapse rebuilds
-    # the pages already present); whether the kernel grants them varies, the bytes must not.
+def test_huge_page_preference_keeps_contents(mode):
+    # AgentConfig.hugepages asks for transparent huge pages at registration (collapse
+    # rebuilds the pages already present); whether the kernel grants them varies, the
+    # bytes must not.
     import mmap
 
-    monkeypatch.setenv("KVXFER_HUGEPAGES", mode)
+    from kvxfer import AgentConfig
     size = 8 << 20
     buf = mmap.mmap(-1, size + (2 << 20))  # untouched anonymous memory, not 2 MiB aligned inside
     arr = np.frombuffer(buf, np.uint8)[4096 : 4096 + size]
     want = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
     arr[: size // 2] = want[: size // 2]  # half touched before registration, half after
-    b = make_backend("vm")
+    b = make_backend("vm", config=AgentConfig(hugepages=mode))
     try:
         b.register(arr.ctypes.data, arr.nbytes)
         arr[size // 2 :] = want[size // 2 :]

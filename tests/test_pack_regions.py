@@ -118,16 +118,16 @@ def test_agents_move_pools_registered_in_parts(monkeypatch, path):
     chunk = 5000
     fake = lambda device: (lambda addr: (addr - addr % chunk, chunk))  # noqa: E731
     monkeypatch.setattr(kvxfer.cuda_ranges, "oracle_for", fake)
-    monkeypatch.setattr(kvxfer.agent, "oracle_for", fake)
+    monkeypatch.setattr(kvxfer.control.registration, "oracle_for", fake)
     pl, dl = make_pool("N L 2 B H D", 1), make_pool("2 N B H D", None)
     p = Agent("p", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
     d = Agent("d", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
     try:
         p.register_kv(pl)
         d.register_kv(dl)
-        assert len(p._parts) == 3 and len(d._parts) == 2 + dl.num_layers  # pool(s) and both staging buffers
+        assert len(p._state.pool.parts) == 3 and len(d._state.pool.parts) == 2 + dl.num_layers  # pool(s) and both staging buffers
         peer = p.connect(d.address)
-        assert peer.parts.keys() == {r for r in d._parts if r != d._stage_out_region}
+        assert peer.parts.keys() == {r for r in d._state.pool.parts if r != d._state.pool.stage_out_region}
         src, dst = [9, 3, 31, 0, 4, 17], [2, 30, 7, 11, 5, 20]
         hr = d.recv("r", dst, timeout=20)
         p.send(peer, "r", src).wait(20)

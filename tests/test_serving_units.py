@@ -37,9 +37,11 @@ def test_ipc_worker_sees_eof_and_rejects_garbage():
     a.close()
     assert worker.inbox.get(timeout=5) == {"op": "eof"}
     with pytest.raises(ProtocolError):
-        ipc.decode(b"[1, 2]")
+        ipc.decode(ipc.IPC_MSG, b"[1, 2]")
     with pytest.raises(ProtocolError):
-        ipc.decode(b"{not json")
+        ipc.decode(ipc.IPC_MSG, b"{not json")
+    with pytest.raises(ProtocolError):  # an agent control frame is not a router/worker message
+        ipc.decode(1, b"{}")
 
 
 def test_prometheus_text():
@@ -47,17 +49,23 @@ def test_prometheus_text():
     h = reg.histogram("lat_seconds", "latency", (0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 3.0):
         h.observe(v)
-    c = reg.counter("bytes_total", "bytes")
+    c = reg.counter("bytes_total", "bytes", ("worker",))
     c.inc(10, worker="a")
     c.inc(5, worker="a")
-    reg.gauge("up", "alive").set(1, worker='we"ird')
+    reg.gauge("up", "alive", ("worker",)).set(1, worker='we"ird')
+    with pytest.raises(ValueError):
+        c.inc(1, other="x")
     text = reg.render()
-    assert 'lat_seconds_bucket{le="0.1"} 2' in text
-    assert 'lat_seconds_bucket{le="1"} 3' in text
+    assert 'lat_seconds_bucket{le="0.1"} 2.0' in text
+    assert 'lat_seconds_bucket{le="1.0"} 3.0' in text
     assert 'lat_seconds_bucket{le="+Inf"} 4' in text and "lat_seconds_count 4" in text
     assert 'bytes_total{worker="a"} 15' in text
     assert 'up{worker="we\\"ird"} 1' in text
     assert "# TYPE lat_seconds histogram" in text and "# TYPE up gauge" in text
+    # each server its own registry: a second one in this process takes the same names
+    again = Registry()
+    again.counter("bytes_total", "bytes", ("worker",)).inc(1, worker="b")
+    assert 'bytes_total{worker="b"} 1' in again.render() and 'worker="a"' not in again.render()
 
 
 def test_cpu_groups_and_worker_specs():

@@ -143,3 +143,35 @@ def test_tcp_large_and_many_runs_cross_message_limits_bitwise(tcp_initiator):
         b.wait(b.post(conn, "read", [[lo, 5, rid, 0, size]]), T)
         assert np.array_equal(out[5:], expect) and not out[:5].any()
         assert _ask(pipe, "rejected") == 0
+
+
+def test_tcp_rendezvous_messages_of_many_runs_are_checked_whole(tcp_initiator):
+    # 256 runs of 4 KiB: one 1 MiB message whose table rides in the rendezvous
+    # header; the target checks it before it accepts a byte. One forged run in
+    # the middle refuses the whole message (nothing lands), honest ones land bitwise.
+    b = tcp_initiator
+    n, blk = 256, 4096
+    src = np.random.default_rng(3).integers(0, 256, n * blk, dtype=np.uint8)
+    back = np.zeros(n * blk, np.uint8)
+    with guarded_target(2 * n * blk) as (pipe, meta, rid):
+        ls, lb = b.register(src.ctypes.data, src.nbytes), b.register(back.ctypes.data, back.nbytes)
+        conn = b.connect(widen_region(meta, rid, GUARD))
+        i = np.arange(n, dtype=np.int64)
+        rows = np.stack([np.full(n, ls), i * blk, np.full(n, rid), GUARD + (2 * i + 1) * blk, np.full(n, blk)], 1)
+        forged = rows.copy()
+        forged[n // 2, 3] = GUARD - blk  # one run just below the pool
+        with pytest.raises(InvalidDescriptor, match="refused"):
+            b.wait(b.post(conn, "write", forged), T)
+        assert not np.frombuffer(_ask(pipe, "bytes"), np.uint8).any(), "a refused message landed in part"
+        assert _ask(pipe, "guards") == bytes([0xA5]) * (2 * GUARD)
+        b.wait(b.post(conn, "write", rows), T)
+        pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8).reshape(2 * n, blk)
+        assert np.array_equal(pool[1::2].ravel(), src) and not pool[0::2].any()
+        read = rows.copy()
+        read[:, 0] = lb
+        b.wait(b.post(conn, "read", read), T)
+        assert np.array_equal(back, src)
+        forged[:, 0] = lb
+        with pytest.raises(InvalidDescriptor, match="refused"):
+            b.wait(b.post(conn, "read", forged), T)
+        assert _ask(pipe, "rejected") == 2

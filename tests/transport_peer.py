@@ -2,7 +2,7 @@
 
 It registers a zeroed pool, sends ``(metadata, region_id)`` through its pipe,
 then serves commands while driving progress: ``bytes`` (the pool's contents),
-``notes`` (notifications received), ``deregister`` (returns fresh metadata),
+``deregister`` (returns fresh metadata),
 ``guards`` (the ``guard_bytes`` on each side of the pool, unregistered, filled
 with 0xA5), ``rejected`` (transfers it refused as a target), ``exit``.
 """
@@ -22,11 +22,9 @@ def serve(pipe, pool_bytes: int, env: dict, deadline_s: float = 120.0, guard_byt
     pool[:] = 0
     rid = backend.register(pool.ctypes.data, pool.nbytes)
     pipe.send((backend.metadata(), rid))
-    notes = []
     end = time.monotonic() + deadline_s  # never outlive a lost parent
     while time.monotonic() < end:
         backend.progress()
-        notes += backend.poll_notifications()
         if not pipe.poll(0.0005):
             continue
         cmd = pipe.recv()
@@ -36,8 +34,6 @@ def serve(pipe, pool_bytes: int, env: dict, deadline_s: float = 120.0, guard_byt
             pipe.send(whole[:guard_bytes].tobytes() + whole[guard_bytes + pool_bytes :].tobytes())
         elif cmd == "rejected":
             pipe.send(backend.num_rejected)
-        elif cmd == "notes":
-            pipe.send(notes)
         elif cmd == "deregister":
             backend.deregister(rid)
             pipe.send(backend.metadata())

@@ -18,4 +18,9 @@ UCX_TLS=tcp kvxfer bench transfer --backend ucx --batch-size 2048 --start-block-
 UCX_TLS=cma,tcp,self kvxfer bench transfer --vs-perftest --iters 10 --warmup 2 --no-progress \
     --json $R/transfer_vs_perftest.json
 kvxfer bench pack --iters 9 --json $R/pack_cpu.json
+# Two network namespaces, iperf3 + kvxfer + NIXL over TCP interleaved (needs root and iperf3).
+if [ "$(id -u)" = 0 ] && command -v iperf3 >/dev/null; then
+    PY=python REPS=5 benchmarks/tcp_netns.sh /tmp/kvxfer-tcp-sweep
+    python benchmarks/tcp_summary.py /tmp/kvxfer-tcp-sweep --json $R/tcp_netns.json
+fi
 python benchmarks/results/make_tables.py

@@ -137,18 +137,9 @@ def _serve(conn, backend: str, slot_bytes: int, batch: int) -> None:
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    progress = getattr(ep.backend, "progress", None)
     try:
         while True:
-            # A target must keep progressing for transports that emulate RMA (UCX am-rma,
-            # tcp). It naps 0.5 ms between progress calls instead of spinning: on a small
-            # shared machine a spinning target takes the core the initiator needs (measured
-            # on 2 cores: spinning while busy gave 0.1-0.7x the socket at 4 KiB, napping
-            # 0.45-0.5x); fully one-sided paths (vm, cma) never need it.
-            while progress is not None:
-                if conn.poll(0.0005):
-                    break
-                progress()  # drains what arrived (the engine loops until UCX is idle)
+            _serve_until_command(ep.backend, conn)
             cmd, args = conn.recv()
             if cmd == "stop":
                 return
@@ -160,6 +151,26 @@ def _serve(conn, backend: str, slot_bytes: int, batch: int) -> None:
         return
     finally:
         ep.close()
+
+
+def _serve_until_command(backend, conn) -> None:
+    """Drive the backend as a target until the pipe has a command.
+
+    A target must progress for the transports whose writes and reads it serves
+    itself (UCX ``+am-rma``: kvxfer's target-checked messages over TCP). It sleeps
+    in ``select`` on the UCX worker's event fd and the pipe, as the Agent's I/O
+    thread does, so it neither spins (on a small shared machine a spinning target
+    takes the core the initiator needs) nor answers late (a fixed nap between
+    progress calls delayed every message by up to the nap).
+    """
+    import select
+
+    fd = backend.event_fd()
+    if fd is None:  # vm, loopback: one-sided, nothing to serve
+        return
+    while not conn.poll():
+        if backend.arm():  # idle and armed: sleep until UCX or the pipe has something
+            select.select([conn, fd], [], [], 1.0)
 
 
 class SpawnedEndpoint:
@@ -235,14 +246,21 @@ class RemoteEndpoint:
         self.pipe.close()
 
 
-def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
-    """Serve one remote bench session on ``host:port`` (the target side of ``--connect``)."""
+def accept_session(address: str, authkey: bytes, timeout: float | None = None):
+    """Accept one authenticated connection on ``host:port``; return it and its first
+    message (the session parameters), waiting at most ``timeout`` (60 s) for them."""
     from multiprocessing.connection import Listener
 
     host, port = address.rsplit(":", 1)
     with Listener((host, int(port)), authkey=authkey) as listener:
         conn = listener.accept()
-        if not conn.poll(timeout or 60):
-            raise TransferTimeout("no session parameters from the initiator")
-        backend, slot_bytes, batch = conn.recv()
-        _serve(conn, backend, slot_bytes, batch)
+    if not conn.poll(timeout or 60):
+        conn.close()
+        raise TransferTimeout("no session parameters from the initiator")
+    return conn, conn.recv()
+
+
+def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
+    """Serve one remote bench session on ``host:port`` (the target side of ``--connect``)."""
+    conn, (backend, slot_bytes, batch) = accept_session(address, authkey, timeout)
+    _serve(conn, backend, slot_bytes, batch)

@@ -18,12 +18,20 @@ Fair configuration (the same threads kvxfer's bench endpoints run):
 - no NIXL progress thread (``enable_prog_thread=False``). NIXL's default one polls
   with no delay (``pthrDelay = 0``) and kept both cores of a 2-core host busy
   while idle; kvxfer has no such thread. The initiator drives UCX from its own
-  thread through ``check_xfer_state``, as kvxfer's initiator polls ``Backend.test``,
-  and the target progresses UCX (``get_new_notifs``) between 0.5 ms naps, exactly
-  as kvxfer's target endpoint calls ``Backend.progress``.
+  thread through ``check_xfer_state``, as kvxfer's initiator polls ``Backend.test``.
+  The target progresses UCX (``get_new_notifs``) between naps of at most
+  ``TARGET_NAP_S`` (0.05 ms): NIXL's API has no event fd to sleep on, while
+  kvxfer's target endpoint sleeps on the UCX worker's event fd and wakes when a
+  message arrives; a short nap answers about as fast without spinning a core.
 - ``threads``: NIXL's UCX backend ``num_threads`` option, set by the caller to the
   copy threads kvxfer's path uses (:mod:`kvxfer.bench.resources`); 0 keeps
   NIXL's default.
+
+Across hosts (``kvxfer bench transfer --listen/--connect --compare nixl``) the
+target runs under :func:`listen` on the other host (the kvxfer port + 1) and
+:class:`NixlSession` ``(connect=...)`` spawns only the initiator; both sides
+take UCX's transports from the environment (``UCX_TLS=tcp`` in
+``benchmarks/tcp_netns.sh``).
 """
 from __future__ import annotations
 
@@ -60,6 +68,9 @@ def _api():
     return importlib.import_module(name)
 
 
+TARGET_NAP_S = 0.00005
+
+
 def _slot_offsets(block_size: int, batch: int):
     return [2 * i * block_size for i in range(batch)]
 
@@ -94,15 +105,23 @@ def _make_agent(name: str, pool: _Pool, threads: int):
     return agent
 
 
+def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
+    """Serve one NIXL target for a :class:`NixlSession` ``(connect=address)`` elsewhere."""
+    from .endpoint import accept_session
+
+    conn, (pool_bytes, threads) = accept_session(address, authkey, timeout)
+    _target_main(conn, pool_bytes, threads)
+
+
 def _target_main(conn, pool_bytes: int, threads: int) -> None:
     """Target process: own a pool, publish metadata, answer fill/crc requests; between
-    requests progress UCX every 0.5 ms (kvxfer's target endpoint does the same)."""
+    requests progress UCX every ``TARGET_NAP_S``."""
     try:
         pool = _Pool(pool_bytes)
         agent = _make_agent("kvxfer-bench-nixl-target", pool, threads)
         conn.send(("ready", agent.get_agent_metadata(), pool.addr))
         while True:
-            while not conn.poll(0.0005):
+            while not conn.poll(TARGET_NAP_S):
                 agent.get_new_notifs()  # progresses the UCX worker (emulated RMA needs it)
             cmd, *rest = conn.recv()
             if cmd == "stop":
@@ -186,10 +205,12 @@ class NixlSession:
 
     transport = "nixl:UCX"
 
-    def __init__(self, pool_bytes: int, *, timeout: float = 60.0, threads: int = 0):
+    def __init__(self, pool_bytes: int, *, timeout: float = 60.0, threads: int = 0,
+                 connect: str | None = None, authkey: bytes = b""):
         self.pool_bytes = pool_bytes
         self.timeout = timeout
         self.threads = int(threads)
+        self.connect, self.authkey = connect, authkey  # target under listen() at this address
         self._procs: list = []
         self._init = self._target = None
 
@@ -209,13 +230,19 @@ class NixlSession:
     def __enter__(self) -> "NixlSession":
         _api()  # fail here, in the parent, with a clear message
         ctx = mp.get_context("spawn")
-        self._target, t_child = ctx.Pipe()
         self._init, i_child = ctx.Pipe()
-        self._procs = [
-            ctx.Process(target=_target_main, args=(t_child, self.pool_bytes, self.threads), daemon=True),
-            ctx.Process(target=_initiator_main, args=(i_child, self.pool_bytes, self.timeout, self.threads),
-                        daemon=True),
-        ]
+        self._procs = [ctx.Process(target=_initiator_main, daemon=True,
+                                   args=(i_child, self.pool_bytes, self.timeout, self.threads))]
+        if self.connect:
+            from multiprocessing.connection import Client
+
+            host, port = self.connect.rsplit(":", 1)
+            self._target = Client((host, int(port)), authkey=self.authkey)
+            self._target.send((self.pool_bytes, self.threads))
+        else:
+            self._target, t_child = ctx.Pipe()
+            self._procs.append(ctx.Process(target=_target_main, args=(t_child, self.pool_bytes, self.threads),
+                                           daemon=True))
         for p in self._procs:
             p.start()
         try:

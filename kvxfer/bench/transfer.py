@@ -9,7 +9,9 @@ Every row prints its ratio to the limit measured in the same run: a native
 copy of the row's bytes on as many threads as the path copies with
 (:mod:`kvxfer.bench.resources`, :mod:`kvxfer.bench.copy_limit`), or, when the
 transport is TCP, a native loopback TCP socket loop (:mod:`kvxfer.bench.tcp_limit`).
-With ``--compare nixl`` kvxfer and NIXL alternate in rounds (A B A B) per row.
+With ``--compare nixl`` kvxfer and NIXL alternate in rounds (A B A B) per row;
+across hosts ``--listen HOST:PORT --compare nixl`` also serves a NIXL target on
+PORT + 1, which ``--connect HOST:PORT --compare nixl`` uses.
 """
 from __future__ import annotations
 
@@ -161,6 +163,35 @@ def _plot(path: str, rows: list[dict], title: str) -> None:
     report.plot_bandwidth(path, series, title=title)
 
 
+def _nixl_address(address: str) -> str:
+    """Where the NIXL target of a ``--listen``/``--connect`` pair listens: the port after kvxfer's."""
+    host, port = address.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
+
+
+def _listen(args, secret: bytes) -> int:
+    """Serve one ``--connect`` session (and, with ``--compare nixl``, a NIXL target on port + 1)."""
+    import multiprocessing as mp
+
+    from .endpoint import listen
+
+    proc = None
+    if args.compare == "nixl":
+        from . import nixl
+
+        proc = mp.get_context("spawn").Process(target=nixl.listen, daemon=True,
+                                               args=(_nixl_address(args.listen), secret, args.timeout))
+        proc.start()
+    try:
+        listen(args.listen, secret, args.timeout)
+    finally:
+        if proc is not None:
+            proc.join(args.timeout)
+            if proc.is_alive():
+                proc.kill()
+    return 0
+
+
 def run(args) -> int:
     import contextlib
 
@@ -170,10 +201,7 @@ def run(args) -> int:
 
     secret = os.environ.get("KVXFER_BENCH_SECRET", "kvxfer-bench").encode()
     if args.listen:
-        from .endpoint import listen
-
-        listen(args.listen, secret, args.timeout)
-        return 0
+        return _listen(args, secret)
     if args.vs_perftest:
         from .perftest import compare
 
@@ -201,8 +229,9 @@ def run(args) -> int:
                 from .resources import for_path
 
                 threads = for_path(kvx.transport, sizes[-1] * args.batch_size).threads  # kvxfer's, at most
-                nixl = stack.enter_context(NixlSession(2 * args.batch_size * sizes[-1], timeout=args.timeout,
-                                                       threads=threads))
+                nixl = stack.enter_context(NixlSession(
+                    2 * args.batch_size * sizes[-1], timeout=args.timeout, threads=threads,
+                    connect=_nixl_address(args.connect) if args.connect else None, authkey=secret))
             try:
                 sock = stack.enter_context(SocketLimit(args.timeout))
             except KVXferError as exc:  # no C compiler: the row says "-", not a Python stand-in

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvxfer.serving.engine.config import SCHEDULES, EngineConfig
+
 API_KEY_ENV = "KVXFER_API_KEY"
 
 
@@ -26,10 +28,11 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="T",
                    help="torch threads per worker (default: its CPU group's size)")
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--schedule", choices=("mixed", "separate"), default="mixed",
+    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV blocks per worker")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--schedule", choices=SCHEDULES, default=EngineConfig.schedule,
                    help="mixed: decode tokens and prompt chunks share each step (chunked "
                         "prefill); separate: prefill steps and decode steps apart")
     p.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",

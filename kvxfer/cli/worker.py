@@ -13,6 +13,8 @@ import argparse
 import os
 import socket
 
+from kvxfer.serving.engine.config import EngineConfig
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("worker", help="one prefill/decode worker for a router on another host",
@@ -31,9 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, metavar="PATH.gguf")
     p.add_argument("--cpus", default=None, metavar="LIST", help="pin to these CPUs, e.g. 0-3")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs pinned)")
-    p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
     p.add_argument("--log-level", default="info")

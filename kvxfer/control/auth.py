@@ -39,6 +39,7 @@ def verify(expected: bytes, got: bytes) -> bool:
 
 
 MIN_SECRET_BYTES = 16
+SECRET_ENV = "KVXFER_SECRET"  # where deployments put the shared secret (text): worker, serve, vLLM
 
 
 def normalize_secret(secret) -> bytes:

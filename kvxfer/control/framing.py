@@ -1,8 +1,12 @@
-"""Length-prefixed frames on a TCP stream.
+"""Length-prefixed frames on a stream: the one frame codec of kvxfer.
 
 A frame is an 8-byte header ``!2sBBI`` -- magic ``b"KX"``, protocol version,
 message type, payload length -- followed by ``length`` payload bytes. The
-payload is a UTF-8 JSON object validated by :mod:`kvxfer.control.messages`.
+payload is a UTF-8 JSON object: the agents' control messages (validated by
+:mod:`kvxfer.control.messages`) and the serving stack's router <-> worker
+messages (:mod:`kvxfer.serving.server.ipc`, :func:`json_frame`/:func:`json_payload`).
+Every reader takes the largest payload it accepts for that stream and state
+(e.g. 4 KiB before a peer has authenticated).
 
 :class:`FrameReader` is fed whatever the socket returned and yields whole
 frames; a bad magic, version, or a length over :data:`MAX_PAYLOAD` raises
@@ -11,6 +15,7 @@ peer cannot make us allocate more than one maximum frame.
 """
 from __future__ import annotations
 
+import json
 import struct
 
 from ..errors import ProtocolError
@@ -21,10 +26,26 @@ HEADER = struct.Struct("!2sBBI")
 MAX_PAYLOAD = 4 << 20  # 4 MiB: block-id lists of thousands of blocks fit easily
 
 
-def encode_frame(msg_type: int, payload: bytes) -> bytes:
-    if len(payload) > MAX_PAYLOAD:
-        raise ValueError(f"control payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+def encode_frame(msg_type: int, payload: bytes, limit: int = MAX_PAYLOAD) -> bytes:
+    if len(payload) > limit:
+        raise ValueError(f"frame payload of {len(payload)} bytes exceeds {limit}")
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, len(payload)) + payload
+
+
+def json_frame(msg_type: int, obj: dict, limit: int = MAX_PAYLOAD) -> bytes:
+    """``obj`` as compact JSON in one frame (ValueError over ``limit`` bytes)."""
+    return encode_frame(msg_type, json.dumps(obj, separators=(",", ":")).encode(), limit)
+
+
+def json_payload(payload: bytes) -> dict:
+    """The JSON object in a frame's payload, or :class:`ProtocolError`."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"frame payload is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame payload is not a JSON object")
+    return obj
 
 
 def parse_header(header: bytes, limit: int = MAX_PAYLOAD) -> tuple[int, int]:
@@ -88,15 +109,37 @@ class FrameReader:
 def recv_frame(sock, timeout: float) -> tuple[int, bytes]:
     """Blocking read of exactly one frame (used by the connecting side's handshake)."""
     sock.settimeout(timeout)
-    msg_type, length = parse_header(_recv_exact(sock, HEADER.size))
+    frame = read_frame(sock)
+    if frame is None:
+        raise ConnectionError("connection closed")
+    return frame
+
+
+def read_frame(sock, limit: int = MAX_PAYLOAD) -> tuple[int, bytes] | None:
+    """Blocking read of one ``(msg_type, payload)``; None if the stream ends before a
+    header. Raises :class:`ProtocolError` (bad header, over ``limit``) or
+    ``ConnectionError`` (the stream ends inside a frame)."""
+    header = _recv_exact(sock, HEADER.size, at_start=True)
+    if header is None:
+        return None
+    msg_type, length = parse_header(header, limit)
     return msg_type, _recv_exact(sock, length)
 
 
-def _recv_exact(sock, n: int) -> bytes:
+async def read_frame_async(reader, limit: int = MAX_PAYLOAD) -> tuple[int, bytes]:
+    """:func:`read_frame` on an ``asyncio.StreamReader``; raises
+    ``asyncio.IncompleteReadError`` at the end of the stream."""
+    msg_type, length = parse_header(await reader.readexactly(HEADER.size), limit)
+    return msg_type, await reader.readexactly(length)
+
+
+def _recv_exact(sock, n: int, at_start: bool = False) -> bytes | None:
     chunks = bytearray()
     while len(chunks) < n:
         chunk = sock.recv(n - len(chunks))
         if not chunk:
+            if at_start and not chunks:
+                return None
             raise ConnectionError("connection closed")
         chunks += chunk
     return bytes(chunks)

@@ -11,6 +11,7 @@ documented in ``docs/api.md`` ("Limits").
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 from ..errors import LimitExceeded
 
@@ -23,10 +24,29 @@ MAX_NOTE_BYTES_PER_PEER = 16 << 20  # their bytes
 MAX_STAGE_REQS_PER_PEER = 16  # staging requests waiting or granted and not yet used, per peer
 
 
-class PeerBook:
-    """Counters and bounded caches of one peer (guarded by the agent's lock)."""
+@dataclass(frozen=True)
+class PeerLimits:
+    """The bounds above, as one frozen value (``AgentConfig.limits``)."""
 
-    def __init__(self) -> None:
+    max_posts: int = MAX_POSTS_PER_PEER
+    max_posted_blocks: int = MAX_POSTED_BLOCKS_PER_PEER
+    max_tombstones: int = MAX_TOMBSTONES_PER_PEER
+    max_notify_bytes: int = MAX_NOTIFY_BYTES
+    max_notes: int = MAX_NOTES_PER_PEER
+    max_note_bytes: int = MAX_NOTE_BYTES_PER_PEER
+    max_stage_reqs: int = MAX_STAGE_REQS_PER_PEER
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"PeerLimits.{name} must be an int >= 1, got {value!r}")
+
+
+class PeerBook:
+    """Counters and bounded caches of one peer (guarded by the agent state's lock)."""
+
+    def __init__(self, limits: PeerLimits = PeerLimits()) -> None:
+        self.limits = limits
         self.posts: collections.OrderedDict = collections.OrderedDict()  # req -> blocks, oldest first
         self.posted_blocks = 0
         self.tombstones: collections.OrderedDict = collections.OrderedDict()  # req -> (xid, error)
@@ -39,8 +59,8 @@ class PeerBook:
         """Count a cached post; return the request ids of older posts dropped to make room."""
         self.drop_post(req)
         dropped = []
-        while self.posts and (len(self.posts) >= MAX_POSTS_PER_PEER
-                              or self.posted_blocks + num_blocks > MAX_POSTED_BLOCKS_PER_PEER):
+        while self.posts and (len(self.posts) >= self.limits.max_posts
+                              or self.posted_blocks + num_blocks > self.limits.max_posted_blocks):
             old, n = self.posts.popitem(last=False)
             self.posted_blocks -= n
             dropped.append(old)
@@ -57,16 +77,17 @@ class PeerBook:
     def bury(self, req: str, xid: int, error) -> None:
         self.tombstones.pop(req, None)
         self.tombstones[req] = (xid, error)
-        while len(self.tombstones) > MAX_TOMBSTONES_PER_PEER:
+        while len(self.tombstones) > self.limits.max_tombstones:
             self.tombstones.popitem(last=False)
 
     # ---- notifications (D side) ----------------------------------------------------------
     def add_note(self, nbytes: int) -> None:
-        if nbytes > MAX_NOTIFY_BYTES:
-            raise LimitExceeded(f"NOTIFY of {nbytes} B exceeds {MAX_NOTIFY_BYTES} B")
-        if self.notes >= MAX_NOTES_PER_PEER or self.note_bytes + nbytes > MAX_NOTE_BYTES_PER_PEER:
+        lim = self.limits
+        if nbytes > lim.max_notify_bytes:
+            raise LimitExceeded(f"NOTIFY of {nbytes} B exceeds {lim.max_notify_bytes} B")
+        if self.notes >= lim.max_notes or self.note_bytes + nbytes > lim.max_note_bytes:
             raise LimitExceeded(f"{self.notes} notifications ({self.note_bytes} B) from this peer are "
-                                f"not drained yet (limits {MAX_NOTES_PER_PEER}, {MAX_NOTE_BYTES_PER_PEER} B)")
+                                f"not drained yet (limits {lim.max_notes}, {lim.max_note_bytes} B)")
         self.notes += 1
         self.note_bytes += nbytes
 
@@ -76,8 +97,8 @@ class PeerBook:
 
     # ---- staging requests (D side) -------------------------------------------------------
     def add_stage_req(self) -> None:
-        if self.stage_reqs >= MAX_STAGE_REQS_PER_PEER:
-            raise LimitExceeded(f"more than {MAX_STAGE_REQS_PER_PEER} staging requests outstanding")
+        if self.stage_reqs >= self.limits.max_stage_reqs:
+            raise LimitExceeded(f"more than {self.limits.max_stage_reqs} staging requests outstanding")
         self.stage_reqs += 1
 
     def end_stage_req(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import selectors
 import socket
 import threading
@@ -19,6 +20,8 @@ import time
 from ..errors import KVXferError, ProtocolError
 from .framing import FrameReader
 from .messages import decode
+
+log = logging.getLogger("kvxfer")
 
 MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
@@ -211,7 +214,7 @@ class IOLoop:
         try:
             conn.handler.on_close(conn, exc)
         except Exception:  # noqa: BLE001 - a handler bug must not kill the loop
-            pass
+            log.exception("close handler of a control connection raised")
 
     def _timeout(self) -> float | None:
         with self._lock:
@@ -302,4 +305,6 @@ class IOLoop:
                 if conn.closed:
                     return
         except Exception as exc:  # noqa: BLE001 - ProtocolError, or a typed error from the handler
+            if not isinstance(exc, KVXferError):  # a handler bug: say where, then drop the peer
+                log.exception("control frame handler raised; closing the connection")
             self._close(conn, exc if isinstance(exc, KVXferError) else ProtocolError(repr(exc)))

@@ -1,4 +1,4 @@
-"""Book-keeping records of in-flight transfers (guarded by the agent's lock)."""
+"""Book-keeping records of in-flight transfers (guarded by the agent state's lock)."""
 from __future__ import annotations
 
 import time
@@ -27,7 +27,7 @@ class SendOp:
     key: tuple  # (peer serial, request id) in Agent._sends; (None, id) for send(None, ...)
     wire_req: str  # request id on the wire ("" for one-sided writes)
     ids: tuple  # P's block ids (after matching: only the ones shipped, ids[post.skip:])
-    handle: object
+    completer: object  # kvxfer.handle.HandleCompleter of the caller's handle
     ready: list | None  # layers the caller released for shipping; None: all D asks for
     streaming: bool = False
     notify: bytes | None = None
@@ -42,6 +42,10 @@ class SendOp:
     started: float = field(default_factory=time.monotonic)
     after: list = field(default_factory=list)  # producer tokens (send(after=)) every piece waits for
 
+    @property
+    def handle(self):
+        return self.completer.handle
+
 
 @dataclass(eq=False)
 class RecvOp:
@@ -52,7 +56,7 @@ class RecvOp:
     blocks: tuple
     layers: tuple
     heads: tuple  # this rank's global (start, stop)
-    handle: object
+    completer: object  # kvxfer.handle.HandleCompleter of the caller's handle
     skip: int = 0  # the sender's first `skip` blocks are not moved (D holds them already)
     coverage: Coverage | None = None  # which (layer, head, block) cells landed
     posted_to: set = field(default_factory=set)  # peers holding our RECV_POST
@@ -62,6 +66,10 @@ class RecvOp:
     started: float = field(default_factory=time.monotonic)
     post_frame: bytes | None = None  # the encoded RECV_POST
     unpacking: int = 0  # chunks the device may still be scattering into `blocks`
+
+    @property
+    def handle(self):
+        return self.completer.handle
 
     def __post_init__(self) -> None:
         if self.coverage is None:

@@ -3,7 +3,9 @@
 :class:`Peer` is what :meth:`Agent.connect` returns (and what an accepted
 connection becomes once its handshake completed). :class:`InboundHandler` runs
 the accepting side's handshake state machine in the I/O thread, then hands every
-frame to the agent, like :class:`PeerHandler` does for connections we opened.
+frame to the agent's :class:`~kvxfer.control.connections.Connections`, like
+:class:`PeerHandler` does for connections we opened (through its handler
+interface only).
 """
 from __future__ import annotations
 
@@ -12,9 +14,8 @@ import itertools
 from ..errors import KVXferError, TransferTimeout
 from .framing import MAX_PAYLOAD
 from .gate import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME
-from .handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
+from .limits import PeerBook, PeerLimits
 from .messages import Msg
-from .limits import PeerBook
 
 
 class Peer:
@@ -22,7 +23,8 @@ class Peer:
 
     _serials = itertools.count(1)
 
-    def __init__(self, name: str, agent_id: str, address: str | None, info: dict) -> None:
+    def __init__(self, name: str, agent_id: str, address: str | None, info: dict,
+                 limits: PeerLimits = PeerLimits()) -> None:
         self.serial = next(Peer._serials)
         self.name = name
         self.agent_id = agent_id
@@ -35,7 +37,7 @@ class Peer:
         self.conn = None  # control connection
         self.bconn = None  # backend connection
         self.is_connected = True
-        self.book = PeerBook()  # what this peer makes us hold, bounded (limits.py)
+        self.book = PeerBook(limits)  # what this peer makes us hold, bounded (limits.py)
 
     @property
     def transport(self) -> str:
@@ -50,24 +52,6 @@ class Peer:
         return f"<Peer {self.name!r} {state} transport={self.transport}>"
 
 
-def make_backend(spec, listen_host: str):
-    """The agent's backend: ``spec`` itself if it is one, else built by name.
-
-    UCX backends are narrowed to the network devices holding ``listen_host``
-    so the agent listens on nothing beyond the address it was asked for.
-    """
-    from ..transport import make_backend as registry
-    from ..transport.base import Backend
-
-    if isinstance(spec, Backend):
-        return spec
-    if spec == "loopback":
-        return registry(spec)
-    from ..transport.netdev import net_devices_for
-
-    return registry(spec, net_devices=net_devices_for(listen_host))
-
-
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -76,23 +60,25 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class PeerHandler:
-    def __init__(self, agent) -> None:
-        self.agent = agent
+    """Hands the frames of an authenticated connection to ``conns`` (a Connections)."""
+
+    def __init__(self, conns) -> None:
+        self.conns = conns
 
     def on_frame(self, conn, kind, fields) -> None:
-        self.agent._on_message(conn.peer, kind, fields)
+        self.conns.on_frame(conn.peer, kind, fields)
 
     def on_close(self, conn, exc) -> None:
-        self.agent._on_conn_closed(conn.peer, exc)
+        self.conns.on_closed(conn.peer, exc)
 
 
 class InboundHandler(PeerHandler):
     """Runs the server handshake, then behaves as :class:`PeerHandler`. Holds one of the
     agent's pre-auth slots (:mod:`kvxfer.control.gate`) until the peer is ready or gone."""
 
-    def __init__(self, agent, source: str) -> None:
-        super().__init__(agent)
-        self.hs = ServerHandshake(agent._secret, agent._info, agent._parse_info)
+    def __init__(self, conns, source: str) -> None:
+        super().__init__(conns)
+        self.hs = conns.server_handshake()
         self.source = source
         self.counted = True
 
@@ -104,12 +90,12 @@ class InboundHandler(PeerHandler):
                 conn.loop.close_conn(conn, TransferTimeout(f"{what} timed out"))
 
         conn.loop.call_later(HELLO_DEADLINE_S, lambda: expire("waiting for HELLO", lambda: self.hs.state == Msg.HELLO))
-        conn.loop.call_later(HANDSHAKE_TIMEOUT_S, lambda: expire("handshake", lambda: True))
+        conn.loop.call_later(self.conns.handshake_timeout, lambda: expire("handshake", lambda: True))
 
     def _uncount(self, ok: bool) -> None:
         if self.counted:
             self.counted = False
-            self.agent._gate.release(self.source, ok)
+            self.conns.release_slot(self.source, ok)
 
     def on_frame(self, conn, kind, fields) -> None:
         if conn.peer is not None:
@@ -123,14 +109,14 @@ class InboundHandler(PeerHandler):
         if self.hs.state == Msg.INFO:  # authenticated: its INFO may be large
             conn.reader.max_payload = MAX_PAYLOAD
         if ready:
-            peer = self.agent._make_peer(self.hs.peer_info, None)
+            peer = self.conns.make_peer(self.hs.peer_info, None)
             peer.conn = conn
             conn.peer = peer
             self._uncount(True)
         for frame in frames:
             conn.send(frame)
         if ready:
-            self.agent._peer_ready(conn.peer)
+            self.conns.peer_ready(conn.peer)
 
     def on_close(self, conn, exc) -> None:
         self._uncount(False)

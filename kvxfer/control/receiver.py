@@ -17,18 +17,35 @@ import time
 
 from ..errors import (InvalidDescriptor, KVXferError, PeerDisconnected, ProtocolError, TransferCancelled,
                       TransferTimeout)
-from ..handle import TransferHandle
+from ..handle import HandleCompleter
 from .checks import check_chunk_shape, check_piece, code_of, error_from
 from .messages import Msg, encode
 from .ops import RecvOp
+from .state import AgentState
+from .workers import Worker
 
 
-class ReceiverSide:
-    def __init__(self) -> None:
-        self._recvs: dict[str, RecvOp] = {}
-        self._quiet_wait: dict[tuple, RecvOp] = {}  # (req, xid) -> op waiting for CANCEL_ACKs
-        self._grants: dict[tuple, tuple] = {}  # (peer serial, tag) -> (offset, nbytes)
+class Receiver:
+    """Owns the recvs, the staging grants given to senders and the receive worker."""
+
+    def __init__(self, state: AgentState) -> None:
+        self._s = state
+        self.recvs: dict[str, RecvOp] = {}
+        self.quiet_wait: dict[tuple, RecvOp] = {}  # (req, xid) -> op waiting for CANCEL_ACKs
+        self.grants: dict[tuple, tuple] = {}  # (peer serial, tag) -> (offset, nbytes)
         self._xids = itertools.count(1)
+        self.worker = Worker(f"kvxfer-recv-{state.name}")
+
+    def handlers(self) -> dict:
+        """``{Msg: fn(peer, fields)}`` of the messages P sends to a receiver (CANCEL/FAIL
+        without ``to_sender`` go to :meth:`on_sender_cancel`)."""
+        return {Msg.MATCHED: self._on_matched, Msg.STAGE_REQ: self._on_stage_req,
+                Msg.DATA_DONE: self._on_data_done, Msg.STAGE_RELEASE: self._on_stage_release,
+                Msg.CANCEL_ACK: self._on_cancel_ack}
+
+    def busy(self) -> bool:
+        """Something waits for a sender (the backend driver progresses faster then)."""
+        return bool(self.recvs or self.grants or self.quiet_wait)
 
     # ---- public API -------------------------------------------------------------------
     def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None,
@@ -47,28 +64,28 @@ class ReceiverSide:
         :class:`TransferTimeout`; the blocks are released (``on_release``) only
         once no peer can still write into them.
         """
-        ids = self._check_ids(block_ids)
+        ids = self._s.check_ids(block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("recv block_ids must be distinct")
         if type(skip_blocks) is not int or skip_blocks < 0:
             raise ValueError(f"skip_blocks must be an int >= 0, got {skip_blocks!r}")
         req = str(request_id)
-        lay = tuple(self._layout.resolve_layers(layers))
-        handle = TransferHandle("recv", req, None, layers=lay)
-        with self._lock:
-            if req in self._recvs:
+        lay = tuple(self._s.layout.resolve_layers(layers))
+        completer = HandleCompleter("recv", req, None, layers=lay)
+        with self._s.lock:
+            if req in self.recvs:
                 raise ValueError(f"request {req!r} is already being received")
-            op = RecvOp(req, next(self._xids), ids, lay, self._geometry.head_range, handle, skip_blocks)
-            self._recvs[req] = op
-            handle._on_cancel = lambda h: self._end_recv(op, None, "cancelled")
-            for peer in list(self._peers.values()):
+            op = RecvOp(req, next(self._xids), ids, lay, self._s.geometry.head_range, completer, skip_blocks)
+            self.recvs[req] = op
+            completer.set_canceller(lambda h: self._end_recv(op, None, "cancelled"))
+            for peer in list(self._s.peers.values()):
                 self._post_to(peer, op)
             # still under the lock: nothing that could end this op (a DATA_DONE, a cancel,
             # a disconnect) runs before its lease exists; the RECV_POST left a bit earlier
-            lease = self.leases.acquire(("recv", req, op.xid), req, ids, timeout)
-        self._loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
+            lease = self._s.leases.acquire(("recv", req, op.xid), req, ids, timeout)
+        self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
             op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
-        return handle
+        return completer.handle
 
     # ---- posting ----------------------------------------------------------------------
     def _post_to(self, peer, op: RecvOp) -> None:
@@ -80,19 +97,19 @@ class ReceiverSide:
                                    layers=op.layers, heads=op.heads, skip=op.skip)
         peer.send(op.post_frame)
 
-    def _post_pending_recvs(self, peer) -> None:
-        for op in list(self._recvs.values()):
+    def post_pending(self, peer) -> None:
+        for op in list(self.recvs.values()):
             self._post_to(peer, op)
 
     # ---- completion and failure ----------------------------------------------------------
     def _delivered(self, req: str, xid: int, layers, heads: tuple, nbytes: int, blocks=None) -> None:
         """One piece landed: ``layers`` x global ``heads`` x ``blocks`` (D's ids; None: every
         block of the request). Completes the recv once every cell it asked for landed."""
-        self.metrics.inc("bytes_received", nbytes)
+        self._s.metrics.inc("bytes_received", nbytes)
         if not req:
             return  # a one-sided write; nothing to track
-        with self._lock:
-            op = self._recvs.get(req)
+        with self._s.lock:
+            op = self.recvs.get(req)
             if op is None or op.xid != xid or op.handle.done():
                 return
             lo = max(heads[0], op.heads[0]) - op.heads[0]
@@ -106,21 +123,21 @@ class ReceiverSide:
             op.handle.nbytes += nbytes
             landed = cov.add(layers, lo, hi, pos)
             if not cov.complete:
-                op.handle._mark_layers(landed)
+                op.completer.mark_layers(landed)
                 return
             # book-keeping first: whoever wakes on the handle sees the lease gone
-            del self._recvs[req]
-            self.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
-            self.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
-            self.leases.release(("recv", req, xid), "done")
-            op.handle._succeed()
+            del self.recvs[req]
+            self._s.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
+            self._s.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
+            self._s.leases.release(("recv", req, xid), "done")
+            op.completer.succeed()
 
     def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str) -> None:
         """Fail (or, with ``error=None``, cancel) a recv, then quiesce its writers."""
-        with self._lock:
-            if self._recvs.get(op.req) is not op:
+        with self._s.lock:
+            if self.recvs.get(op.req) is not op:
                 return
-            del self._recvs[op.req]
+            del self.recvs[op.req]
             op.reason = reason
             op.quiescing = {p for p in op.posted_to if p.is_connected}
             code = None if error is None else code_of(error)
@@ -128,45 +145,45 @@ class ReceiverSide:
                      encode(Msg.FAIL, req=op.req, xid=op.xid, to_sender=True, code=code, reason=str(error)[:200]))
             for peer in op.quiescing:
                 peer.send(frame)
-            self._quiet_wait[(op.req, op.xid)] = op
+            self.quiet_wait[(op.req, op.xid)] = op
             self._maybe_quiet(op)
             if error is not None and not op.handle.done():
-                self.metrics.inc("failures", kind="recv", error=type(error).__name__)
-                op.handle._fail(error)
+                self._s.metrics.inc("failures", kind="recv", error=type(error).__name__)
+                op.completer.fail(error)
 
     def _maybe_quiet(self, op: RecvOp) -> None:
-        if not op.quiescing and not op.unpacking and self._quiet_wait.pop((op.req, op.xid), None) is op:
-            self.leases.release(("recv", op.req, op.xid), op.reason)
+        if not op.quiescing and not op.unpacking and self.quiet_wait.pop((op.req, op.xid), None) is op:
+            self._s.leases.release(("recv", op.req, op.xid), op.reason)
 
     # ---- messages from P (I/O thread) -----------------------------------------------------
     def _on_matched(self, peer, f) -> None:
-        with self._lock:
-            op = self._recvs.get(f["req"])
+        with self._s.lock:
+            op = self.recvs.get(f["req"])
             if op is not None and op.xid == f["xid"]:
                 op.matched.add(peer)
                 op.handle.peer = peer.name if op.handle.peer is None else op.handle.peer
 
     def _on_stage_req(self, peer, f) -> None:
-        if self._layout is None or f["nbytes"] > self._staging_bytes // 2 or f["nbytes"] == 0:
+        if self._s.layout is None or f["nbytes"] > self._s.staging_bytes // 2 or f["nbytes"] == 0:
             raise ProtocolError(f"STAGE_REQ of {f['nbytes']} bytes cannot be granted")
         tag = f["tag"]
-        with self._lock:
+        with self._s.lock:
             peer.book.add_stage_req()  # LimitExceeded closes this peer only
 
         def granted(offset: int) -> None:
-            with self._lock:
-                if not peer.is_connected or self._closed:
-                    self._stage_in.free(offset)
+            with self._s.lock:
+                if not peer.is_connected or self._s.closed:
+                    self._s.pool.stage_in.free(offset)
                     return
-                self._grants[(peer.serial, tag)] = (offset, f["nbytes"])
-            peer.send(encode(Msg.STAGE_GRANT, tag=tag, region=self._stage_in_region, offset=offset))
+                self.grants[(peer.serial, tag)] = (offset, f["nbytes"])
+            peer.send(encode(Msg.STAGE_GRANT, tag=tag, region=self._s.pool.stage_in_region, offset=offset))
 
-        self._stage_in.alloc_async(f["nbytes"], granted)
+        self._s.pool.stage_in.alloc_async(f["nbytes"], granted)
 
     def _take_grant(self, peer, tag):
         """Remove and return the grant ``(offset, nbytes)`` of ``tag`` (None if there is none)."""
-        with self._lock:
-            grant = self._grants.pop((peer.serial, tag), None)
+        with self._s.lock:
+            grant = self.grants.pop((peer.serial, tag), None)
             if grant is not None:
                 peer.book.end_stage_req()
         return grant
@@ -174,7 +191,7 @@ class ReceiverSide:
     def _on_stage_release(self, peer, f) -> None:
         grant = self._take_grant(peer, f["tag"])
         if grant is not None:
-            self._stage_in.free(grant[0])
+            self._s.pool.stage_in.free(grant[0])
 
     def _on_data_done(self, peer, f) -> None:
         """P says a piece is written. Checked against our own request before it counts:
@@ -185,17 +202,17 @@ class ReceiverSide:
             grant = self._take_grant(peer, f["tag"])
             if grant is None or grant != (f["offset"], f["nbytes"]):
                 if grant is not None:
-                    self._stage_in.free(grant[0])
+                    self._s.pool.stage_in.free(grant[0])
                 raise ProtocolError("DATA_DONE names staging space that was not granted")
         req, error, op = f["req"], None, None
-        with self._lock:
+        with self._s.lock:
             if req:
-                op = self._recvs.get(req)
+                op = self.recvs.get(req)
                 if op is None or op.xid != f["xid"] or op.handle.done():
                     op = None  # stale: a recv that ended (its blocks are kept until P is quiet)
                 else:
                     try:
-                        check_piece(op, self._layout, peer, f)
+                        check_piece(op, self._s.layout, peer, f)
                         op.handle.path = op.handle.path or ("pack" if f["pack"] else "zero_copy")
                     except KVXferError as exc:
                         error = exc
@@ -209,15 +226,15 @@ class ReceiverSide:
             return self._delivered(req, f["xid"], f["layers"], f["heads"], f["nbytes"])
         if not req:  # a one-sided write's chunk: inside our pool?
             try:
-                check_chunk_shape(self._layout, f)
+                check_chunk_shape(self._s.layout, f)
             except InvalidDescriptor as exc:
-                self._stage_in.free(grant[0])
+                self._s.pool.stage_in.free(grant[0])
                 raise ProtocolError(f"one-sided pack chunk: {exc}") from None
-        self._recv_q.put(lambda: self._unpack(peer, f))
+        self.worker.submit(lambda: self._unpack(peer, f))
 
     def _release_chunk(self, peer, f) -> None:
         """Free a chunk's staging slice unread and ACK it (P stops waiting for it)."""
-        self._stage_in.free(f["offset"])
+        self._s.pool.stage_in.free(f["offset"])
         peer.send(encode(Msg.ACK, tag=f["tag"]))
 
     def _unpack(self, peer, f) -> None:
@@ -227,25 +244,25 @@ class ReceiverSide:
         off, nbytes = f["offset"], f["nbytes"]
         req, live, op, error = f["req"], True, None, None
         if req:
-            with self._lock:
-                op = self._recvs.get(req)
+            with self._s.lock:
+                op = self.recvs.get(req)
                 live = op is not None and op.xid == f["xid"] and not op.handle.done()
                 if live:
                     op.unpacking += 1  # its blocks are not released while the scatter may write them
         try:
             if live:
                 t0 = time.perf_counter()
-                unpacked = self._device.unpack(self._layout, self._stage_in_t[off:off + nbytes], list(f["blocks"]),
+                unpacked = self._s.device.unpack(self._s.layout, self._s.pool.stage_in_t[off:off + nbytes], list(f["blocks"]),
                                                list(f["layers"]), f["heads"])
-                self._device.wait(unpacked, self.leases.default_ttl_s)
-                self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")
+                self._s.device.wait(unpacked, self._s.leases.default_ttl_s)
+                self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")
         except TransferTimeout as exc:  # the device never finished: the slice stays taken
             self._unpacked(op if live else None)
-            self._loop.close_conn(peer.conn, exc)
+            self._s.loop.close_conn(peer.conn, exc)
             return
         except Exception as exc:  # noqa: BLE001 - checked before; a failure fails this request only
             error = InvalidDescriptor(f"cannot unpack a chunk of {req!r}: {exc!r}")
-        self._stage_in.free(off)
+        self._s.pool.stage_in.free(off)
         peer.send(encode(Msg.ACK, tag=f["tag"]))
         if error is not None:
             self._unpacked(op if live else None)
@@ -259,15 +276,15 @@ class ReceiverSide:
     def _unpacked(self, op) -> None:
         if op is None:
             return
-        with self._lock:
+        with self._s.lock:
             op.unpacking -= 1
-            if (op.req, op.xid) in self._quiet_wait:
+            if (op.req, op.xid) in self.quiet_wait:
                 self._maybe_quiet(op)
 
-    def _on_sender_cancelled(self, peer, f) -> None:
+    def on_sender_cancel(self, peer, f) -> None:
         """CANCEL or FAIL (typed, ``code``) from a sender of one of our recvs."""
-        with self._lock:
-            op = self._recvs.get(f["req"])
+        with self._s.lock:
+            op = self.recvs.get(f["req"])
         if op is not None and op.xid == f["xid"] and peer in op.posted_to:
             if "code" in f:
                 self._end_recv(op, error_from(f, f"sender {peer.name!r}"), "failed")
@@ -275,21 +292,21 @@ class ReceiverSide:
                 self._end_recv(op, TransferCancelled(f"sender {peer.name!r} cancelled {f['req']!r}"), "cancelled")
 
     def _on_cancel_ack(self, peer, f) -> None:
-        with self._lock:
-            op = self._quiet_wait.get((f["req"], f["xid"]))
+        with self._s.lock:
+            op = self.quiet_wait.get((f["req"], f["xid"]))
             if op is not None:
                 op.quiescing.discard(peer)
                 self._maybe_quiet(op)
 
-    def _receiver_peer_lost(self, peer, err: PeerDisconnected) -> None:
-        with self._lock:
-            for key in [k for k in self._grants if k[0] == peer.serial]:
-                self._stage_in.free(self._grants.pop(key)[0])
-            failed = [op for op in self._recvs.values()
+    def peer_lost(self, peer, err: PeerDisconnected) -> None:
+        with self._s.lock:
+            for key in [k for k in self.grants if k[0] == peer.serial]:
+                self._s.pool.stage_in.free(self.grants.pop(key)[0])
+            failed = [op for op in self.recvs.values()
                       if peer in op.matched and not self._part_landed(op, peer)]
-            for op in self._recvs.values():
+            for op in self.recvs.values():
                 op.posted_to.discard(peer)
-            for op in list(self._quiet_wait.values()):
+            for op in list(self.quiet_wait.values()):
                 op.quiescing.discard(peer)
                 self._maybe_quiet(op)
         for op in failed:
@@ -302,13 +319,14 @@ class ReceiverSide:
         hi = min(peer.geometry.head_range[1], op.heads[1]) - op.heads[0]
         return op.coverage.heads_landed(max(lo, 0), hi)
 
-    def _receiver_close(self, err: KVXferError) -> None:
-        with self._lock:
-            ops = list(self._recvs.values())
+    def close(self, err: KVXferError) -> None:
+        with self._s.lock:
+            ops = list(self.recvs.values())
         for op in ops:
             self._end_recv(op, err, "closed")
-        with self._lock:
-            self._quiet_wait.clear()
+        with self._s.lock:
+            self.quiet_wait.clear()
 
-    _dispatch = {Msg.MATCHED: _on_matched, Msg.STAGE_REQ: _on_stage_req, Msg.DATA_DONE: _on_data_done,
-                 Msg.STAGE_RELEASE: _on_stage_release, Msg.CANCEL_ACK: _on_cancel_ack}
+    def stop(self) -> None:
+        """End the receive worker (after :meth:`close` and the staging rings closed)."""
+        self.worker.stop()

@@ -9,6 +9,7 @@ never sees a completion before the bytes.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -21,6 +22,8 @@ from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolEr
 from .messages import Msg, encode
 from .ops import SendOp
 from .parts import split_descs
+from .state import AgentState
+from .workers import Worker
 
 log = logging.getLogger("kvxfer")
 
@@ -36,10 +39,49 @@ class _GrantWait:
 
 
 class Shipper:
-    """Mixin of :class:`~kvxfer.Agent`; uses its lock, layout, backend, staging and metrics."""
+    """Moves the pieces of the :class:`~kvxfer.control.sender.Sender`'s ops; owns the send
+    worker, the staging grants it waits for and the ACKs it expects."""
+
+    def __init__(self, state: AgentState, sender) -> None:
+        self._s = state
+        self._sender = sender
+        self._grant_waits: dict[int, _GrantWait] = {}
+        self._acks: dict[int, tuple] = {}  # tag -> (op, layers)
+        self._tags = itertools.count(1)
+        self._choices: dict = {}  # see _choose
+        self.worker = Worker(f"kvxfer-send-{state.name}")
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+    def ship(self, op: SendOp, layers: list, matched: bytes | None = None) -> None:
+        """Queue a piece for the send worker; a small zero-copy piece runs right here
+        (lock held, no waiting on the peer), saving a thread hop on the latency path.
+        ``matched``: the MATCHED frame to send first. Ahead of an inline piece it goes
+        out with ``MSG_MORE``, so it shares a segment with the DATA_DONE that follows
+        (one wake-up on D instead of two); it is in the kernel before the write starts,
+        so D still learns who matched if this process dies mid-write."""
+        op.shipped.update(layers)
+        op.inflight += 1
+        layers = tuple(layers)
+        after = tuple(op.after)  # the producer events written so far cover this piece's layers
+        try:
+            choice = self._choose(op, layers)
+        except KVXferError as exc:
+            choice = exc
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            choice = InvalidDescriptor(f"cannot plan {op.key[1]!r}: {exc!r}")
+        inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
+        inline = inline and all(self._s.device.query(t) for t in after)  # never wait with the lock held
+        if matched is not None:
+            op.peer.send(matched, more=inline)
+        if inline:
+            self._ship(op, layers, choice, after)
+        else:
+            self.worker.submit(lambda: self._ship(op, layers, choice, after))
 
     def _remaining(self, op: SendOp) -> float:
-        lease = self.leases.get(("send",) + op.key)
+        lease = self._s.leases.get(("send",) + op.key)
         if lease is None or op.ended is not None:
             raise TransferCancelled(f"{op.key[1]!r} stopped")
         return max(0.0, lease.deadline - time.monotonic())
@@ -48,7 +90,7 @@ class Shipper:
         """``(heads, path, nbytes)`` of one piece: the head overlap and the cost model's pick
         (a pure function of the peer's geometry and the piece's shape: cached)."""
         key = (op.peer.geometry, len(op.ids), layers, op.post.heads)
-        cache = self.__dict__.setdefault("_choice_cache", {})
+        cache = self._choices
         choice = cache.get(key)
         if choice is None:
             choice = self._choose_uncached(op, layers)
@@ -58,15 +100,15 @@ class Shipper:
         return choice
 
     def _choose_uncached(self, op: SendOp, layers: tuple) -> tuple:
-        heads = plan.overlap(self._geometry.head_range, op.post.heads)
+        heads = plan.overlap(self._s.geometry.head_range, op.post.heads)
         if heads is None:
-            raise LayoutMismatch(f"no kv heads in common: sender {self._geometry.head_range}, "
+            raise LayoutMismatch(f"no kv heads in common: sender {self._s.geometry.head_range}, "
                                  f"receiver {op.post.heads}")
-        nbytes = len(op.ids) * len(layers) * self._layout.block_nbytes(heads)
-        if self._path != "auto":
-            return heads, self._path, nbytes
-        num_descs = plan.count_runs(self._geometry, op.peer.geometry, len(op.ids), layers, heads)
-        return heads, self._cost.choose(num_descs, nbytes), nbytes
+        nbytes = len(op.ids) * len(layers) * self._s.layout.block_nbytes(heads)
+        if self._s.config.path != "auto":
+            return heads, self._s.config.path, nbytes
+        num_descs = plan.count_runs(self._s.geometry, op.peer.geometry, len(op.ids), layers, heads)
+        return heads, self._s.cost.choose(num_descs, nbytes), nbytes
 
     def _ship(self, op: SendOp, layers: tuple, choice, after: tuple = ()) -> None:
         try:
@@ -80,50 +122,48 @@ class Shipper:
             else:
                 self._ship_pack(op, layers, heads, after)
         except KVXferError as exc:
-            self._fail_send(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
+            self._sender.fail(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
         except (ValueError, TypeError, IndexError, KeyError) as exc:
-            self._fail_send(op, InvalidDescriptor(f"{op.key[1]!r}: {exc!r}"), "failed")
+            self._sender.fail(op, InvalidDescriptor(f"{op.key[1]!r}: {exc!r}"), "failed")
         except Exception as exc:  # noqa: BLE001 - a bug fails this request, never the worker
             log.exception("send worker: %r failed", op.handle)
-            self._fail_send(op, ProtocolError(f"{op.key[1]!r}: internal error {exc!r}"), "failed")
+            self._sender.fail(op, ProtocolError(f"{op.key[1]!r}: internal error {exc!r}"), "failed")
         finally:
-            with self._lock:
-                op.inflight -= 1
-                self._quiesce(op)
+            self._sender.piece_done(op)
 
     def _post_and_wait(self, op: SendOp, kind: str, descs) -> None:
         t0 = time.perf_counter()
-        if self._parts or op.peer.parts:
-            descs = split_descs(descs, self._parts, op.peer.parts)
-        req = self._backend.post(op.peer.bconn, kind, descs)
-        self._backend.wait(req, self._remaining(op))
-        self.metrics.observe("post_seconds", time.perf_counter() - t0)
+        if self._s.pool.parts or op.peer.parts:
+            descs = split_descs(descs, self._s.pool.parts, op.peer.parts)
+        req = self._s.backend.post(op.peer.bconn, kind, descs)
+        self._s.backend.wait(req, self._remaining(op))
+        self._s.metrics.observe("post_seconds", time.perf_counter() - t0)
 
     def _ship_zero_copy(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int, after: tuple = ()) -> None:
         t0 = time.perf_counter()
-        descs = plan.zero_copy_descs(self._geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
-                                     heads, self._region_ids, op.peer.region_ids)
-        self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
+        descs = plan.zero_copy_descs(self._s.geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
+                                     heads, self._s.pool.region_ids, op.peer.region_ids)
+        self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
         # ready before the write, so only the send is left between completion and D
         done_frame = encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
                             blocks=[], layers=layers, heads=heads, offset=0, nbytes=nbytes)
         # the network reads the pool directly: the producer must have finished writing it
-        self._device.wait(after, self._remaining(op))
+        self._s.device.wait(after, self._remaining(op))
         self._remaining(op)  # stop here if cancelled meanwhile
         self._post_and_wait(op, "write", descs)
         op.peer.send(done_frame)
-        with self._lock:
+        with self._s.lock:
             pending = op.pending
             for layer in layers:
                 pending[layer] = pending.get(layer, 0) + 1
-        self.metrics.inc("bytes_sent", nbytes, path="zero_copy")
-        self._pieces_visible(op, layers)
+        self._s.metrics.inc("bytes_sent", nbytes, path="zero_copy")
+        self._sender.pieces_visible(op, layers)
 
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
-        tile = self._layout.block_nbytes(heads)
-        limit = min(self._staging_bytes, op.peer.staging_bytes) // 2
+        tile = self._s.layout.block_nbytes(heads)
+        limit = min(self._s.staging_bytes, op.peer.staging_bytes) // 2
         pieces = plan.chunks(len(op.ids), layers, tile, limit)
-        with self._lock:
+        with self._s.lock:
             for lay, _ in pieces:
                 for layer in lay:
                     op.pending[layer] = op.pending.get(layer, 0) + 1
@@ -131,77 +171,100 @@ class Shipper:
             ids = op.ids[sl]
             nbytes = len(ids) * len(lay) * tile
             tag, wait = next(self._tags), _GrantWait(op.peer)
-            with self._lock:
+            with self._s.lock:
                 self._grant_waits[tag] = wait
             op.peer.send(encode(Msg.STAGE_REQ, tag=tag, nbytes=nbytes))
             t0 = time.perf_counter()
-            off = self._stage_out.alloc(nbytes, self._remaining(op))
+            off = self._s.pool.stage_out.alloc(nbytes, self._remaining(op))
             if off is None:
                 raise TransferTimeout("no room in the local staging buffer")
             try:
                 # queued on the device behind the producer's events; a slice freed early on
                 # failure is only reused by later packs of the same (in-order) device stream
-                packed = self._device.pack(self._layout, list(ids), list(lay), heads,
-                                           self._stage_out_t[off:off + nbytes], after)
-                self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
+                packed = self._s.device.pack(self._s.layout, list(ids), list(lay), heads,
+                                           self._s.pool.stage_out_t[off:off + nbytes], after)
+                self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
                 if not wait.event.wait(self._remaining(op)):
                     raise TransferTimeout("the receiver granted no staging space in time")
                 if wait.error is not None:
                     raise wait.error
-                self._device.wait(packed, self._remaining(op))  # the slice holds the packed bytes
+                self._s.device.wait(packed, self._remaining(op))  # the slice holds the packed bytes
                 self._remaining(op)
                 self._post_and_wait(op, "write", np.array(
-                    [[self._stage_out_region, off, wait.region, wait.offset, nbytes]], dtype=np.int64))
+                    [[self._s.pool.stage_out_region, off, wait.region, wait.offset, nbytes]], dtype=np.int64))
             except BaseException:
-                with self._lock:
+                with self._s.lock:
                     self._grant_waits.pop(tag, None)
                     if wait.offset >= 0:
                         op.peer.send(encode(Msg.STAGE_RELEASE, tag=tag))
                 raise
             finally:
-                self._stage_out.free(off)
-            with self._lock:
+                self._s.pool.stage_out.free(off)
+            with self._s.lock:
                 self._grant_waits.pop(tag, None)
                 self._acks[tag] = (op, lay)
-            self.metrics.inc("bytes_sent", nbytes, path="pack")
+            self._s.metrics.inc("bytes_sent", nbytes, path="pack")
             op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=tag, pack=True,
                                 blocks=list(op.post.blocks[sl]), layers=list(lay), heads=heads,
                                 offset=wait.offset, nbytes=nbytes))
 
-    def _pieces_visible(self, op: SendOp, layers) -> None:
-        with self._lock:
-            done = []
-            pending = op.pending
-            for layer in layers:
-                n = pending[layer] - 1
-                pending[layer] = n
-                if n == 0:
-                    done.append(layer)
-            op.visible.update(done)
-            op.handle._mark_layers(done)
-            if op.ended is None and op.target <= op.visible:
-                self._finish_send(op)
+    def read(self, peer, completer, ids, remote, layers) -> None:
+        """A one-sided read, on the send worker (it waits for the backend)."""
+        self.worker.submit(lambda: self._read(peer, completer, ids, remote, layers))
 
-    def _do_read(self, peer, handle, ids, remote, layers) -> None:
+    def _read(self, peer, completer, ids, remote, layers) -> None:
+        handle = completer.handle
         try:
-            heads = plan.overlap(self._geometry.head_range, peer.geometry.head_range)
+            heads = plan.overlap(self._s.geometry.head_range, peer.geometry.head_range)
             if heads is None:
                 raise LayoutMismatch("no kv heads in common")
             t0 = time.perf_counter()
-            descs = plan.zero_copy_descs(peer.geometry, remote, self._geometry, ids, layers, heads,
-                                         peer.region_ids, self._region_ids)
+            descs = plan.zero_copy_descs(peer.geometry, remote, self._s.geometry, ids, layers, heads,
+                                         peer.region_ids, self._s.pool.region_ids)
             descs = descs[:, [2, 3, 0, 1, 4]]  # (local, remote) columns for a read
-            if self._parts or peer.parts:
-                descs = split_descs(descs, self._parts, peer.parts)
-            self.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
-            req = self._backend.post(peer.bconn, "read", descs)
-            self._backend.wait(req, self.leases.default_ttl_s)
+            if self._s.pool.parts or peer.parts:
+                descs = split_descs(descs, self._s.pool.parts, peer.parts)
+            self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
+            req = self._s.backend.post(peer.bconn, "read", descs)
+            self._s.backend.wait(req, self._s.leases.default_ttl_s)
             handle.path, handle.nbytes = "zero_copy", int(descs[:, 4].sum())
-            self.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
+            self._s.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
             if not handle.done():
-                self.metrics.inc("transfers", kind="read", path="zero_copy")
-            handle._succeed()
+                self._s.metrics.inc("transfers", kind="read", path="zero_copy")
+            completer.succeed()
         except KVXferError as exc:
             if not handle.done():
-                self.metrics.inc("failures", kind="read", error=type(exc).__name__)
-            handle._fail(exc)
+                self._s.metrics.inc("failures", kind="read", error=type(exc).__name__)
+            completer.fail(exc)
+
+    # ---- messages from D (I/O thread) ---------------------------------------------------
+    def on_stage_grant(self, peer, f) -> None:
+        with self._s.lock:
+            wait = self._grant_waits.get(f["tag"])
+            if wait is None or wait.peer is not peer:
+                peer.send(encode(Msg.STAGE_RELEASE, tag=f["tag"]))  # we gave up on it
+                return
+            wait.region, wait.offset = f["region"], f["offset"]
+        wait.event.set()
+
+    def on_ack(self, peer, f) -> None:
+        with self._s.lock:
+            entry = self._acks.pop(f["tag"], None)
+        if entry is None or entry[0].peer is not peer:
+            return
+        self._sender.pieces_visible(*entry)
+
+    def peer_lost(self, peer, err) -> None:
+        """Wake the pieces waiting for ``peer``'s grants; forget its ACKs (lock held)."""
+        for wait in self._grant_waits.values():
+            if wait.peer is peer:
+                wait.error = err
+                wait.event.set()
+        for tag in [t for t, (op, _) in self._acks.items() if op.peer is peer]:
+            del self._acks[tag]
+
+    def abort_waits(self, err) -> None:
+        """Wake every piece waiting for a grant with ``err`` (lock held; closing)."""
+        for wait in self._grant_waits.values():
+            wait.error = err
+            wait.event.set()

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-SECRET_ENV = "KVXFER_SECRET"
-MIN_SECRET_BYTES = 16
+from ..control.auth import MIN_SECRET_BYTES, SECRET_ENV
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from .client import RequestResult, stream_completion
-from .metrics import SLO
+from .metrics import SLO, parse_pair
 from .prompts import PromptBuilder
 from .trace import TraceRequest
 
@@ -41,10 +41,7 @@ class Calibration:
 
 def parse_factors(text: str) -> tuple[float, float]:
     """``"3,2"`` -> ``(3.0, 2.0)`` (TTFT factor, TPOT factor), both > 1."""
-    try:
-        ttft, tpot = (float(x) for x in text.split(","))
-    except ValueError as exc:
-        raise ValueError(f"--slo-factors wants 'ttft_x,tpot_x', got {text!r}") from exc
+    ttft, tpot = parse_pair(text, "--slo-factors", "ttft_x,tpot_x")
     if ttft <= 1 or tpot <= 1:
         raise ValueError("SLO factors must be > 1 (an SLO below single-request latency is unmeetable)")
     return ttft, tpot

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from ..report.stats import summarize
 
 
+def parse_pair(text: str, option: str, form: str) -> tuple[float, float]:
+    """``"a,b"`` -> ``(a, b)`` as floats; ValueError naming ``option`` and its ``form``."""
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError as exc:
+        raise ValueError(f"{option} wants '{form}', got {text!r}") from exc
+    return a, b
+
+
 @dataclass(frozen=True)
 class SLO:
     ttft_ms: float
@@ -21,10 +30,7 @@ class SLO:
     @classmethod
     def parse(cls, text: str) -> "SLO":
         """``"ttft_ms,tpot_ms"``, e.g. ``"2000,100"``."""
-        try:
-            ttft, tpot = (float(x) for x in text.split(","))
-        except ValueError as exc:
-            raise ValueError(f"--slo wants 'ttft_ms,tpot_ms', got {text!r}") from exc
+        ttft, tpot = parse_pair(text, "--slo", "ttft_ms,tpot_ms")
         if ttft <= 0 or tpot <= 0:
             raise ValueError("SLO values must be positive")
         return cls(ttft, tpot)

@@ -11,15 +11,20 @@ __all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS"]
 BACKENDS = ("auto", "ucx", "vm", "loopback")
 
 
-def make_backend(name: str = "auto", **options) -> Backend:
-    """Return a backend by name.
+def make_backend(name: str | Backend = "auto", listen_host: str | None = None,
+                 **options) -> Backend:
+    """Return a backend by name (a :class:`Backend` instance is returned as is).
 
     ``"auto"``: UCX with the same-host ``process_vm_writev`` fast path where the
     kernel permits it; ``"ucx"``: UCX only (even on one host); ``"vm"``: require
     the same-host path (connect raises otherwise); ``"loopback"``: in-process,
     for unit tests. ``options`` go to
-    :class:`~kvxfer.transport.ucx.UcxBackend` (e.g. ``pin=False``).
+    :class:`~kvxfer.transport.ucx.UcxBackend` (e.g. ``pin=False``). With
+    ``listen_host`` (an agent's listen address), UCX is narrowed to the network
+    devices holding it, so the agent listens on nothing beyond that address.
     """
+    if isinstance(name, Backend):
+        return name
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     if name == "loopback":
@@ -28,6 +33,10 @@ def make_backend(name: str = "auto", **options) -> Backend:
         return LoopbackBackend(**options)
     from .ucx import UcxBackend
 
+    if listen_host is not None:
+        from .netdev import net_devices_for
+
+        options.setdefault("net_devices", net_devices_for(listen_host))
     if name == "ucx":
         return UcxBackend(allow_vm=False, **options)
     if name == "vm":

@@ -29,10 +29,7 @@ class Capabilities:
     """What a backend can do; used by the agent's cost model."""
 
     name: str
-    one_sided_read: bool = True
-    cuda: bool = False
-    same_host_only: bool = False
-    # rough per-descriptor cost and per-byte rate, for choosing zero-copy vs pack
+    # rough per-descriptor cost, for choosing zero-copy vs pack
     per_desc_overhead_us: float = 1.0
 
 
@@ -87,6 +84,18 @@ class Backend(ABC):
     @abstractmethod
     def wait(self, request_id: int, timeout: float) -> None:
         """Block until complete, or raise :class:`~kvxfer.errors.TransferTimeout`."""
+
+    def progress(self) -> int:
+        """Drive pending work once without blocking; return how many events were processed.
+
+        Default: nothing to drive (a backend that completes within :meth:`post`)."""
+        return 0
+
+    def needs_progress(self, conn: Connection) -> bool:
+        """True if this process must keep driving the backend (:meth:`progress`,
+        :meth:`arm`) for ``conn``'s peer to complete its transfers into us, e.g. UCX
+        emulating RMA over TCP. Default: False."""
+        return False
 
     def event_fd(self) -> int | None:
         """A file descriptor that becomes readable when the backend has work, or None.

@@ -36,7 +36,7 @@ class LoopbackBackend(Backend):
         _FABRIC[self.uid] = self
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("loopback", one_sided_read=True, per_desc_overhead_us=0.3)
+        return Capabilities("loopback", per_desc_overhead_us=0.3)
 
     def register(self, addr: int, length: int, *, device: str = "cpu", device_id: int = 0) -> int:
         if device != "cpu":

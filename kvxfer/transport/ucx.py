@@ -20,13 +20,14 @@ and reported by ``Connection.transport``:
 
 Descriptors are ``int64 [n, 5]`` rows ``(local_region, local_offset,
 remote_region, remote_offset, length)``, validated in full (C++) before anything
-moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`,
-:meth:`arm` and :meth:`poll_notifications` drive UCX. A *target* must drive it
+moves. Progress is explicit: :meth:`test`, :meth:`wait`, :meth:`progress`
+and :meth:`arm` drive UCX. A *target* must drive it
 too: emulated RMA over TCP is served, and connections that peers opened or
 closed are accepted and reaped, only while it progresses. :meth:`event_fd`
 becomes readable when UCX has such work (after :meth:`arm` returned True), so an
 owner can sleep in ``select`` and call :meth:`arm` when it fires (the Agent's
-I/O thread does). Notifications are UCX active messages (eager, at most 64 KiB).
+I/O thread does). Notifications are not the backend's: the agent sends them on
+its control channel after the data completed.
 """
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ from .base import Backend, Capabilities, Connection
 log = logging.getLogger("kvxfer.transport")
 
 _OPS = {"write": True, "read": False}
+
+# UCX settings kvxfer changes from UCX's defaults (AgentConfig.ucx adds to / overrides
+# them; an explicit UCX_<key> environment variable wins over both, UCX's own rule):
+# - TCP_*_SEG_SIZE: UCX emulates RMA over TCP with active messages; 8 KiB segments cap
+#   it at ~0.4x a plain socket, 64 KiB reach ~0.65-0.85x (docs/benchmarks.md).
+# - CMA_MEMORY_INVALIDATE: with peer error handling UCX only puts an RMA lane on a memory
+#   domain that advertises remote-key invalidation, which UCX uses to fence a failed peer
+#   out of a rendezvous buffer. CMA does not claim it unless this is "y", so on one host
+#   put/get would be emulated over shared-memory active messages (~1 GB/s, target
+#   progress needed). kvxfer never relies on that fencing (its data moves by one-sided
+#   put/get the initiator drives, or its own target-checked messages), so it turns the claim on:
+#   cma zero-copy RMA, peer failure still reported (cma ep_check, keepalive on the am
+#   lane, the pidfd). See docs/registration.md.
+UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k", "CMA_MEMORY_INVALIDATE": "y"}
 
 
 @dataclass
@@ -78,15 +93,24 @@ class UcxBackend(Backend):
     path is available; ``pin`` is the default for host-memory pinning;
     ``net_devices`` narrows the network devices UCX opens (a ``UCX_NET_DEVICES``
     value, see :mod:`kvxfer.transport.netdev`; None keeps UCX's default).
+    ``config``: the :class:`~kvxfer.AgentConfig` whose transport knobs apply
+    (``ucx``, ``hugepages``, ``copy_threads``, ``vm_split_bytes``; default: the defaults).
     """
 
     def __init__(self, *, allow_vm: bool = True, require_vm: bool = False, pin: bool = True,
-                 net_devices: str | None = None):
+                 net_devices: str | None = None, config=None):
         from .._native import load
+        from ..config import AgentConfig
 
+        config = AgentConfig() if config is None else config
+        settings = {**UCX_DEFAULTS, **({"NET_DEVICES": net_devices} if net_devices else {}),
+                    **config.ucx_settings()}
+        native = load()
+        native.set_vm_copy_config(config.copy_threads or 0,
+                                  -1 if config.vm_split_bytes is None else config.vm_split_bytes)
         self._allow_vm = allow_vm or require_vm
         self._require_vm = require_vm
-        self._engine = load().Engine(self._allow_vm, net_devices or "")
+        self._engine = native.Engine(self._allow_vm, settings, config.hugepages)
         self.registry = MemoryRegistry(self._engine, pin=pin)
         self._conns: dict[int, UcxConnection] = {}
 
@@ -102,8 +126,7 @@ class UcxBackend(Backend):
         return self._engine.num_rejected
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(name="ucx", one_sided_read=True, cuda=True, same_host_only=False,
-                            per_desc_overhead_us=0.1)
+        return Capabilities(name="ucx", per_desc_overhead_us=0.1)
 
     # -- registration -------------------------------------------------------
     def register(self, addr: int, length: int, *, device: str = "cpu", device_id: int = 0) -> int:
@@ -176,6 +199,10 @@ class UcxBackend(Backend):
         """Drive UCX once; returns the number of events processed."""
         return self._engine.progress()
 
+    def needs_progress(self, conn: Connection) -> bool:
+        """UCX transports (not the ``vm`` path) are served by the target's progress."""
+        return conn.transport.startswith("ucx")
+
     def event_fd(self) -> int | None:
         """The UCX worker's event fd (an epoll fd the engine owns; None once closed)."""
         fd = self._engine.event_fd
@@ -184,17 +211,6 @@ class UcxBackend(Backend):
     def arm(self) -> bool:
         """Progress until idle, then arm :meth:`event_fd`; False while events are still pending."""
         return self._engine.arm()
-
-    # -- notifications ------------------------------------------------------
-    def post_notify(self, conn: Connection, payload: bytes) -> None:
-        """Send a small (<= 64 KiB) message; it is buffered locally when this returns."""
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TypeError("notification payload must be bytes")
-        self._engine.notify(conn.peer_id, bytes(payload))
-
-    def poll_notifications(self) -> list[tuple[int, bytes]]:
-        """Progress, then drain received notifications as ``(sender uid, payload)``."""
-        return self._engine.poll_notifications()
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:

@@ -26,7 +26,7 @@ class EngineConfig:
     """
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    num_blocks: int = 512
+    num_blocks: int = 1024  # the default of every entry point (serve, worker, Engine)
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 16

@@ -93,40 +93,34 @@ def now() -> int:
     return int(time.time())
 
 
+def _one_choice(rid: str, obj: str, model: str, created: int, finish_reason: str | None,
+                **content) -> dict:
+    body = _envelope(rid, obj, model, created)
+    body["choices"] = [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}]
+    return body
+
+
 def completion_chunk(rid: str, model: str, created: int, text: str,
                      finish_reason: str | None) -> dict:
-    body = _envelope(rid, "text_completion", model, created)
-    body["choices"] = [{"index": 0, "text": text, "logprobs": None,
-                        "finish_reason": finish_reason}]
-    return body
+    return _one_choice(rid, "text_completion", model, created, finish_reason, text=text)
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict,
                finish_reason: str | None) -> dict:
-    body = _envelope(rid, "chat.completion.chunk", model, created)
-    body["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
-                        "finish_reason": finish_reason}]
-    return body
+    return _one_choice(rid, "chat.completion.chunk", model, created, finish_reason, delta=delta)
 
 
 def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str,
                     usage: dict, extra: dict) -> dict:
-    body = _envelope(rid, "text_completion", model, created)
-    body["choices"] = [{"index": 0, "text": text, "logprobs": None,
-                        "finish_reason": finish_reason}]
-    body["usage"] = usage
-    body["kvxfer"] = extra
-    return body
+    return {**_one_choice(rid, "text_completion", model, created, finish_reason, text=text),
+            "usage": usage, "kvxfer": extra}
 
 
 def chat_body(rid: str, model: str, created: int, text: str, finish_reason: str,
               usage: dict, extra: dict) -> dict:
-    body = _envelope(rid, "chat.completion", model, created)
-    body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": finish_reason}]
-    body["usage"] = usage
-    body["kvxfer"] = extra
-    return body
+    message = {"role": "assistant", "content": text}
+    return {**_one_choice(rid, "chat.completion", model, created, finish_reason, message=message),
+            "usage": usage, "kvxfer": extra}
 
 
 def error_body(message: str, kind: str, code: int) -> dict:

@@ -53,7 +53,7 @@ RETRYABLE_KINDS = ("worker_error", "shutting_down")
 
 def _usable(worker, role: str) -> bool:
     return (worker is not None and worker.is_alive and worker.role == role
-            and not getattr(worker, "is_switching", False))
+            and not worker.is_switching)
 
 
 class Dispatcher:
@@ -79,10 +79,10 @@ class Dispatcher:
         self.m_kv_bytes = r.counter("kvxfer_kv_transfer_bytes_total", "KV bytes moved prefill -> decode.")
         self.m_kv_failures = r.counter("kvxfer_kv_transfer_failures_total", "KV transfers that failed.")
         self.m_recomputes = r.counter("kvxfer_kv_recomputes_total", "Prompts recomputed on the decode worker after a failed transfer.")
-        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.")
+        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.", ("outcome",))
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
-        self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.")
-        self.m_retries = r.counter("kvxfer_request_retries_total", "Requests placed again after their worker died or failed, by role.")
+        self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.", ("reason",))
+        self.m_retries = r.counter("kvxfer_request_retries_total", "Requests placed again after their worker died or failed, by role.", ("role",))
 
     def new_rid(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"

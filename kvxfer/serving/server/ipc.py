@@ -3,8 +3,8 @@
 The launcher creates a ``socket.socketpair()`` per worker and passes one end to
 the child by file descriptor (``--ipc-fd``), so the channel needs no port, no
 address and no authentication: only the two processes hold it. A message is a
-JSON object framed by a 4-byte big-endian length. JSON, not pickle: a worker
-never executes what it reads.
+JSON object in one frame of kvxfer's frame codec (:mod:`kvxfer.control.framing`,
+type :data:`IPC_MSG`). JSON, not pickle: a worker never executes what it reads.
 
 Message vocabulary (``op`` router -> worker, ``ev`` worker -> router; every
 request-scoped message carries ``rid``):
@@ -35,43 +35,39 @@ request-scoped message carries ``rid``):
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import queue
 import socket
-import struct
 import threading
 
+from ...control.framing import json_frame, json_payload, read_frame, read_frame_async
 from ...errors import ProtocolError
 
-_HEADER = struct.Struct(">I")
+log = logging.getLogger("kvxfer.worker")
+
+IPC_MSG = 0x40  # frame type of a router <-> worker message (agent control types are < 0x40)
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits
 
 
 def encode(msg: dict) -> bytes:
-    body = json.dumps(msg, separators=(",", ":")).encode()
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"IPC message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return _HEADER.pack(len(body)) + body
+    return json_frame(IPC_MSG, msg, MAX_MESSAGE_BYTES)
 
 
-def decode(body: bytes) -> dict:
-    try:
-        msg = json.loads(body)
-    except ValueError as exc:
-        raise ProtocolError(f"malformed IPC message: {exc}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("IPC message is not a JSON object")
-    return msg
+def decode(msg_type: int, payload: bytes) -> dict:
+    if msg_type != IPC_MSG:
+        raise ProtocolError(f"not a router/worker message (frame type {msg_type})")
+    return json_payload(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    chunks = bytearray()
-    while len(chunks) < n:
-        chunk = sock.recv(n - len(chunks))
-        if not chunk:
-            return None
-        chunks += chunk
-    return bytes(chunks)
+def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> dict | None:
+    """Blocking read of one message; None when the stream ends between messages."""
+    frame = read_frame(sock, limit)
+    return None if frame is None else decode(*frame)
+
+
+async def recv_message_async(reader: asyncio.StreamReader, limit: int = MAX_MESSAGE_BYTES) -> dict:
+    """One message from ``reader``; ``asyncio.IncompleteReadError`` at the end of the stream."""
+    return decode(*await read_frame_async(reader, limit))
 
 
 class WorkerChannel:
@@ -99,16 +95,12 @@ class WorkerChannel:
 
     def _read_loop(self) -> None:
         try:
-            while True:
-                header = _recv_exact(self._sock, _HEADER.size)
-                if header is None:
-                    break
-                body = _recv_exact(self._sock, _HEADER.unpack(header)[0])
-                if body is None:
-                    break
-                self.inbox.put(decode(body))
-        except (OSError, ProtocolError):
+            while (msg := recv_message(self._sock)) is not None:
+                self.inbox.put(msg)
+        except OSError:
             pass
+        except ProtocolError as exc:  # the router sent garbage: treat it as gone
+            log.error("bad message from the router, closing the channel: %s", exc)
         self.inbox.put({"op": "eof"})
 
     def close(self) -> None:
@@ -140,11 +132,9 @@ class RouterChannel:
     async def recv(self) -> dict | None:
         """Next message, or None at end of stream (the worker exited)."""
         try:
-            header = await self._reader.readexactly(_HEADER.size)
-            body = await self._reader.readexactly(_HEADER.unpack(header)[0])
+            return await recv_message_async(self._reader)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
-        return decode(body)
 
     def close(self) -> None:
         self._writer.close()

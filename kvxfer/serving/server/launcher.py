@@ -30,12 +30,13 @@ import time
 from typing import Callable
 
 from ...errors import KVXferError
+from ..workers.main import AGENT_SECRET_ENV
 from .ipc import RouterChannel
 from .serve_config import ServeConfig, WorkerSpec
+from .worker_ref import WorkerRef, relay_messages
 
 log = logging.getLogger("kvxfer.serve")
 
-SECRET_ENV = "KVXFER_AGENT_SECRET"
 STABLE_AFTER_S = 60.0  # a worker up this long before dying restarts after the base delay
 
 
@@ -43,21 +44,13 @@ class WorkerStartError(KVXferError):
     """A worker process exited or stayed silent before reporting ready."""
 
 
-class WorkerProcess:
+class WorkerProcess(WorkerRef):
     """One worker: its process, its channel, and the requests it holds."""
 
     def __init__(self, spec: WorkerSpec):
+        super().__init__(spec.name, spec.role)
         self.spec = spec
-        self.name = spec.name
-        self.role = spec.role
         self.proc: subprocess.Popen | None = None
-        self.channel: RouterChannel | None = None
-        self.info: dict = {}
-        self.inflight: set[str] = set()
-        self.is_alive = False
-        self.is_draining = False
-        self.is_switching = False  # adaptive rebalancing: drained for a role change
-        self.exit_code: int | None = None
         self.started_at = 0.0
         self.restarts = 0  # successful restarts after a death
         self.quick_deaths = 0  # consecutive deaths/failed starts within STABLE_AFTER_S
@@ -66,14 +59,6 @@ class WorkerProcess:
     def __repr__(self) -> str:
         state = "alive" if self.is_alive else f"dead(exit={self.exit_code})"
         return f"WorkerProcess({self.name}, {state}, inflight={len(self.inflight)})"
-
-    @property
-    def load(self) -> int:
-        return len(self.inflight)
-
-    @property
-    def agent_address(self) -> str | None:
-        return self.info.get("agent_address")
 
     async def start(self, config: ServeConfig, secret: bytes) -> None:
         """Spawn the process and wait for ``ready``; a failure or cancellation kills it."""
@@ -109,7 +94,7 @@ class WorkerProcess:
             args += ["--model", config.model_path]
         env = dict(os.environ)
         env.update(config.worker_env)
-        env[SECRET_ENV] = secret.hex()
+        env[AGENT_SECRET_ENV] = secret.hex()
         self.proc = subprocess.Popen(args, pass_fds=(child.fileno(),), env=env,
                                      stdin=subprocess.DEVNULL)
         child.close()
@@ -126,11 +111,6 @@ class WorkerProcess:
         self.info = ready
         self.exit_code = None
         self.is_alive = True
-
-    def send(self, msg: dict) -> None:
-        if not self.is_alive or self.channel is None:
-            raise ConnectionError(f"worker {self.name} is not running")
-        self.channel.send(msg)
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -191,14 +171,7 @@ class Cluster:
                  worker.info.get("transport"))
 
     async def _read(self, worker: WorkerProcess) -> None:
-        while True:
-            msg = await worker.channel.recv()
-            if msg is None:
-                break
-            try:
-                self._on_message(worker, msg)
-            except Exception:  # one bad message must not stop the reader
-                log.exception("handling %s from %s", msg.get("ev"), worker.name)
+        await relay_messages(worker, self._on_message)
         for _ in range(100):  # the socket closes as the process exits: reap it for its code
             if worker.poll() is not None:
                 break

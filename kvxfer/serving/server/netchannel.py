@@ -33,8 +33,9 @@ import select
 import socket
 import threading
 
+from ...control.auth import MIN_SECRET_BYTES
 from ...errors import AuthenticationError, ProtocolError
-from .ipc import _HEADER, RouterChannel, _recv_exact, decode, encode
+from .ipc import RouterChannel, encode, recv_message, recv_message_async
 
 log = logging.getLogger("kvxfer.worker")
 
@@ -47,17 +48,6 @@ _FINISHING = {"done", "error", "sent", "send_failed"}  # a request's last event 
 
 def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, label + a + b, hashlib.sha256).digest()
-
-
-def _recv_frame(sock: socket.socket, limit: int) -> dict | None:
-    header = _recv_exact(sock, _HEADER.size)
-    if header is None:
-        return None
-    size = _HEADER.unpack(header)[0]
-    if size > limit:
-        raise ProtocolError(f"frame of {size} bytes exceeds {limit}")
-    body = _recv_exact(sock, size)
-    return None if body is None else decode(body)
 
 
 class _Conn:
@@ -75,7 +65,7 @@ class NetWorkerChannel:
     def __init__(self, listen: str, secret: bytes):
         from ...control.peers import split_address
 
-        if len(secret) < 16:
+        if len(secret) < MIN_SECRET_BYTES:
             raise ValueError("the shared secret must be at least 16 bytes")
         self._secret = secret
         host, port = split_address(listen)
@@ -148,7 +138,7 @@ class NetWorkerChannel:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             nonce_s = os.urandom(32)
             sock.sendall(encode({"hello": HELLO, "nonce": nonce_s.hex()}))
-            reply = _recv_frame(sock, PRE_AUTH_MAX_BYTES)
+            reply = recv_message(sock, PRE_AUTH_MAX_BYTES)
             if reply is None:
                 raise ProtocolError("router closed during the handshake")
             nonce_r = bytes.fromhex(str(reply.get("nonce", "")))
@@ -178,14 +168,16 @@ class NetWorkerChannel:
     def _read(self, conn: _Conn) -> None:
         try:
             while True:
-                msg = _recv_frame(conn.sock, 1 << 30)
+                msg = recv_message(conn.sock)
                 if msg is None:
                     break
                 if msg.get("op") in ("admit", "prefill") and msg.get("rid") is not None:
                     conn.rids.add(msg["rid"])
                 self.inbox.put(msg)
-        except (OSError, ProtocolError):
+        except OSError:
             pass
+        except ProtocolError as exc:
+            log.warning("bad message from router %s, dropping it: %s", conn.peer, exc)
         with self._lock:
             if self._current is conn:
                 self._current = None
@@ -225,27 +217,20 @@ async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> 
     async def handshake():
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 30)
         try:
-            async def frame(limit: int) -> dict:
-                header = await reader.readexactly(_HEADER.size)
-                size = _HEADER.unpack(header)[0]
-                if size > limit:
-                    raise ProtocolError(f"frame of {size} bytes exceeds {limit}")
-                return decode(await reader.readexactly(size))
-
-            hello = await frame(PRE_AUTH_MAX_BYTES)
+            hello = await recv_message_async(reader, PRE_AUTH_MAX_BYTES)
             if hello.get("hello") != HELLO:
                 raise ProtocolError(f"not a kvxfer worker at {address}: {json.dumps(hello)[:80]}")
             nonce_s = bytes.fromhex(str(hello.get("nonce", "")))
             nonce_r = os.urandom(32)
             writer.write(encode({"nonce": nonce_r.hex(),
                                  "mac": _mac(secret, b"kvxfer-router-C", nonce_s, nonce_r).hex()}))
-            proof = await frame(PRE_AUTH_MAX_BYTES)
+            proof = await recv_message_async(reader, PRE_AUTH_MAX_BYTES)
             if proof.get("auth") == "refused":
                 raise AuthenticationError(f"worker at {address} refused our proof of the shared secret")
             got = bytes.fromhex(str(proof.get("mac", "")))
             if not hmac.compare_digest(got, _mac(secret, b"kvxfer-router-S", nonce_r, nonce_s)):
                 raise AuthenticationError(f"worker at {address} failed to prove the shared secret")
-            ready = await frame(1 << 20)
+            ready = await recv_message_async(reader, 1 << 20)
             return RouterChannel(reader, writer), ready
         except BaseException:
             writer.close()

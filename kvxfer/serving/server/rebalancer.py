@@ -53,7 +53,8 @@ class Rebalancer:
         self._reasons: dict[str, str] = {}  # worker name -> reason of the switch asked
         self._task: asyncio.Task | None = None
         self.m_changes = registry.counter(
-            "kvxfer_role_changes_total", "Workers moved between prefill and decode, by reason.")
+            "kvxfer_role_changes_total", "Workers moved between prefill and decode, by reason.",
+            ("from", "to", "reason"))
         dispatcher.on_role_changed = self._on_role_changed
         dispatcher.on_record.append(self._on_record)
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 from ...errors import KVXferError
 from .serve_config import ServeConfig
+from .worker_ref import WorkerRef, relay_messages
 
 log = logging.getLogger("kvxfer.serve")
 
@@ -33,40 +34,20 @@ CONNECT_TIMEOUT_S = 10.0
 RECONNECT_BACKOFF_S = (1.0, 10.0)  # first, max
 
 
-class RemoteWorker:
+class RemoteWorker(WorkerRef):
     """One discovered worker and the router's connection to it."""
 
     def __init__(self, member):
+        super().__init__(member.name, member.role)
         self.member = member
         self.key = member.name
-        self.name = member.name
-        self.role = member.role
         self.address = member.address
-        self.channel = None
-        self.info: dict = {}
-        self.inflight: set[str] = set()
-        self.is_alive = False
-        self.is_draining = False
-        self.exit_code: int | None = None  # remote: never known
         self.connects = 0
         self.failures = 0
         self.connected_at = 0.0
 
     def __repr__(self) -> str:
         return f"RemoteWorker({self.name}@{self.address}, {'alive' if self.is_alive else 'down'})"
-
-    @property
-    def load(self) -> int:
-        return len(self.inflight)
-
-    @property
-    def agent_address(self) -> str | None:
-        return self.info.get("agent_address")
-
-    def send(self, msg: dict) -> None:
-        if not self.is_alive or self.channel is None:
-            raise ConnectionError(f"worker {self.name} is not connected")
-        self.channel.send(msg)
 
     def health(self) -> dict:
         return {"name": self.name, "role": self.role, "alive": self.is_alive,
@@ -176,15 +157,7 @@ class RemoteCluster:
                 await asyncio.sleep(RECONNECT_BACKOFF_S[0])  # still published: try again
 
     async def _read(self, w: RemoteWorker) -> None:
-        channel = w.channel
-        while True:
-            msg = await channel.recv()
-            if msg is None:
-                break
-            try:
-                self._on_message(w, msg)
-            except Exception:  # one bad message must not stop the reader
-                log.exception("handling %s from %s", msg.get("ev"), w.name)
+        await relay_messages(w, self._on_message)
         self._mark_dead(w, "connection lost")
 
     def _mark_dead(self, w: RemoteWorker, why: str) -> None:

@@ -54,11 +54,11 @@ class Router:
         self.codec = TextCodec.load(config.model_path)
         self.model_name = self.codec.model_name
         self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
-        self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.")
-        self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).")
-        self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.")
-        self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.")
-        self.m_role_workers = self.registry.gauge("kvxfer_workers", "Live workers per role.")
+        self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.", ("worker",))
+        self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).", ("worker",))
+        self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.", ("worker", "stat"))
+        self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.", ("worker", "key", "value"))
+        self.m_role_workers = self.registry.gauge("kvxfer_workers", "Live workers per role.", ("role",))
         self.rebalancer = None
         if config.adaptive is not None:
             from .rebalancer import Rebalancer

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..engine.config import SCHEDULES, EngineConfig
 from .adaptive_policy import AdaptivePolicy
 
 TRANSFER_POLICIES = ("fail", "recompute")
@@ -62,10 +63,10 @@ class ServeConfig:
     cpu_groups: tuple[tuple[int, ...], ...] = ()
     on_transfer_failure: str = "recompute"
     num_threads: int | None = None  # torch threads per worker; None: sized to its CPUs
-    num_blocks: int = 1024
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    schedule: str = "mixed"  # EngineConfig.schedule of every worker
+    num_blocks: int = EngineConfig.num_blocks
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    schedule: str = EngineConfig.schedule  # of every worker
     local_prefill_tokens: int = 0  # prefill uncached prompts shorter than this on the decode worker
     local_prefill_queue: int = 0  # ... and every prompt while the prefill worker holds this many
     startup_timeout_s: float = 300.0
@@ -98,8 +99,8 @@ class ServeConfig:
                 raise ValueError("--colocated excludes --prefill/--decode")
         elif self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("disaggregated serving needs >= 1 prefill and >= 1 decode worker")
-        if self.schedule not in ("mixed", "separate"):
-            raise ValueError(f"schedule must be 'mixed' or 'separate', got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.local_prefill_tokens < 0 or self.local_prefill_queue < 0:
             raise ValueError("local prefill thresholds must be >= 0 (0: off)")
         if self.api_key is not None and not self.api_key.strip():

@@ -22,15 +22,16 @@ import os
 import queue
 import sys
 
-SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
-USER_SECRET_ENV = "KVXFER_SECRET"  # text, for kvxfer serve/worker run by an operator
-MIN_SECRET_BYTES = 16
+from ...control.auth import MIN_SECRET_BYTES, SECRET_ENV as USER_SECRET_ENV
+from ..engine.config import SCHEDULES, EngineConfig
+
+AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
 
 
 def load_secret(secret_file: str | None = None) -> bytes:
     """The deployment's shared secret (see the module docstring); ValueError if absent/short."""
-    if os.environ.get(SECRET_ENV):
-        secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
+    if os.environ.get(AGENT_SECRET_ENV):
+        secret = bytes.fromhex(os.environ.pop(AGENT_SECRET_ENV))
     elif secret_file:
         with open(secret_file, "rb") as f:
             secret = f.read().strip()
@@ -58,10 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None)
     p.add_argument("--cpus", default=None, help="CPU list to pin to, e.g. 0 or 2-3")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--schedule", choices=("mixed", "separate"), default="mixed")
+    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--schedule", choices=SCHEDULES, default=EngineConfig.schedule)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
@@ -119,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     registration = None
     try:
         _pin(args.cpus, args.threads)
-        from ..engine.config import EngineConfig
         from .loop import WorkerContext
         from ..engine.runtime import Runtime
 

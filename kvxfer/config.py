@@ -1,0 +1,117 @@
+"""``kvxfer.AgentConfig``: every knob of an agent, as one frozen, validated value.
+
+Built once at the entry point and passed down: ``Agent(..., config=AgentConfig(...))``
+hands the transport knobs to the backend (and through it to ``kvxfer._C``), the
+per-peer limits to every peer's book and the timeouts to the I/O loop. Nothing
+below the entry point reads the environment: environment variables are only
+*overrides*, applied in one place, :meth:`AgentConfig.from_env` (documented in
+``docs/api.md``, "AgentConfig")::
+
+    cfg = AgentConfig.from_env(staging_bytes=64 << 20)   # explicit fields, then KVXFER_* wins
+    agent = kvxfer.Agent("p", secret=s, config=cfg)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from .control.limits import PeerLimits
+
+HUGEPAGES_MODES = ("advise", "collapse", "off")
+PATHS = ("auto", "zero_copy", "pack")
+
+# KVXFER_* variable -> (field, parser); the only environment read of the library core
+ENV_OVERRIDES = {
+    "KVXFER_HUGEPAGES": ("hugepages", str),
+    "KVXFER_VM_THREADS": ("copy_threads", int),
+    "KVXFER_VM_SPLIT_BYTES": ("vm_split_bytes", int),
+    "KVXFER_STAGING_BYTES": ("staging_bytes", int),
+    "KVXFER_PATH": ("path", str),
+}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What an :class:`~kvxfer.Agent` is configured with (all fields have defaults).
+
+    - ``staging_bytes``: size of each of the two registered staging buffers (pack path).
+    - ``path``: ``"auto"`` (cost model), ``"zero_copy"`` or ``"pack"`` to force one.
+    - ``lease_timeout``: seconds P holds blocks for a pending send, and D's default recv timeout.
+    - ``hugepages``: ``"advise"`` | ``"collapse"`` | ``"off"``: transparent huge pages for
+      registered host ranges (``docs/registration.md``).
+    - ``copy_threads``: threads (caller included) that copy one large same-host batch;
+      None: min(cores, 2). ``vm_split_bytes``: batches from this size are split across
+      them (0: never); None: 4 MiB. Both apply to the process (one copy pool).
+    - ``ucx``: UCX settings applied with ``ucp_config_modify`` on top of kvxfer's
+      defaults, as ``{"TCP_TX_SEG_SIZE": "64k"}`` (without the ``UCX_`` prefix). An
+      explicit ``UCX_<key>`` environment variable still wins (UCX's own rule).
+    - ``limits``: per-peer bounds (:class:`~kvxfer.control.limits.PeerLimits`).
+    - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
+    - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX
+      target while a recv is pending / otherwise (a backstop behind its event fd).
+    """
+
+    staging_bytes: int = 32 << 20
+    path: str = "auto"
+    lease_timeout: float = 30.0
+    hugepages: str = "advise"
+    copy_threads: int | None = None
+    vm_split_bytes: int | None = None
+    ucx: tuple = ()  # ((key, value), ...); a dict is accepted too
+    limits: PeerLimits = field(default_factory=PeerLimits)
+    handshake_timeout: float = 10.0
+    progress_busy_s: float = 0.0005
+    progress_idle_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        _check_int("staging_bytes", self.staging_bytes, 4096)
+        if self.path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+        if self.hugepages not in HUGEPAGES_MODES:
+            raise ValueError(f"hugepages must be one of {HUGEPAGES_MODES}, got {self.hugepages!r}")
+        if self.copy_threads is not None:
+            _check_int("copy_threads", self.copy_threads, 1)
+        if self.vm_split_bytes is not None:
+            _check_int("vm_split_bytes", self.vm_split_bytes, 0)
+        for key in self.ucx_settings():
+            if not key or key.startswith("UCX_") or not key.replace("_", "").isalnum():
+                raise ValueError(f"AgentConfig.ucx key {key!r}: a UCX setting name without the UCX_ prefix")
+        if not isinstance(self.limits, PeerLimits):
+            raise TypeError(f"AgentConfig.limits must be a PeerLimits, got {type(self.limits).__name__}")
+        for name in ("lease_timeout", "handshake_timeout", "progress_busy_s", "progress_idle_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"AgentConfig.{name} must be a number > 0, got {value!r}")
+
+    def ucx_settings(self) -> dict:
+        """``ucx`` as ``{key: value}`` strings (TypeError if it is neither a dict nor pairs)."""
+        try:
+            items = self.ucx.items() if isinstance(self.ucx, dict) else self.ucx
+            return {str(k): str(v) for k, v in items}
+        except (TypeError, ValueError):
+            raise TypeError(f"AgentConfig.ucx must be a dict or (key, value) pairs, got {self.ucx!r}") from None
+
+    def replace(self, **changes) -> "AgentConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ=None, **fields) -> "AgentConfig":
+        """``AgentConfig(**fields)`` with the documented ``KVXFER_*`` overrides applied
+        (``KVXFER_HUGEPAGES``, ``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``,
+        ``KVXFER_STAGING_BYTES``, ``KVXFER_PATH``); a malformed value raises ValueError."""
+        env = os.environ if environ is None else environ
+        for var, (name, parse) in ENV_OVERRIDES.items():
+            raw = env.get(var, "")
+            if raw:
+                try:
+                    fields[name] = parse(raw)
+                except ValueError:
+                    raise ValueError(f"{var}={raw!r} is not a valid {name}") from None
+        return cls(**fields)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if type(value) is not int or value < low:
+        raise ValueError(f"AgentConfig.{name} must be an int >= {low}, got {value!r}")

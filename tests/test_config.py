@@ -1,0 +1,117 @@
+"""AgentConfig: frozen and validated, environment only through from_env, and its
+fields reach the agent's parts (staging size, path, per-peer limits, timeouts)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+import kvxfer
+from kvxfer import Agent, AgentConfig
+from kvxfer.control.limits import PeerLimits
+
+from agent_procs import SECRET, make_pool
+
+T = 20.0
+
+
+def test_defaults_frozen_and_exported():
+    cfg = AgentConfig()
+    assert kvxfer.AgentConfig is AgentConfig
+    assert (cfg.staging_bytes, cfg.path, cfg.lease_timeout, cfg.hugepages) == (32 << 20, "auto", 30.0, "advise")
+    assert cfg.limits == PeerLimits()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.path = "pack"
+    assert cfg.replace(path="pack").path == "pack" and cfg.path == "auto"
+
+
+@pytest.mark.parametrize("bad", [dict(path="fast"), dict(staging_bytes=0), dict(staging_bytes=1.5),
+                                 dict(hugepages="always"), dict(copy_threads=0), dict(vm_split_bytes=-1),
+                                 dict(lease_timeout=0), dict(handshake_timeout=float("nan")),
+                                 dict(ucx={"UCX_TLS": "tcp"}), dict(ucx={"": "x"})])
+def test_bad_fields_raise_value_error(bad):
+    with pytest.raises(ValueError):
+        AgentConfig(**bad)
+
+
+def test_bad_types_raise_type_error():
+    with pytest.raises(TypeError):
+        AgentConfig(limits={"max_notes": 1})
+    with pytest.raises(TypeError):
+        AgentConfig(ucx=5)
+    with pytest.raises(ValueError):
+        PeerLimits(max_notes=0)
+    with pytest.raises(TypeError):
+        Agent("x", secret=SECRET, backend="loopback", config={"path": "pack"})
+
+
+def test_from_env_applies_only_the_documented_overrides():
+    env = {"KVXFER_HUGEPAGES": "off", "KVXFER_VM_THREADS": "3", "KVXFER_VM_SPLIT_BYTES": "0",
+           "KVXFER_STAGING_BYTES": "8192", "KVXFER_PATH": "pack", "KVXFER_OTHER": "ignored"}
+    cfg = AgentConfig.from_env(env, lease_timeout=5.0)
+    assert (cfg.hugepages, cfg.copy_threads, cfg.vm_split_bytes, cfg.staging_bytes, cfg.path,
+            cfg.lease_timeout) == ("off", 3, 0, 8192, "pack", 5.0)
+    assert AgentConfig.from_env({}) == AgentConfig()
+    with pytest.raises(ValueError, match="KVXFER_VM_THREADS"):
+        AgentConfig.from_env({"KVXFER_VM_THREADS": "many"})
+    with pytest.raises(ValueError):
+        AgentConfig.from_env({"KVXFER_HUGEPAGES": "sometimes"})
+
+
+def test_ucx_settings_accept_a_dict_or_pairs():
+    assert AgentConfig(ucx={"TLS": "tcp"}).ucx_settings() == {"TLS": "tcp"}
+    assert AgentConfig(ucx=(("TLS", "tcp"), ("TCP_TX_SEG_SIZE", "64k"))).ucx_settings() == {
+        "TLS": "tcp", "TCP_TX_SEG_SIZE": "64k"}
+
+
+def test_agent_uses_its_config_and_keywords_override_it():
+    cfg = AgentConfig(staging_bytes=1 << 20, path="pack", lease_timeout=7.0)
+    with Agent("c", secret=SECRET, backend="loopback", config=cfg, staging_bytes=2 << 20) as a:
+        assert a.config.staging_bytes == 2 << 20 and a.config.path == "pack" and a.leases.default_ttl_s == 7.0
+        a.register_kv(make_pool("2 N B H D", None))
+        assert a._state.pool.stage_in_t.numel() == 2 << 20
+
+
+def test_config_path_and_limits_reach_the_transfer():
+    limits = PeerLimits(max_notify_bytes=64, max_notes=2)
+    p = Agent("p", secret=SECRET, backend="loopback", config=AgentConfig(path="pack", limits=limits))
+    d = Agent("d", secret=SECRET, backend="loopback", config=AgentConfig(limits=limits))
+    try:
+        p.register_kv(make_pool("2 N B H D", 1))
+        d.register_kv(make_pool("2 N B H D", None))
+        peer = p.connect(d.address)
+        hr = d.recv("r", [3, 4], timeout=T)
+        hs = p.send(peer, "r", [1, 2])
+        hs.wait(T)
+        hr.wait(T)
+        assert hs.path == "pack"  # forced by the config, not the cost model
+        assert torch.equal(kvxfer.pack(p._state.layout, [1, 2], backend="reference"),
+                           kvxfer.pack(d._state.layout, [3, 4], backend="reference"))
+        with pytest.raises(ValueError, match="64 B"):
+            p.write(peer, [1], [1], notify=b"x" * 65)
+        for _ in range(2):
+            p.write(peer, [1], [1], notify=b"n").wait(T)
+        # a third undrained notification is over D's configured limit: D closes this peer
+        p.write(peer, [1], [1], notify=b"n")
+        for _ in range(2000):
+            if not peer.is_connected:
+                break
+            threading.Event().wait(0.01)
+        assert not peer.is_connected
+        assert [data for _, data in d.notifications()] == [b"n", b"n"]
+    finally:
+        p.close()
+        d.close()
+
+
+def test_ucx_settings_and_hugepages_reach_the_native_engine():
+    """AgentConfig.ucx is applied with ucp_config_modify: a setting UCX does not know is a
+    typed error at construction, a known one is accepted (nothing read from KVXFER_*)."""
+    from kvxfer.errors import KVXferError
+    from kvxfer.transport import make_backend
+
+    with pytest.raises(KVXferError, match="NO_SUCH_KVXFER_SETTING"):
+        make_backend("ucx", config=AgentConfig(ucx={"NO_SUCH_KVXFER_SETTING": "1"}))
+    make_backend("ucx", config=AgentConfig(ucx={"TCP_TX_SEG_SIZE": "32k"}, hugepages="off")).close()

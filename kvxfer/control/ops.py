@@ -24,7 +24,7 @@ class SendOp:
     """P side of a send, streaming send, or one-sided write."""
 
     peer: object
-    key: tuple  # (peer serial, request id) in Agent._sends; (None, id) for send(None, ...)
+    key: tuple  # (peer serial, request id) in Sender.sends; (None, id) for send(None, ...)
     wire_req: str  # request id on the wire ("" for one-sided writes)
     ids: tuple  # P's block ids (after matching: only the ones shipped, ids[post.skip:])
     completer: object  # kvxfer.handle.HandleCompleter of the caller's handle

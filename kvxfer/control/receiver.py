@@ -50,20 +50,7 @@ class Receiver:
     # ---- public API -------------------------------------------------------------------
     def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None,
              skip_blocks: int = 0):
-        """Receive ``request_id`` into ``block_ids`` of this pool (this rank's kv heads).
-
-        ``skip_blocks``: this side already holds the first ``skip_blocks`` of the
-        sender's blocks (e.g. a prefix found in its own prefix cache); ``block_ids``
-        receive the sender's blocks ``[skip_blocks:]``, so the sender names all of
-        its blocks and the receiver only the tail: ``skip_blocks + len(block_ids)``
-        must equal the sender's count, or the transfer fails with ``InvalidDescriptor``.
-
-        Async: returns a :class:`TransferHandle`; ``wait()`` returns once every
-        requested layer is visible in these blocks, ``wait(layer=l)`` once layer
-        ``l`` is. ``timeout`` (default: the lease timeout) fails the handle with
-        :class:`TransferTimeout`; the blocks are released (``on_release``) only
-        once no peer can still write into them.
-        """
+        """See :meth:`kvxfer.Agent.recv` (the public contract); validates, posts, leases."""
         ids = self._s.check_ids(block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("recv block_ids must be distinct")

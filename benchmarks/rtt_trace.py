@@ -1,0 +1,98 @@
+"""Where the 1-block round trip's time goes: timestamps on both sides of one agent pair.
+
+Same setup as ``kvxfer bench e2e --model smollm2-135m --rtt-iters 300`` (SmolLM2 pools,
+``vm`` transport, P in a spawned process with every send posted first, D timing
+``recv`` -> ``wait``), with ``time.perf_counter`` marks (CLOCK_MONOTONIC, comparable
+across processes on one host) wrapped around the agent's internal steps: D's ``recv``
+call, P's read of RECV_POST, P's handling up to the write, the write, P's handling
+after it, D's read of DATA_DONE, D's completion, D's waiting thread waking. A
+diagnostic for issue 14 item 4 (it patches internal methods; run it on a quiet machine)::
+
+    PYTHONPATH=. python benchmarks/rtt_trace.py
+"""
+import multiprocessing as mp
+import os
+import time
+def pool(n=64):
+    import torch
+    from kvxfer import KVLayout
+    t = torch.ones(2, n, 16, 3, 64, dtype=torch.bfloat16)
+    return KVLayout.from_tensors([t.clone() for _ in range(30)], "2 N B H D")
+SECRET = b"0123456789abcdef-rtt"
+def patch(marks):
+    import kvxfer.control.loop as L, kvxfer.control.posts as P, kvxfer.control.shipping as S
+    r = L.IOLoop._read
+    def _read(self, conn):
+        marks.append(("read", time.perf_counter())); return r(self, conn)
+    L.IOLoop._read = _read
+    po = P.PostMatcher.on_recv_post
+    def orp(self, peer, f):
+        marks.append(("post_in", time.perf_counter())); x = po(self, peer, f); marks.append(("post_out", time.perf_counter())); return x
+    P.PostMatcher.on_recv_post = orp
+    pw = S.Shipper._post_and_wait
+    def paw(self, *a):
+        marks.append(("write0", time.perf_counter())); x = pw(self, *a); marks.append(("write1", time.perf_counter())); return x
+    S.Shipper._post_and_wait = paw
+def prefill(addr, n, q):
+    marks = []; patch(marks)
+    from kvxfer import Agent
+    with Agent("p", secret=SECRET, lease_timeout=600) as p:
+        p.register_kv(pool())
+        peer = p.connect(addr)
+        hs = [p.send(peer, f"r{i}", [1]) for i in range(n)]
+        q.put("ready")
+        for h in hs:
+            h.wait(120)
+        q.put(marks)
+if __name__ == "__main__":
+    from kvxfer import Agent
+    N = 300
+    dm = []; patch(dm)
+    import kvxfer.control.receiver as R
+    dl = R.Receiver._delivered
+    def _del(self, *a, **k):
+        dm.append(("deliv0", time.perf_counter())); x = dl(self, *a, **k); dm.append(("deliv1", time.perf_counter())); return x
+    R.Receiver._delivered = _del
+    d = Agent("d", secret=SECRET)
+    d.register_kv(pool())
+    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    pr = ctx.Process(target=prefill, args=(d.address, N, q)); pr.start()
+    assert q.get(timeout=120) == "ready"
+    rows = []
+    for i in range(N):
+        dm.clear()
+        t0 = time.perf_counter()
+        h = d.recv(f"r{i}", [2], timeout=30)
+        t1 = time.perf_counter()
+        h.wait(30)
+        t2 = time.perf_counter()
+        rows.append((t0, t1, t2, list(dm)))
+    pm = q.get(timeout=120); pr.join(30); d.close()
+    ps = list(pm)
+    res = {k: [] for k in ["recv_call", "to_P_read", "P_handle_before_write", "write", "P_after_write", "to_D_read", "D_read_to_deliv_end", "wake_main", "total"]}
+    for t0, t1, t2, dmk in rows[30:]:
+        # find P marks in window
+        win = [m for m in ps if t0 <= m[1] <= t2]
+        d = dict()
+        for k, t in win:
+            d.setdefault(k, t)
+        dd = {}
+        for k, t in dmk:
+            dd.setdefault(k, t)
+        if not all(k in d for k in ("read", "post_in", "write0", "write1", "post_out")) or "deliv1" not in dd:
+            continue
+        dread = [t for k, t in dmk if k == "read" and t > d["write1"]]
+        if not dread: continue
+        res["recv_call"].append(t1 - t0)
+        res["to_P_read"].append(d["read"] - t1)
+        res["P_handle_before_write"].append(d["write0"] - d["read"])
+        res["write"].append(d["write1"] - d["write0"])
+        res["P_after_write"].append(d["post_out"] - d["write1"])
+        res["to_D_read"].append(dread[0] - d["write1"])
+        res["D_read_to_deliv_end"].append(dd["deliv1"] - dread[0])
+        res["wake_main"].append(t2 - dd["deliv1"])
+        res["total"].append(t2 - t0)
+    print("load", os.getloadavg()[0], "samples", len(res["total"]))
+    for k, v in res.items():
+        v.sort()
+        print("%-24s p50 %7.0f us" % (k, v[len(v)//2] * 1e6))

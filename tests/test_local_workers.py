@@ -9,16 +9,14 @@ import time
 import pytest
 
 from kvxfer.serving.server.local_workers import LocalWorkers
+from waiting import until
+
+
+def _until(predicate):
+    return until(predicate, "restart", timeout=30.0, interval=0.05)
+
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
-
-
-def _until(predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-    return value
 
 
 def test_dead_process_restarted_with_the_same_command_and_environment():

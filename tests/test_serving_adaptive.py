@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 import pytest
 from serving_server import Server, faults_env
+from waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,7 @@ PROMPT_TOKENS, DECODE_TOKENS = 2, 12
 
 
 def _until(predicate, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:.0f}s")
-        time.sleep(0.2)
+    return until(predicate, what, timeout, interval=0.2)
 
 
 def _changes(server) -> dict[tuple[str, str, str], int]:

@@ -12,26 +12,15 @@ import os
 import re
 import signal
 import threading
-import time
 
 import pytest
 from serving_server import Server, faults_env
+from waiting import until as _until
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to"
 MAX_TOKENS = 6
-
-
-def _until(predicate, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:.0f}s")
-        time.sleep(0.1)
 
 
 def _holder(server, role: str) -> dict:

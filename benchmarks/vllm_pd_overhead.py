@@ -6,10 +6,13 @@ For a prompt of N tokens (default 2,048): P's prefill time (P's
 ``vllm:request_prefill_time_seconds``: from the step that schedules the loaded
 request to its first token; the load itself happens before that step), D's
 inter-token gap (one more one-token step, a cross-check), and the bytes and
-seconds of D's recv (the connector's log line). Reports ``(D TTFT - D compute) / P prefill`` and
+seconds of D's recv (the connector's log line; for ``--connector nixl``,
+NixlConnector's ``vllm:nixl_bytes_transferred`` and ``vllm:nixl_xfer_time_seconds``
+on D). Reports ``(D TTFT - D compute) / P prefill`` and
 the transfer's bytes/s against a memcpy of the same size measured in this run.
 
     python benchmarks/vllm_pd_overhead.py [--tokens 2048] [--runs 3] [--dtype float32]
+        [--connector kvxfer|nixl]   # nixl: pip install --no-deps nixl==1.5.1 nixl-cu12
 """
 from __future__ import annotations
 
@@ -26,37 +29,52 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from vllm_procs import VllmServer, start_all  # noqa: E402
 
 
-def memcpy_seconds(nbytes: int, reps: int = 5) -> float:
+def memcpy_seconds(nbytes: int, threads: int, reps: int = 10) -> float:
+    """Fastest of ``reps`` ``copy_`` calls of ``nbytes`` on ``threads`` threads (as many
+    as the agent's copy pool uses); the destination is touched first."""
     import torch
 
+    torch.set_num_threads(threads)
     src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    best = []
+    dst = torch.zeros_like(src)
+    best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         dst.copy_(src)
-        best.append(time.perf_counter() - t)
-    return statistics.median(best)
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def stream_times(server: VllmServer, prompt, params) -> tuple:
-    """``(ttft, itl)``: seconds to D's first streamed token and from it to the second.
+    """``(ttft, itl)``: seconds to D's first streamed token and from it to the second
+    (``itl`` is None when vLLM coalesced both tokens into one event).
 
     The stream is read to its end: a client that hangs up after the first token
-    aborts the request, and vLLM then records no prefill time for it."""
+    aborts the request, and vLLM then records no prefill time for it. Tokens are
+    counted per event from its logprobs (an event may carry more than one)."""
     import httpx
 
     body = {"model": server.model_name(), "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "kv_transfer_params": params}
-    stamps = []
+            "ignore_eos": True, "stream": True, "logprobs": 0, "kv_transfer_params": params}
+    stamps = []  # (seconds since the request, tokens in the event)
     t0 = time.perf_counter()
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600.0) as r:
         for line in r.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                stamps.append(time.perf_counter() - t0)
-    if len(stamps) < 2:
-        raise RuntimeError(f"expected 2 streamed tokens, got {len(stamps)}")
-    return stamps[0], stamps[1] - stamps[0]
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            tokens = sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in choices)
+            if tokens:
+                stamps.append((time.perf_counter() - t0, tokens))
+    if sum(n for _, n in stamps) != 2:
+        raise RuntimeError(f"expected 2 streamed tokens, got {stamps}")
+    itl = stamps[1][0] - stamps[0][0] if len(stamps) > 1 else None
+    return stamps[0][0], itl
+
+
+# D's prefill time, and NixlConnector's bytes and transfer seconds (0 for kvxfer)
+D_METRICS = ("vllm:request_prefill_time_seconds_sum", "vllm:nixl_bytes_transferred_sum",
+             "vllm:nixl_xfer_time_seconds_sum")
 
 
 def main() -> int:
@@ -67,6 +85,11 @@ def main() -> int:
     ap.add_argument("--connector", choices=("kvxfer", "nixl"), default="kvxfer")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="OpenMP threads per engine (default: all cores, so P prefills as fast as it can)")
+    ap.add_argument("--idle-wait-ms", type=float, default=None,
+                    help="KVXferConnector idle_wait_ms (default: the connector's; 0: spin through empty steps)")
+    ap.add_argument("--copy-threads", type=int, default=min(os.cpu_count() or 1, 2),
+                    help="the agents' copy threads (KVXFER_VM_THREADS) and the memcpy limit's "
+                         "(default: the agent's own default, min(cores, 2))")
     ap.add_argument("--model", default=None, help="HF dir (default: export SmolLM2 to a temp dir)")
     args = ap.parse_args()
     model = args.model
@@ -76,8 +99,12 @@ def main() -> int:
         from kvxfer.integrations.hf_export import export_hf
 
         model = export_hf(tempfile.mkdtemp(prefix="smollm2-hf-"), dtype=args.dtype)
-    p = VllmServer(model, args.dtype, "producer", connector=args.connector, threads=args.threads)
-    d = VllmServer(model, args.dtype, "consumer", connector=args.connector, threads=args.threads)
+    extra = {} if args.idle_wait_ms is None else {"idle_wait_ms": args.idle_wait_ms}
+    os.environ["KVXFER_VM_THREADS"] = str(args.copy_threads)  # inherited by both engines
+    p = VllmServer(model, args.dtype, "producer", connector=args.connector, threads=args.threads,
+                   extra_config=extra)
+    d = VllmServer(model, args.dtype, "consumer", connector=args.connector, threads=args.threads,
+                   extra_config=extra)
     start_all([p, d])
     rng = random.Random(1)
     rows = []
@@ -87,26 +114,40 @@ def main() -> int:
             p_before = p.metric("vllm:request_prefill_time_seconds_sum")
             params = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
             p_prefill = p.metric("vllm:request_prefill_time_seconds_sum") - p_before
-            d_before = d.metric("vllm:request_prefill_time_seconds_sum")
+            d_before = [d.metric(m) for m in D_METRICS]
             t_first, itl = stream_times(d, prompt, params)
-            d_compute = d.metric("vllm:request_prefill_time_seconds_sum") - d_before
+            time.sleep(0.5)  # vLLM publishes a step's connector stats with the next scheduler stats
+            d_compute, nixl_bytes, nixl_s = (d.metric(m) - b for m, b in zip(D_METRICS, d_before))
             if d_compute <= 0:
                 raise RuntimeError("D recorded no prefill time for the request")
             row = {"p_prefill_s": p_prefill, "d_ttft_s": t_first, "d_compute_s": d_compute,
                    "d_itl_s": itl, "overhead_s": t_first - d_compute,
                    "overhead_ratio": (t_first - d_compute) / p_prefill}
-            logs = re.findall(r"kvxfer: loaded (\S+): (\d+) B in ([0-9.]+) s", d.tail(200000))
-            if args.connector == "kvxfer":
+            if args.connector == "kvxfer":  # the connector's own log line for D's recv
+                logs = re.findall(r"kvxfer: loaded (\S+): (\d+) B in ([0-9.]+) s", d.tail(200000))
                 nbytes, secs = int(logs[-1][1]), float(logs[-1][2])
-                copy = memcpy_seconds(nbytes)
+            else:  # NixlConnector's transfer histograms on D
+                nbytes, secs = int(nixl_bytes), nixl_s
+            if nbytes and secs > 0:
+                copy = memcpy_seconds(nbytes, args.copy_threads)
                 row.update(kv_bytes=nbytes, xfer_s=secs, xfer_GBps=nbytes / secs / 1e9,
                            memcpy_GBps=nbytes / copy / 1e9, xfer_vs_memcpy=copy / secs)
             print(("warmup " if run == 0 else f"run {run} ") + json.dumps(row), flush=True)
             if run:
                 rows.append(row)
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        med = {k: statistics.median(r[k] for r in rows if r[k] is not None)
+               for k in rows[0] if any(r[k] is not None for r in rows)}
         print("median " + json.dumps(med))
+        if "xfer_GBps" in med:
+            # conservative: the median transfer against the best memcpy seen in any run
+            best = max(r["memcpy_GBps"] for r in rows)
+            print(f"median transfer {med['xfer_GBps']:.2f} GB/s / best memcpy {best:.2f} GB/s "
+                  f"= {med['xfer_GBps'] / best:.2f}x")
         print(f"load average: {os.getloadavg()}")
+    except BaseException:
+        for name, server in (("P", p), ("D", d)):  # the engines' own account of the failure
+            print(f"---- {name} log tail ----\n{server.tail(6000)}", file=sys.stderr)
+        raise
     finally:
         p.stop()
         d.stop()

@@ -27,6 +27,8 @@ def test_secret_from_config_or_env():
     ("kv_producer", {"secret": "s" * 16, "lease_timeout": 0}),
     ("kv_producer", {"secret": "s" * 16, "path": "fast"}),
     ("kv_producer", {"secret": "s" * 16, "listne": "x"}),         # typo: refused, not ignored
+    ("kv_producer", {"secret": "s" * 16, "idle_wait_ms": -1}),
+    ("kv_producer", {"secret": "s" * 16, "idle_wait_ms": 5000}),  # would stall an engine step
 ])
 def test_bad_settings_are_value_errors(role, extra):
     with pytest.raises(ValueError):

@@ -37,7 +37,7 @@ class VllmServer:
     def __init__(self, model: str, dtype: str, role: str | None = None, *, policy: str = "fail",
                  extra_env: dict | None = None, connector: str = "kvxfer", recv_timeout: float = 60.0,
                  lease_timeout: float = 60.0, kv_bytes: int = 1 << 30, max_model_len: int = 4096,
-                 threads: int = 1) -> None:
+                 threads: int = 1, extra_config: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.role = role
@@ -63,7 +63,7 @@ class VllmServer:
                 "kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
                 "kv_role": f"kv_{role}", "kv_load_failure_policy": policy,
                 "kv_connector_extra_config": {"listen": "127.0.0.1:0", "lease_timeout": lease_timeout,
-                                              "recv_timeout": recv_timeout}})]
+                                              "recv_timeout": recv_timeout, **(extra_config or {})}})]
         env = dict(os.environ, KVXFER_SECRET=SECRET, VLLM_LOGGING_LEVEL="INFO", **THREAD_ENV)
         env["OMP_NUM_THREADS"] = str(threads)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes

@@ -101,7 +101,9 @@ class KVXferConnector(KVConnectorBase_V1):
         self._worker.post_sends(self._get_connector_metadata().sends)
 
     def get_transfer_results(self, finished_req_ids):
-        sending, recving, failed = self._worker.results()
+        meta = getattr(self, "_connector_metadata", None)  # bound for this step, or None
+        idle_wait = self.config.idle_wait_ms / 1e3 if meta is not None and meta.idle else 0.0
+        sending, recving, failed = self._worker.results(idle_wait)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
@@ -136,7 +138,7 @@ class KVXferConnector(KVConnectorBase_V1):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> XferMeta:
-        return self._sched.build_meta()
+        return self._sched.build_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output):
         self._sched.finished_sending(connector_output.finished_sending)

@@ -35,6 +35,9 @@ class RecvSpec:
 class XferMeta(KVConnectorMetadata):
     sends: list = field(default_factory=list)  # [SendSpec]
     recvs: list = field(default_factory=list)  # [RecvSpec]
+    # the step schedules no tokens: the worker may sleep (up to idle_wait_ms) for a
+    # transfer to end instead of returning at once into the engine's next empty step
+    idle: bool = False
 
 
 @dataclass

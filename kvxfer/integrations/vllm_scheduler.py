@@ -66,8 +66,8 @@ class SchedulerHalf:
                                     str(params["remote_request_id"]), tail, skip))
 
     # ---- both: per-step metadata -----------------------------------------------------------
-    def build_meta(self) -> XferMeta:
-        meta = XferMeta(self._sends, self._recvs)
+    def build_meta(self, idle: bool = False) -> XferMeta:
+        meta = XferMeta(self._sends, self._recvs, idle)
         self._sends, self._recvs = [], []
         return meta
 

@@ -30,6 +30,7 @@ class WorkerHalf:
         self.agent = None
         self.layout = None
         self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (lease request id, reason)
+        self._wake = threading.Event()  # set after each put into _ended
         self._lock = threading.Lock()
         self._peers: dict = {}  # address -> Peer (D side)
         self._recvs: dict = {}  # remote request id -> (RecvSpec, handle, peer)
@@ -45,7 +46,7 @@ class WorkerHalf:
         self.layout = cpu_layout(kv_caches, vllm_config)
         agent = Agent(self.name, listen=self.config.listen, secret=self.config.secret,
                       lease_timeout=self.config.lease_timeout, path=self.config.path,
-                      on_release=lambda req, ids, reason: self._ended.put((req, reason)))
+                      on_release=self._on_release)
         try:
             agent.register_kv(self.layout)
         except BaseException:
@@ -53,6 +54,10 @@ class WorkerHalf:
             raise
         self.agent = agent
         log.info("kvxfer agent %s at %s, %s", self.name, agent.address, self.layout.fingerprint())
+
+    def _on_release(self, request_id: str, block_ids, reason: str) -> None:
+        self._ended.put((request_id, reason))
+        self._wake.set()
 
     # ---- P ---------------------------------------------------------------------------------
     def post_sends(self, specs) -> None:
@@ -82,8 +87,16 @@ class WorkerHalf:
             self._recvs[spec.remote_request_id] = (spec, handle, peer)
 
     # ---- both: completions --------------------------------------------------------------------
-    def results(self) -> tuple:
-        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+    def results(self, idle_wait: float = 0.0) -> tuple:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call.
+
+        ``idle_wait`` (seconds; the step scheduled no tokens): while transfers are in
+        flight and none has ended yet, sleep up to that long for one to end, so an
+        idle engine does not spin through empty steps while the copy needs the CPU."""
+        if idle_wait > 0 and (self._sends or self._recvs):
+            self._wake.clear()
+            if self._ended.empty():  # an end put after clear() sets _wake again
+                self._wake.wait(idle_wait)
         for spec, handle, peer in list(self._recvs.values()):
             if not handle.done() and not peer.is_connected and handle.peer is None:
                 handle.cancel()  # P left before it matched: nobody will write; fail now

@@ -39,6 +39,9 @@ if [ "${NIXL:-1}" = 1 ] && "$PY" -c "from kvxfer.bench.nixl import available; ra
 fi
 echo "nixl: ${COMPARE[*]:-not importable or NIXL=0}" | tee "$OUT/setup.txt"
 export KVXFER_BENCH_SECRET=${KVXFER_BENCH_SECRET:-netns-bench-secret} UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n
+# kvxfer's own TCP segment size (kvxfer/transport/ucx.py UCX_DEFAULTS) for both sides,
+# so NIXL's UCX runs with the same segments as kvxfer's rather than UCX's 8 KiB default
+export UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-512k} UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512k}
 env | grep -E '^UCX_' | sort >> "$OUT/setup.txt"
 
 load() { echo "$1 $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/load.txt"; }

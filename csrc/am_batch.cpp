@@ -64,7 +64,8 @@ std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, b
     for (BatchMsg& m : out) {
         m.header.count = static_cast<uint32_t>(m.table.size());
         if (!is_write) continue;
-        m.rndv = m.bytes >= kRndvMinBytes && rndv_header_bytes(m) <= max_am_header;
+        m.rndv = m.bytes >= kRndvMinBytes && m.bytes < kRndvMaxMeanEntry * m.table.size() &&
+                 rndv_header_bytes(m) <= max_am_header;
         if (!m.rndv)  // eager: the table leads the payload
             m.iov.insert(m.iov.begin(), {m.table.data(), m.table.size() * sizeof(BatchEntry)});
     }

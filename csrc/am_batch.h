@@ -17,8 +17,11 @@
 //          UCX from its memory), which the initiator scatters into the local
 //          ranges of message `seq`.
 //
-// A message of at least kRndvMinBytes whose table fits in an AM header (the
-// worker's max_am_header) travels by rendezvous instead: header = {token, seq,
+// A message of at least kRndvMinBytes, of runs shorter than kRndvMaxMeanEntry
+// on average, whose table fits in an AM header (the worker's max_am_header),
+// travels by rendezvous instead (measured over veth with 512 KiB TCP segments:
+// rendezvous moved 4-8 KiB runs 1.3x faster than eager, eager moved 64-256 KiB
+// runs 1.1x faster than rendezvous; docs/benchmarks.md): header = {token, seq,
 // count} + table, so the target checks every entry *before* it accepts a byte,
 // then receives the data straight into the checked destinations
 // (ucp_am_recv_data_nbx with an iov: no staging buffer, no second copy) and
@@ -50,7 +53,8 @@ constexpr unsigned kGetAmId = 20;       // initiator -> target: read table
 constexpr unsigned kGetReplyAmId = 21;  // target -> initiator: read answered (+ bytes)
 constexpr size_t kBatchMaxBytes = 1024 * 1024;  // data bytes per message
 constexpr size_t kBatchMaxEntries = 16384;      // table entries per message
-constexpr size_t kRndvMinBytes = 64 * 1024;     // messages this large go by rendezvous
+constexpr size_t kRndvMinBytes = 64 * 1024;     // messages this large go by rendezvous ...
+constexpr size_t kRndvMaxMeanEntry = 64 * 1024; // ... when their runs average less than this
 
 struct BatchEntry {
     uint64_t raddr;
@@ -90,8 +94,8 @@ inline size_t rndv_header_bytes(const BatchMsg& m) {
 inline bool checked_by_target(const Op& op) { return op.is_host; }
 
 // Splits the host ops into messages (at most kBatchMaxBytes / kBatchMaxEntries
-// each); a write message goes by rendezvous when it has kRndvMinBytes and its
-// header fits max_am_header (0: never).
+// each); a write message goes by rendezvous when it has kRndvMinBytes, its runs
+// average under kRndvMaxMeanEntry and its header fits max_am_header (0: never).
 std::vector<BatchMsg> plan_batches(const std::vector<Op>& ops, uint64_t token, bool is_write,
                                    size_t max_am_header);
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -504,14 +505,38 @@ unsigned Engine::progress() {
 }
 
 bool Engine::arm() {
-    std::lock_guard<std::mutex> g(mu_);
-    if (!worker_) return true;
-    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
+    // A stream of segments (a large write into this target over TCP) would cost one
+    // event-fd wake-up, and one trip through the owner's event loop, per segment or
+    // two. So once this call made progress, keep progressing until UCX has been idle
+    // for kArmLinger (the next segment of a stream arrives well within it), and only
+    // then arm. The lock is dropped between polls so initiators in this process
+    // can post; kArmMaxSpin bounds one call (false: not armed, call again soon).
+    using clock = std::chrono::steady_clock;
+    constexpr auto kArmLinger = std::chrono::microseconds(100);
+    constexpr auto kArmMaxSpin = std::chrono::milliseconds(5);
+    const auto began = clock::now();
+    auto last_work = began;
+    bool progressed = false;
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (!worker_) return true;
+            bool did = false;
+            for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) did = true;
+            const auto now = clock::now();
+            if (did) {
+                progressed = true;
+                last_work = now;
+            } else if (!progressed || now - last_work >= kArmLinger) {
+                ucs_status_t st = ucp_worker_arm(worker_);
+                if (st == UCS_OK) return true;
+                if (st != UCS_ERR_BUSY) throw Error(ucs_error("ucp_worker_arm", st));
+                last_work = now;  // events came in meanwhile: keep going
+            }
+            if (now - began >= kArmMaxSpin) return false;
+        }
+        if (progressed) std::this_thread::yield();
     }
-    ucs_status_t st = ucp_worker_arm(worker_);
-    if (st == UCS_OK) return true;
-    if (st == UCS_ERR_BUSY) return false;
-    throw Error(ucs_error("ucp_worker_arm", st));
 }
 
 void Engine::close() {

@@ -44,8 +44,10 @@ _OPS = {"write": True, "read": False}
 
 # UCX settings kvxfer changes from UCX's defaults (AgentConfig.ucx adds to / overrides
 # them; an explicit UCX_<key> environment variable wins over both, UCX's own rule):
-# - TCP_*_SEG_SIZE: UCX emulates RMA over TCP with active messages; 8 KiB segments cap
-#   it at ~0.4x a plain socket, 64 KiB reach ~0.65-0.85x (docs/benchmarks.md).
+# - TCP_*_SEG_SIZE: UCX carries kvxfer's target-checked messages (and emulated RMA) over
+#   TCP as active-message segments; 8 KiB segments cap it at ~0.4x a plain socket,
+#   64 KiB reached 0.76-0.81x iperf3 over veth at 64 KiB-1 MiB runs, 512 KiB 0.93-1.14x
+#   (docs/benchmarks.md, "UCX over TCP between two network namespaces").
 # - CMA_MEMORY_INVALIDATE: with peer error handling UCX only puts an RMA lane on a memory
 #   domain that advertises remote-key invalidation, which UCX uses to fence a failed peer
 #   out of a rendezvous buffer. CMA does not claim it unless this is "y", so on one host
@@ -54,7 +56,7 @@ _OPS = {"write": True, "read": False}
 #   put/get the initiator drives, or its own target-checked messages), so it turns the claim on:
 #   cma zero-copy RMA, peer failure still reported (cma ep_check, keepalive on the am
 #   lane, the pidfd). See docs/registration.md.
-UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k", "CMA_MEMORY_INVALIDATE": "y"}
+UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": "512k", "TCP_RX_SEG_SIZE": "512k", "CMA_MEMORY_INVALIDATE": "y"}
 
 
 @dataclass

@@ -35,11 +35,31 @@ def engine():
     torch.set_num_threads(threads)
 
 
+def _private_pool(engine):
+    cfg = engine.model_config
+    return KVCache(24, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+
+
 @pytest.fixture()
 def spare(engine):
-    """The same weights over a private pool, so tests never touch the engine's cached blocks."""
-    cfg = engine.model_config
-    return engine.model.with_cache(KVCache(24, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
+    """The same weights (and matmul dtype) over a private pool, so tests never touch the
+    engine's cached blocks."""
+    return engine.model.with_cache(_private_pool(engine))
+
+
+def _bf16_or_skip():
+    from kvxfer.serving.model.linear import bf16_supported
+
+    if not bf16_supported():
+        pytest.skip("no bf16 oneDNN kernels on this CPU")
+
+
+@pytest.fixture(params=["fp32", "bf16"])
+def spare_any(engine, request):
+    """:func:`spare` in each matmul dtype (bf16 where this CPU has the kernels)."""
+    if request.param == "bf16":
+        _bf16_or_skip()
+    return engine.model.with_cache(_private_pool(engine)).with_matmul(request.param)
 
 
 def greedy_tokens(model, ids, table, n):
@@ -111,7 +131,8 @@ def test_greedy_chat_is_sensible_and_stable(engine):
     assert first[-1].finished and not any(e.finished for e in first[:-1])
 
 
-def test_paged_equals_dense_reference(engine, spare):
+def test_paged_equals_dense_reference(engine):
+    spare = engine.model.with_cache(_private_pool(engine)).with_matmul("fp32")
     ids = engine.tokenizer.encode(LONG)  # > one block
     dense = dense_reference(engine.model, ids)
     paged = torch.cat([spare.forward([Chunk([tok], i, (3, 7, 1))]) for i, tok in enumerate(ids)])
@@ -121,7 +142,21 @@ def test_paged_equals_dense_reference(engine, spare):
     assert torch.allclose(prefill[0], dense[-1], atol=2e-4, rtol=1e-4)
 
 
-def test_kv_moved_to_other_blocks_decodes_identically(engine, spare):
+def test_bf16_matmuls_stay_close_to_the_fp32_reference(engine):
+    _bf16_or_skip()
+    spare = engine.model.with_cache(_private_pool(engine)).with_matmul("bf16")
+    ids = engine.tokenizer.encode(LONG)
+    dense = dense_reference(engine.model, ids)
+    paged = torch.cat([spare.forward([Chunk(ids[:i + 1], 0, (3, 7, 1))]) for i in
+                       range(len(ids) - 4, len(ids))])
+    top = dense[-4:].argmax(-1)
+    assert torch.equal(paged.argmax(-1), top)
+    assert (paged - dense[-4:]).abs().max() < 0.05 * dense[-4:].abs().max()
+    assert spare.kv_cache.kv_layout().byte_format == "matmul-bf16"
+
+
+def test_kv_moved_to_other_blocks_decodes_identically(engine, spare_any):
+    spare = spare_any
     cfg = engine.model_config
     ids = engine.tokenizer.encode(LONG)
     n = 6
@@ -142,7 +177,8 @@ def test_kv_moved_to_other_blocks_decodes_identically(engine, spare):
     assert out == want
 
 
-def test_batch_decode_equals_single_decode_bitwise(engine, spare):
+def test_batch_decode_equals_single_decode_bitwise(engine, spare_any):
+    spare = spare_any
     tok = engine.tokenizer
     prompts = [tok.encode(p) for p in ("Once upon a time", LONG, "1, 2, 3,")]
     tables = [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
@@ -155,9 +191,11 @@ def test_batch_decode_equals_single_decode_bitwise(engine, spare):
     assert torch.equal(reordered.flip(0), singles)
 
 
-def test_mixed_step_equals_separate_steps_bitwise(engine, spare):
+def test_mixed_step_equals_separate_steps_bitwise(engine, spare_any):
     """A step holding decode tokens of several sequences and a prompt chunk gives each
-    sequence the same logits and KV bits as running it alone (rows padded to ROW_PAD)."""
+    sequence the same logits and KV bits as running it alone (every matmul call has
+    ROW_TILE rows, kvxfer.serving.model.linear)."""
+    spare = spare_any
     tok = engine.tokenizer
     prompts = [tok.encode(p) for p in ("Once upon a time", LONG, "1, 2, 3, 4, 5, 6, 7,")]
     tables = [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
@@ -178,25 +216,46 @@ def test_mixed_step_equals_separate_steps_bitwise(engine, spare):
     assert torch.equal(spare.kv_cache.tensor[[9, 10, 11]], kv_prefill)
 
 
-def test_linear_rows_do_not_depend_on_row_count():
-    """The BLAS property ROW_PAD relies on: row r of x @ w.T has the same bits for every
-    multiple of ROW_PAD rows (with the thread counts workers use)."""
-    import torch.nn.functional as F
-
-    from kvxfer.serving.model.attention import ROW_PAD
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tiled_linear_rows_do_not_depend_on_count_or_position(dtype):
+    """The property batch invariance relies on: a row's bits through the model's linears
+    do not depend on how many rows share the call, where the row sits, or 1 vs 2 threads."""
+    if dtype == "bf16":
+        _bf16_or_skip()
+    from kvxfer.serving.model.linear import ROW_TILE, make_linear
 
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(960, 576, generator=gen)
-    x = torch.randn(96, 576, generator=gen)
+    x = torch.randn(3 * ROW_TILE + 5, 576, generator=gen)
     try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            ref = F.linear(x, w)
-            for rows in range(ROW_PAD, 96, ROW_PAD):
-                assert torch.equal(F.linear(x[:rows], w), ref[:rows]), (n, rows)
+        for w in (torch.randn(960, 576, generator=gen), torch.randn(3072, 576, generator=gen),
+                  torch.randn(576, 1536, generator=gen)[:, :576]):
+            lin = make_linear(w.contiguous(), dtype)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                alone = torch.cat([lin(x[r:r + 1]) for r in range(len(x))])
+                assert torch.equal(lin(x), alone), n
+                for rows in (2, 4, 7, 12, 16, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE + 3):
+                    assert torch.equal(lin(x[:rows]), alone[:rows]), (n, rows)
+                perm = torch.randperm(len(x), generator=gen)
+                assert torch.equal(lin(x[perm]), alone[perm]), n
+            ref = torch.nn.functional.linear(x, w)  # bf16: bf16 inputs/output, fp32 sums
+            assert (alone - ref).abs().max() < (0.02 if dtype == "bf16" else 1e-5) * ref.abs().max()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_matmul_dtype_choice_and_errors():
+    from kvxfer.serving.model.linear import (amx_available, bf16_supported,
+                                             resolve_matmul_dtype)
+
+    assert resolve_matmul_dtype("fp32") == "fp32"
+    want = "bf16" if bf16_supported() and amx_available() else "fp32"
+    assert resolve_matmul_dtype("auto") == want
+    with pytest.raises(ValueError):
+        resolve_matmul_dtype("fp16")
+    with pytest.raises(ValueError):
+        EngineConfig(matmul_dtype="int8")
 
 
 def test_prefix_reuse_gives_same_output(engine, spare):

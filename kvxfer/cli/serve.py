@@ -5,6 +5,7 @@ import argparse
 import os
 
 from kvxfer.serving.engine.config import SCHEDULES, EngineConfig
+from kvxfer.serving.model.config import MATMUL_DTYPES
 
 API_KEY_ENV = "KVXFER_API_KEY"
 
@@ -35,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default=EngineConfig.schedule,
                    help="mixed: decode tokens and prompt chunks share each step (chunked "
                         "prefill); separate: prefill steps and decode steps apart")
+    p.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=EngineConfig.matmul_dtype,
+                   help="projection dtype of every worker: auto (bf16 where the CPU has AMX, "
+                        "else fp32), fp32 or bf16; P and D must agree")
     p.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
                    help="disaggregated: prefill uncached prompts shorter than N tokens on the "
                         "decode worker (0: off)")
@@ -94,7 +98,8 @@ def config_from_args(args: argparse.Namespace):
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        schedule=args.schedule, local_prefill_tokens=args.local_prefill_tokens,
+        schedule=args.schedule, matmul_dtype=args.matmul_dtype,
+        local_prefill_tokens=args.local_prefill_tokens,
         local_prefill_queue=args.local_prefill_queue,
         transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

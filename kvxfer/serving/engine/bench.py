@@ -1,6 +1,7 @@
 """Measure the engine's prefill and decode speed, and the matmul dtypes on this CPU.
 
     python -m kvxfer.serving.engine.bench --threads 1 [--model PATH.gguf] [--dtypes]
+        [--matmul-dtype auto|fp32|bf16]
 
 Prefill: one prompt of ``--prompt-len`` tokens in one step. Decode: greedy
 steps over a batch of ``--batch`` sequences (tok/s counts all sequences; ms per
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import time
+
+from ..model.config import MATMUL_DTYPES
 
 
 def _time(fn, reps: int) -> float:
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default="auto",
+                    help="the model's projection dtype (auto: bf16 where the CPU has AMX)")
     ap.add_argument("--dtypes", action="store_true", help="also compare matmul dtypes")
     ap.add_argument("--mixed-chunk", type=int, nargs="*", default=[], metavar="N",
                     help="decode steps of the last --batch with an N-token prompt chunk added "
@@ -67,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     from .config import EngineConfig
     from .engine import Engine
 
-    engine = Engine(EngineConfig(model_path=args.model, num_blocks=512, num_threads=args.threads))
+    engine = Engine(EngineConfig(model_path=args.model, num_blocks=512, num_threads=args.threads,
+                                  matmul_dtype=args.matmul_dtype))
     model, bs = engine.model, engine.config.block_size
-    print(f"load average {os.getloadavg()[0]:.2f} (shared machine: figures move with it)")
+    print(f"load average {os.getloadavg()[0]:.2f} (shared machine: figures move with it); "
+          f"matmul dtype {model.matmul_dtype}")
     if args.dtypes:
         for row in compare_dtypes(engine.model_config):
             ratios = "  ".join(f"{k} {row[k] / row['fp32']:.2f}x" for k in

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.config import check_positive
+from ..model.config import MATMUL_DTYPES, check_positive
 
 SCHEDULES = ("mixed", "separate")
 
@@ -22,7 +22,10 @@ class EngineConfig:
     tokens and prompt chunks in the same step (the budget counts both),
     ``"separate"`` runs prefill steps and decode steps apart (see
     :mod:`kvxfer.serving.engine.scheduler`). ``num_threads`` (if set) is applied with
-    ``torch.set_num_threads`` when the engine starts.
+    ``torch.set_num_threads`` when the engine starts. ``matmul_dtype``: the
+    projections' dtype, ``"auto"`` (bf16 on CPUs with AMX, else fp32), ``"fp32"``
+    or ``"bf16"`` (see :mod:`kvxfer.serving.model.linear`); a prefill/decode pair
+    must resolve to the same one (their KV layout fingerprints differ otherwise).
     """
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
@@ -33,11 +36,15 @@ class EngineConfig:
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     schedule: str = "mixed"
+    matmul_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_positive(self, "num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, "
+                             f"got {self.matmul_dtype!r}")
         if self.num_threads is not None:
             check_positive(self, "num_threads")
         if self.model_path is not None and not isinstance(self.model_path, str):

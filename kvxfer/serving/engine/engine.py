@@ -57,7 +57,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf(reader)
         cache = KVCache(config.num_blocks, self.model_config.num_layers, config.block_size,
                         self.model_config.num_kv_heads, self.model_config.head_dim)
-        self.model = LlamaModel(self.model_config, load_weights(reader, self.model_config), cache)
+        self.model = LlamaModel(self.model_config, load_weights(reader, self.model_config), cache,
+                                 matmul_dtype=config.matmul_dtype)
         self.kv_cache = cache
         self.runtime = Runtime(self.model, config)
         self.block_manager = self.runtime.blocks

@@ -58,7 +58,8 @@ class Runtime:
     @classmethod
     def load(cls, config: EngineConfig) -> "Runtime":
         model = LlamaModel.from_gguf(config.model_path, num_blocks=config.num_blocks,
-                                     block_size=config.block_size)
+                                     block_size=config.block_size,
+                                     matmul_dtype=config.matmul_dtype)
         return cls(model, config)
 
     @property

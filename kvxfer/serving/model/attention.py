@@ -17,13 +17,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-# Row-invariance of CPU GEMM: with torch's CPU BLAS (MKL sgemm behind F.linear),
-# a row of ``x @ w.T`` has the same bits for every row count that is a multiple
-# of 4 (1 or 2 threads; checked by tests/test_serving_model.py), while 1-3 rows
-# (and, with 2 threads, 5-7 and 9-11) take other kernels. Steps are padded to a
-# multiple of ROW_PAD rows so a token's result never depends on the batch it
-# ran in; 4 rather than 8 keeps a one-sequence decode step at 4 rows.
-ROW_PAD = 4
+# Row-invariance of the projections (a token's bits never depend on the batch it
+# ran in) is kept by kvxfer.serving.model.linear: every GEMM call has a fixed
+# row count (ROW_TILE), whatever the step's row count.
 
 
 @dataclass(frozen=True)
@@ -64,8 +60,7 @@ class _SeqSlice:
 class StepBatch:
     """Tensors for one step, built from chunks.
 
-    ``input_ids``/``positions``: ``[T_pad]`` (``T`` real rows padded to a multiple
-    of ``ROW_PAD``); ``slot_blocks``/``slot_offsets``: ``[T]`` where each new
+    ``input_ids``/``positions``: ``[T]`` (one row per chunk token); ``slot_blocks``/``slot_offsets``: ``[T]`` where each new
     token's K/V goes; ``last_rows``: ``[S]`` the row of each chunk's last token.
     """
 
@@ -103,9 +98,8 @@ class StepBatch:
                                              torch.tensor([s.num_tokens for s in self.seqs]))
         self.slot_blocks = blocks[starts[seq_of_row] + pos // block_size]
         self.slot_offsets = pos % block_size
-        pad = -len(ids) % ROW_PAD
-        self.input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long)
-        self.positions = torch.cat([pos, torch.zeros(pad, dtype=torch.long)])
+        self.input_ids = torch.tensor(ids, dtype=torch.long)
+        self.positions = pos
         self.last_rows = torch.tensor(last_rows, dtype=torch.long)
         # one-token chunks (decode) attend together; longer chunks one by one
         self.multi = [s for s in self.seqs if s.num_tokens > 1]
@@ -125,17 +119,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
     """Causal GQA attention of ``q`` ``[n, Hq, D]`` (positions ``start_pos..``) over
     ``k``/``v`` ``[ctx, Hkv, D]`` (positions ``0..ctx-1``); returns ``[n, Hq, D]``.
 
-    torch's fused CPU kernel (blocked, no ``[n, ctx]`` score matrix in memory);
-    a chunk after a cached prefix gets an explicit bottom-right causal mask.
+    torch's fused CPU flash kernel (blocked, no ``[n, ctx]`` score matrix in
+    memory); a chunk after a cached prefix gets an explicit bottom-right causal
+    mask. The kernel needs 4-D ``[1, H, n, D]`` operands with as many kv heads
+    as query heads (3-D or ``enable_gqa`` inputs fall back to torch's unfused
+    math path, 5x slower at 1,000 tokens), so k/v are repeated per group.
     """
     n, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
     mask = None
     if start_pos:
         mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(start_pos, start_pos + n).unsqueeze(1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=not start_pos, scale=scale,
-                                         enable_gqa=True)
-    return out.transpose(0, 1)
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                                         is_causal=not start_pos, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _attend_single(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
@@ -167,9 +165,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: 
                     cache_v: torch.Tensor, batch: StepBatch, scale: float) -> torch.Tensor:
     """Write new K/V into the cache, then attend per sequence through its block table.
 
-    ``q`` ``[T_pad, Hq, D]``, ``k``/``v`` ``[T_pad, Hkv, D]`` (rotary applied);
+    ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (rotary applied);
     ``cache_k``/``cache_v`` ``[N, B, Hkv, D]`` views of one layer. Returns
-    ``[T_pad, Hq, D]`` (padding rows are zero).
+    ``[T, Hq, D]``.
     """
     t = batch.num_tokens
     cache_k[batch.slot_blocks, batch.slot_offsets] = k[:t]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the projections' dtype (kvxfer.serving.model.linear); "auto" resolves by CPU capability
+MATMUL_DTYPES = ("auto", "fp32", "bf16")
+
 
 def check_positive(obj: object, *names: str) -> None:
     for name in names:

@@ -42,6 +42,7 @@ class KVCache:
         self.tensor = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
         self._layout: KVLayout | None = None
+        self.format_tag = ""  # the layout's byte_format: who filled the pool (set by the model)
 
     @property
     def bytes_per_block(self) -> int:
@@ -54,10 +55,18 @@ class KVCache:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
 
+    def set_format_tag(self, tag: str) -> None:
+        """Tag the layout fingerprint (e.g. ``"matmul-bf16"``): pools exchange blocks only with
+        pools of the same tag. Must come before :meth:`kv_layout` is registered anywhere."""
+        if tag != self.format_tag:
+            self.format_tag = tag
+            self._layout = None
+
     def kv_layout(self) -> "KVLayout":
         """The pool as a :class:`kvxfer.KVLayout` (built on first call, then cached)."""
         if self._layout is None:
             from kvxfer.layout import KVLayout
 
-            self._layout = KVLayout.from_tensors(self.tensor, self.DIMS)
+            self._layout = KVLayout.from_tensors(self.tensor, self.DIMS,
+                                                 byte_format=self.format_tag)
         return self._layout

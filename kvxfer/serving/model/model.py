@@ -1,6 +1,8 @@
 """A plain-torch Llama decoder (GQA, RMSNorm, SwiGLU, RoPE) with paged attention.
 
-Weights are fp32, dequantized from GGUF. The model reads and writes K/V only
+Weights are fp32, dequantized from GGUF; the projections run in the model's
+matmul dtype (:mod:`kvxfer.serving.model.linear`: fp32, or bf16 tiles on AMX
+CPUs), everything else in fp32. The model reads and writes K/V only
 through its :class:`~kvxfer.serving.model.kv_cache.KVCache`; :meth:`LlamaModel.forward`
 runs one step (prefill chunks or decode tokens) and returns last-token logits.
 """
@@ -13,9 +15,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import ROW_PAD, Chunk, StepBatch, paged_attention
+from .attention import Chunk, StepBatch, paged_attention
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .linear import make_linear, resolve_matmul_dtype
 from .rope import RotaryEmbedding
 
 
@@ -36,15 +39,30 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, inter]
 
 
+@dataclass
+class LayerLinears:
+    """One layer's projections in the model's matmul dtype (``[T, in] -> [T, out]``)."""
+
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
+
+
 class LlamaModel:
     """Example::
 
         model = LlamaModel.from_gguf(None, num_blocks=64)        # embedded SmolLM2
         logits = model.forward([Chunk(prompt_ids, 0, (0, 1))])   # [1, vocab]
+
+    ``matmul_dtype``: ``"fp32"`` (the reference, default), ``"bf16"`` or ``"auto"``
+    (:func:`~kvxfer.serving.model.linear.resolve_matmul_dtype`); the resolved
+    choice is :attr:`matmul_dtype` and tags the KV pool's layout fingerprint, so
+    pools filled with different matmul dtypes refuse to exchange blocks.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 kv_cache: KVCache) -> None:
+                 kv_cache: KVCache, *, matmul_dtype: str = "fp32") -> None:
         if kv_cache.num_layers != config.num_layers:
             raise ValueError(f"cache has {kv_cache.num_layers} layers, model {config.num_layers}")
         if tuple(kv_cache.tensor.shape[-2:]) != (config.num_kv_heads, config.head_dim):
@@ -68,9 +86,30 @@ class LlamaModel:
             ))
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position)
         self.scale = config.head_dim ** -0.5
+        self._set_matmul(resolve_matmul_dtype(matmul_dtype))
+
+    def _set_matmul(self, dtype: str) -> None:
+        self.matmul_dtype = dtype
+        self.linears = [LayerLinears(*(make_linear(getattr(w, n), dtype)
+                                       for n in ("qkv", "o", "gate_up", "down")))
+                        for w in self.layers]
+        self.head = make_linear(self.lm_head, dtype)
+        self.kv_cache.set_format_tag(self.kv_format_tag)
+
+    @property
+    def kv_format_tag(self) -> str:
+        """The KV layout's ``byte_format`` tag: ``""`` for fp32, ``"matmul-bf16"`` for bf16."""
+        return "" if self.matmul_dtype == "fp32" else f"matmul-{self.matmul_dtype}"
+
+    def with_matmul(self, matmul_dtype: str) -> "LlamaModel":
+        """A model sharing these weights and KV pool with another matmul dtype (tests, bench)."""
+        other = copy.copy(self)
+        other._set_matmul(resolve_matmul_dtype(matmul_dtype))
+        return other
 
     @classmethod
-    def from_gguf(cls, path: str | None, *, num_blocks: int, block_size: int = 16) -> "LlamaModel":
+    def from_gguf(cls, path: str | None, *, num_blocks: int, block_size: int = 16,
+                  matmul_dtype: str = "fp32") -> "LlamaModel":
         """Load ``path`` (None: the embedded model) and allocate its KV pool."""
         from .gguf_loader import load_weights, open_gguf, read_model_config
 
@@ -78,7 +117,7 @@ class LlamaModel:
         config = read_model_config(reader)
         cache = KVCache(num_blocks, config.num_layers, block_size, config.num_kv_heads,
                         config.head_dim)
-        return cls(config, load_weights(reader, config), cache)
+        return cls(config, load_weights(reader, config), cache, matmul_dtype=matmul_dtype)
 
     def with_cache(self, kv_cache: KVCache) -> "LlamaModel":
         """A model sharing these weights over another KV pool (e.g. a second worker's)."""
@@ -87,18 +126,19 @@ class LlamaModel:
             raise ValueError("cache shape does not match the model")
         other = copy.copy(self)
         other.kv_cache = kv_cache
+        kv_cache.set_format_tag(self.kv_format_tag)
         return other
 
     def attention_block(self, layer: int, x: torch.Tensor, batch: StepBatch,
                         rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Pre-norm attention of one layer with residual; ``x`` ``[T_pad, hidden]``.
+        """Pre-norm attention of one layer with residual; ``x`` ``[T, hidden]``.
 
         ``rope``: the step's ``(cos, sin)`` tables (:meth:`RotaryEmbedding.tables`),
         gathered once per step; computed here when None.
         """
-        cfg, w = self.config, self.layers[layer]
+        cfg, w, lin = self.config, self.layers[layer], self.linears[layer]
         cos, sin = rope if rope is not None else self.rope.tables(batch.positions)
-        qkv = F.linear(rms_norm(x, w.attn_norm, cfg.rms_eps), w.qkv)
+        qkv = lin.qkv(rms_norm(x, w.attn_norm, cfg.rms_eps))
         heads = cfg.num_heads + cfg.num_kv_heads
         # q and k rotated together: [T, Hq + Hkv, D]
         qk = self.rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].unflatten(-1, (heads, cfg.head_dim)),
@@ -107,20 +147,17 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         cache_k, cache_v = self.kv_cache.layer(layer)
         attn = paged_attention(q, k, v, cache_k, cache_v, batch, self.scale)
-        return x + F.linear(attn.flatten(1), w.o)
+        return x + lin.o(attn.flatten(1))
 
     def mlp_block(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Pre-norm SwiGLU MLP of one layer with residual; ``x`` ``[T_pad, hidden]``."""
-        w = self.layers[layer]
-        gate, up = F.linear(rms_norm(x, w.ffn_norm, self.config.rms_eps), w.gate_up).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        """Pre-norm SwiGLU MLP of one layer with residual; ``x`` ``[T, hidden]``."""
+        w, lin = self.layers[layer], self.linears[layer]
+        gate, up = lin.gate_up(rms_norm(x, w.ffn_norm, self.config.rms_eps)).chunk(2, -1)
+        return x + lin.down(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of ``hidden`` ``[S, hidden]`` -> ``[S, vocab]``."""
-        rows = hidden.shape[0]
-        pad = -rows % ROW_PAD  # row-invariant GEMM, see attention.ROW_PAD
-        hidden = F.pad(hidden, (0, 0, 0, pad))
-        return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_eps), self.lm_head)[:rows]
+        return self.head(rms_norm(hidden, self.final_norm, self.config.rms_eps))
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
@@ -133,7 +170,7 @@ class LlamaModel:
         cache = self.kv_cache
         batch = StepBatch(chunks, block_size=cache.block_size, num_blocks=cache.num_blocks,
                           max_position=self.config.max_position)
-        x = self.embed[batch.input_ids]  # [T_pad, hidden]
+        x = self.embed[batch.input_ids]  # [T, hidden]
         rope = self.rope.tables(batch.positions)
         for layer in range(self.config.num_layers):
             x = self.attention_block(layer, x, batch, rope)

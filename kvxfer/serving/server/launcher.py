@@ -84,6 +84,7 @@ class WorkerProcess(WorkerRef):
                 "--max-num-seqs", str(config.max_num_seqs),
                 "--max-num-batched-tokens", str(config.max_num_batched_tokens),
                 "--schedule", config.schedule,
+                "--matmul-dtype", config.matmul_dtype,
                 "--transfer-timeout", str(config.transfer_timeout_s),
                 "--request-timeout", str(config.request_timeout_s),
                 "--on-transfer-failure", config.on_transfer_failure,

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..engine.config import SCHEDULES, EngineConfig
+from ..model.config import MATMUL_DTYPES
 from .adaptive_policy import AdaptivePolicy
 
 TRANSFER_POLICIES = ("fail", "recompute")
@@ -67,6 +68,7 @@ class ServeConfig:
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     schedule: str = EngineConfig.schedule  # of every worker
+    matmul_dtype: str = EngineConfig.matmul_dtype  # of every worker (auto: by CPU)
     local_prefill_tokens: int = 0  # prefill uncached prompts shorter than this on the decode worker
     local_prefill_queue: int = 0  # ... and every prompt while the prefill worker holds this many
     startup_timeout_s: float = 300.0
@@ -101,6 +103,9 @@ class ServeConfig:
             raise ValueError("disaggregated serving needs >= 1 prefill and >= 1 decode worker")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, "
+                             f"got {self.matmul_dtype!r}")
         if self.local_prefill_tokens < 0 or self.local_prefill_queue < 0:
             raise ValueError("local prefill thresholds must be >= 0 (0: off)")
         if self.api_key is not None and not self.api_key.strip():

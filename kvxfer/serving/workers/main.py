@@ -24,6 +24,7 @@ import sys
 
 from ...control.auth import MIN_SECRET_BYTES, SECRET_ENV as USER_SECRET_ENV
 from ..engine.config import SCHEDULES, EngineConfig
+from ..model.config import MATMUL_DTYPES
 
 AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
 
@@ -64,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--schedule", choices=SCHEDULES, default=EngineConfig.schedule)
+    p.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=EngineConfig.matmul_dtype)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(model_path=args.model, num_blocks=args.num_blocks,
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              schedule=args.schedule,
+                              schedule=args.schedule, matmul_dtype=args.matmul_dtype,
                               num_threads=args.threads)
         runtime = Runtime.load(config)
         released: queue.SimpleQueue = queue.SimpleQueue()
@@ -151,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
              "agent_address": agent.address if agent is not None else None,
              "transport": _transport(agent), "model": runtime_model_name(args.model),
              "num_blocks": config.num_blocks, "block_size": config.block_size,
-             "threads": args.threads, "cpus": sorted(os.sched_getaffinity(0))}
+             "threads": args.threads, "matmul": runtime.model.matmul_dtype,
+             "kv_fingerprint": runtime.cache.kv_layout().fingerprint(),
+             "cpus": sorted(os.sched_getaffinity(0))}
     channel.send(ready)
     try:
         if args.discovery:

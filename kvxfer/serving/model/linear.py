@@ -1,0 +1,118 @@
+"""The model's projections (``x @ w.T``) in the matmul dtype chosen for this CPU.
+
+Batch invariance: a token's projection must have the same bits whatever other
+rows share its step (decode tokens of other sequences, a prompt chunk). CPU
+GEMM libraries pick their kernel, blocking and threading by the row count:
+MKL's fp32 sgemm on an AVX-512 Xeon gives rows of 4-, 8- and 12-row calls
+other bits than the same rows of a 16-row or larger call (on an AVX2 EPYC,
+every multiple of 4 agreed), and oneDNN's bf16 matmul gives rows 33-512 of one
+call other bits than a 32-row call. So every matmul call here has exactly
+:data:`ROW_TILE` rows: a step's rows are padded to a multiple of the tile and
+run tile by tile. Each call has one shape, hence one kernel, and a row's bits
+depend only on that row (tests/test_serving_model.py checks row count, row
+position and 1 vs 2 threads, in both dtypes).
+
+``fp32`` (the reference): ``F.linear`` on the fp32 weights.
+
+``bf16``: weights rounded to bf16 once and prepacked for oneDNN
+(``torch.ops.mkldnn._reorder_linear_weight``); activations are rounded to bf16,
+multiplied with fp32 accumulation, and the bf16 result is widened back to fp32
+(norms, rotary, attention, residual and KV pool stay fp32). On AMX this is
+5-10x faster than fp32 at prefill and reads half the weight bytes at decode; on
+CPUs without AMX bf16 measured slower than fp32, so ``auto`` takes bf16 only
+where AMX is present.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import MATMUL_DTYPES
+
+ROW_TILE = 32  # rows of every matmul call (decode steps up to 32 rows: one call)
+
+
+def bf16_supported() -> bool:
+    """True when torch's oneDNN can run prepacked bf16 linears on this CPU (AVX-512 BF16)."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()))
+
+
+def amx_available() -> bool:
+    """True when the CPU has AMX tiles (``amx_tile``: the bf16 matmuls that beat fp32)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def resolve_matmul_dtype(choice: str) -> str:
+    """``"auto"``, ``"fp32"`` or ``"bf16"`` -> ``"fp32"`` or ``"bf16"`` for this CPU.
+
+    ``auto`` is decided by CPU capability (AMX and bf16 oneDNN kernels), never by
+    a timing, so two workers on the same CPU model always agree.
+    """
+    if choice not in MATMUL_DTYPES:
+        raise ValueError(f"matmul dtype must be one of {MATMUL_DTYPES}, got {choice!r}")
+    if choice == "auto":
+        return "bf16" if bf16_supported() and amx_available() else "fp32"
+    if choice == "bf16" and not bf16_supported():
+        raise ValueError("matmul dtype bf16 needs torch with oneDNN and a CPU with AVX-512 BF16")
+    return choice
+
+
+class TiledLinear:
+    """``x`` ``[T, in]`` fp32 -> ``x @ weight.T`` ``[T, out]`` fp32, in calls of ``tile`` rows.
+
+    ``weight`` ``[out, in]`` fp32.
+    """
+
+    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [out, in], got shape {tuple(weight.shape)}")
+        self.tile = tile
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        x = self._prepare(x)
+        pad = -rows % self.tile
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        if x.shape[0] == self.tile:
+            out = self._mm(x)
+        else:
+            out = torch.cat([self._mm(t) for t in x.split(self.tile)])
+        return out[:rows].float()
+
+
+class Bf16TiledLinear(TiledLinear):
+    """:class:`TiledLinear` through bf16 oneDNN matmuls (fp32 accumulation, bf16 result).
+
+    ``weight`` ``[out, in]`` is rounded to bf16 and prepacked once.
+    """
+
+    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE) -> None:
+        super().__init__(weight, tile)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().to(torch.bfloat16).contiguous(), tile)
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+
+
+def make_linear(weight: torch.Tensor, dtype: str):
+    """The projection for ``weight`` ``[out, in]`` in resolved ``dtype`` (``"fp32"``/``"bf16"``)."""
+    if dtype == "fp32":
+        return TiledLinear(weight)
+    if dtype == "bf16":
+        return Bf16TiledLinear(weight)
+    raise ValueError(f"resolved matmul dtype must be 'fp32' or 'bf16', got {dtype!r}")

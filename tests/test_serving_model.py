@@ -323,3 +323,17 @@ def test_kv_layout_describes_the_pool(engine):
     assert (layout.num_heads, layout.head_dim) == (3, 64)
     assert engine.kv_layout() is layout
     assert engine.kv_cache.bytes_per_block == 30 * 2 * 16 * 3 * 64 * 4
+
+
+def test_pools_of_different_matmul_dtypes_do_not_exchange_blocks(engine):
+    """A prefill/decode pair whose matmul dtypes differ fails the KV handshake (their
+    layout fingerprints differ) instead of decoding from KV the other dtype made."""
+    _bf16_or_skip()
+    pytest.importorskip("kvxfer.layout")
+    from kvxfer.errors import LayoutMismatch
+
+    fp32 = engine.model.with_cache(_private_pool(engine)).with_matmul("fp32")
+    bf16 = engine.model.with_cache(_private_pool(engine)).with_matmul("bf16")
+    assert fp32.kv_cache.kv_layout().compatible_with(fp32.kv_cache.kv_layout())
+    with pytest.raises(LayoutMismatch, match="format"):
+        bf16.kv_cache.kv_layout().check_compatible(fp32.kv_cache.kv_layout())

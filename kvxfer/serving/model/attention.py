@@ -172,6 +172,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: 
     t = batch.num_tokens
     cache_k[batch.slot_blocks, batch.slot_offsets] = k[:t]
     cache_v[batch.slot_blocks, batch.slot_offsets] = v[:t]
+    if not batch.multi:  # decode only: rows are the one-token chunks in order
+        return _attend_single(q, cache_k, cache_v, batch, scale)
     out = torch.zeros_like(q)
     if len(batch.single_rows):
         out[batch.single_rows] = _attend_single(q[batch.single_rows], cache_k, cache_v, batch,

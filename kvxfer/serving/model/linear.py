@@ -79,6 +79,10 @@ class TiledLinear:
         return F.linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.raw(x).float()
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, out]`` in the compute dtype (bf16 or fp32): for adding into an fp32 residual."""
         rows = x.shape[0]
         x = self._prepare(x)
         pad = -rows % self.tile
@@ -88,7 +92,7 @@ class TiledLinear:
             out = self._mm(x)
         else:
             out = torch.cat([self._mm(t) for t in x.split(self.tile)])
-        return out[:rows].float()
+        return out[:rows]
 
 
 class Bf16TiledLinear(TiledLinear):

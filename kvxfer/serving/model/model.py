@@ -23,8 +23,10 @@ from .rope import RotaryEmbedding
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x`` ``[T, hidden]`` normalized by its root mean square, times ``weight`` ``[hidden]``."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """``x`` ``[T, hidden]`` normalized by its root mean square, times ``weight`` ``[hidden]``.
+
+    torch's fused kernel; the same bits as ``x * rsqrt(mean(x**2) + eps) * weight``."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @dataclass
@@ -147,13 +149,13 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         cache_k, cache_v = self.kv_cache.layer(layer)
         attn = paged_attention(q, k, v, cache_k, cache_v, batch, self.scale)
-        return x + lin.o(attn.flatten(1))
+        return x + lin.o.raw(attn.flatten(1))  # bf16 + fp32 -> fp32
 
     def mlp_block(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Pre-norm SwiGLU MLP of one layer with residual; ``x`` ``[T, hidden]``."""
         w, lin = self.layers[layer], self.linears[layer]
         gate, up = lin.gate_up(rms_norm(x, w.ffn_norm, self.config.rms_eps)).chunk(2, -1)
-        return x + lin.down(F.silu(gate) * up)
+        return x + lin.down.raw(F.silu(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of ``hidden`` ``[S, hidden]`` -> ``[S, vocab]``."""

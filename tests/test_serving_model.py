@@ -216,13 +216,13 @@ def test_mixed_step_equals_separate_steps_bitwise(engine, spare_any):
     assert torch.equal(spare.kv_cache.tensor[[9, 10, 11]], kv_prefill)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "plain"])
 def test_tiled_linear_rows_do_not_depend_on_count_or_position(dtype):
     """The property batch invariance relies on: a row's bits through the model's linears
     do not depend on how many rows share the call, where the row sits, or 1 vs 2 threads."""
     if dtype == "bf16":
         _bf16_or_skip()
-    from kvxfer.serving.model.linear import ROW_TILE, make_linear
+    from kvxfer.serving.model.linear import ROW_TILE, TiledLinear, make_linear
 
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
@@ -230,7 +230,9 @@ def test_tiled_linear_rows_do_not_depend_on_count_or_position(dtype):
     try:
         for w in (torch.randn(960, 576, generator=gen), torch.randn(3072, 576, generator=gen),
                   torch.randn(576, 1536, generator=gen)[:, :576]):
-            lin = make_linear(w.contiguous(), dtype)
+            # plain: the pure F.linear tiles, used where torch has no oneDNN
+            w = w.contiguous()
+            lin = TiledLinear(w) if dtype == "plain" else make_linear(w, dtype)
             for n in (1, 2):
                 torch.set_num_threads(n)
                 alone = torch.cat([lin(x[r:r + 1]) for r in range(len(x))])

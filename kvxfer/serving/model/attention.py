@@ -60,8 +60,8 @@ class _SeqSlice:
 class StepBatch:
     """Tensors for one step, built from chunks.
 
-    ``input_ids``/``positions``: ``[T]`` (one row per chunk token); ``slot_blocks``/``slot_offsets``: ``[T]`` where each new
-    token's K/V goes; ``last_rows``: ``[S]`` the row of each chunk's last token.
+    ``input_ids``/``positions``: ``[T]`` (one row per chunk token);
+    ``slot_blocks``/``slot_offsets``: ``[T]`` where each new token's K/V goes; ``last_rows``: ``[S]`` the row of each chunk's last token.
     """
 
     def __init__(self, chunks: Sequence[Chunk], *, block_size: int, num_blocks: int,

@@ -219,7 +219,8 @@ def test_mixed_step_equals_separate_steps_bitwise(engine, spare_any):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "plain"])
 def test_tiled_linear_rows_do_not_depend_on_count_or_position(dtype):
     """The property batch invariance relies on: a row's bits through the model's linears
-    do not depend on how many rows share the call, where the row sits, or 1 vs 2 threads."""
+    do not depend on how many rows share the call, where the row sits, or 1 vs 2 threads
+    (in the ROW_TILE calls of one-token chunks and the PROMPT_TILE calls of prompt rows)."""
     if dtype == "bf16":
         _bf16_or_skip()
     from kvxfer.serving.model.linear import ROW_TILE, TiledLinear, make_linear
@@ -241,6 +242,12 @@ def test_tiled_linear_rows_do_not_depend_on_count_or_position(dtype):
                     assert torch.equal(lin(x[:rows]), alone[:rows]), (n, rows)
                 perm = torch.randperm(len(x), generator=gen)
                 assert torch.equal(lin(x[perm]), alone[perm]), n
+                # prompt-chunk rows (after the first small_rows) run in PROMPT_TILE calls
+                prompt = torch.cat([lin(x[r:r + 1], 0) for r in range(len(x))])
+                assert torch.equal(lin(x, 0), prompt), n
+                for small in (1, 3, ROW_TILE + 2):
+                    mixed = lin(torch.cat([x[:small], x[perm]]), small)
+                    assert torch.equal(mixed, torch.cat([alone[:small], prompt[perm]])), (n, small)
             ref = torch.nn.functional.linear(x, w)  # bf16: bf16 inputs/output, fp32 sums
             assert (alone - ref).abs().max() < (0.02 if dtype == "bf16" else 1e-5) * ref.abs().max()
     finally:

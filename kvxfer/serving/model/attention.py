@@ -61,7 +61,9 @@ class StepBatch:
     """Tensors for one step, built from chunks.
 
     ``input_ids``/``positions``: ``[T]`` (one row per chunk token);
-    ``slot_blocks``/``slot_offsets``: ``[T]`` where each new token's K/V goes; ``last_rows``: ``[S]`` the row of each chunk's last token.
+    ``slot_blocks``/``slot_offsets``: ``[T]`` where each new token's K/V goes;
+    ``last_rows``: ``[S]`` the row of each chunk's last token, in chunk order. Rows
+    hold the one-token chunks first (``num_single`` rows), then the longer chunks.
     """
 
     def __init__(self, chunks: Sequence[Chunk], *, block_size: int, num_blocks: int,
@@ -71,10 +73,15 @@ class StepBatch:
         ids: list[int] = []
         positions: list[int] = []
         self.seqs: list[_SeqSlice] = []
-        last_rows: list[int] = []
+        last_rows = [0] * len(chunks)
         for chunk in chunks:
             if not isinstance(chunk, Chunk):
                 raise TypeError(f"expected Chunk, got {type(chunk).__name__}")
+        # rows of one-token chunks first (they run in ROW_TILE projection calls, the
+        # longer chunks' rows after them in PROMPT_TILE calls; kvxfer.serving.model.linear)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
+        for index in order:
+            chunk = chunks[index]
             if chunk.end_pos > max_position:
                 raise ValueError(f"position {chunk.end_pos - 1} exceeds the model's "
                                  f"context length {max_position}")
@@ -89,7 +96,7 @@ class StepBatch:
                                        torch.tensor(table, dtype=torch.long)))
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.end_pos))
-            last_rows.append(len(ids) - 1)
+            last_rows[index] = len(ids) - 1
         self.num_tokens = len(ids)
         pos = torch.tensor(positions, dtype=torch.long)
         blocks = torch.cat([s.block_ids for s in self.seqs])
@@ -104,6 +111,7 @@ class StepBatch:
         # one-token chunks (decode) attend together; longer chunks one by one
         self.multi = [s for s in self.seqs if s.num_tokens > 1]
         single = [s for s in self.seqs if s.num_tokens == 1]
+        self.num_single = len(single)  # rows 0 .. num_single-1: the one-token chunks
         self.single_rows = torch.tensor([s.row for s in single], dtype=torch.long)
         if single:
             width = max(len(s.block_ids) for s in single)

@@ -35,6 +35,9 @@ from .config import MATMUL_DTYPES
 # rows of every matmul call: decode steps of up to 16 sequences are one call. 32 made a
 # one-sequence decode step 1.15x (bf16) to 1.25x (fp32) slower, a 1,000-token prefill 1.1x faster
 ROW_TILE = 16
+# rows of every call over prompt-chunk rows (chunks of > 1 token): 4x fewer calls than 16
+# for a long prompt; a token's chunk length is the same on P and D (same chunk splits)
+PROMPT_TILE = 64
 
 
 def bf16_supported() -> bool:
@@ -65,15 +68,19 @@ def resolve_matmul_dtype(choice: str) -> str:
 
 
 class TiledLinear:
-    """``x`` ``[T, in]`` fp32 -> ``x @ weight.T`` ``[T, out]`` fp32, in calls of ``tile`` rows.
+    """``x`` ``[T, in]`` fp32 -> ``x @ weight.T`` ``[T, out]`` fp32 in calls of fixed row counts.
 
-    ``weight`` ``[out, in]`` fp32.
+    ``weight`` ``[out, in]`` fp32. ``__call__(x, small_rows)``: rows
+    ``0 .. small_rows-1`` (one-token chunks; default: all rows) run in calls of
+    ``tile`` rows, the rest (prompt-chunk rows) in calls of ``prompt_tile`` rows.
     """
 
-    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE) -> None:
+    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE,
+                 prompt_tile: int = PROMPT_TILE) -> None:
         if weight.dim() != 2:
             raise ValueError(f"weight must be [out, in], got shape {tuple(weight.shape)}")
         self.tile = tile
+        self.prompt_tile = prompt_tile
         self.out_features, self.in_features = weight.shape
         self.weight = weight
 
@@ -83,21 +90,29 @@ class TiledLinear:
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.raw(x).float()
+    def __call__(self, x: torch.Tensor, small_rows: int | None = None) -> torch.Tensor:
+        return self.raw(x, small_rows).float()
 
-    def raw(self, x: torch.Tensor) -> torch.Tensor:
+    def raw(self, x: torch.Tensor, small_rows: int | None = None) -> torch.Tensor:
         """``[T, out]`` in the compute dtype (bf16 or fp32): for adding into an fp32 residual."""
-        rows = x.shape[0]
         x = self._prepare(x)
-        pad = -rows % self.tile
+        rows = x.shape[0]
+        small = rows if small_rows is None else small_rows
+        if small == rows:
+            return self._tiled(x, self.tile)
+        if small == 0:
+            return self._tiled(x, self.prompt_tile)
+        return torch.cat([self._tiled(x[:small], self.tile),
+                          self._tiled(x[small:], self.prompt_tile)])
+
+    def _tiled(self, x: torch.Tensor, tile: int) -> torch.Tensor:
+        rows = x.shape[0]
+        pad = -rows % tile
         if pad:
             x = F.pad(x, (0, 0, 0, pad))
-        if x.shape[0] == self.tile:
-            out = self._mm(x)
-        else:
-            out = torch.cat([self._mm(t) for t in x.split(self.tile)])
-        return out[:rows]
+        if x.shape[0] == tile:
+            return self._mm(x)[:rows]
+        return torch.cat([self._mm(t) for t in x.split(tile)])[:rows]
 
 
 class Bf16TiledLinear(TiledLinear):
@@ -106,8 +121,9 @@ class Bf16TiledLinear(TiledLinear):
     ``weight`` ``[out, in]`` is rounded to bf16 and prepacked once.
     """
 
-    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE) -> None:
-        super().__init__(weight, tile)
+    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE,
+                 prompt_tile: int = PROMPT_TILE) -> None:
+        super().__init__(weight, tile, prompt_tile)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().to(torch.bfloat16).contiguous(), tile)
 
@@ -121,8 +137,9 @@ class Bf16TiledLinear(TiledLinear):
 class PackedFp32TiledLinear(TiledLinear):
     """:class:`TiledLinear` through oneDNN fp32 matmuls on a prepacked weight."""
 
-    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE) -> None:
-        super().__init__(weight, tile)
+    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE,
+                 prompt_tile: int = PROMPT_TILE) -> None:
+        super().__init__(weight, tile, prompt_tile)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), tile)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ class LlamaModel:
         """
         cfg, w, lin = self.config, self.layers[layer], self.linears[layer]
         cos, sin = rope if rope is not None else self.rope.tables(batch.positions)
-        qkv = lin.qkv(rms_norm(x, w.attn_norm, cfg.rms_eps))
+        qkv = lin.qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), batch.num_single)
         heads = cfg.num_heads + cfg.num_kv_heads
         # q and k rotated together: [T, Hq + Hkv, D]
         qk = self.rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].unflatten(-1, (heads, cfg.head_dim)),
@@ -149,13 +149,15 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size:].unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         cache_k, cache_v = self.kv_cache.layer(layer)
         attn = paged_attention(q, k, v, cache_k, cache_v, batch, self.scale)
-        return x + lin.o.raw(attn.flatten(1))  # bf16 + fp32 -> fp32
+        return x + lin.o.raw(attn.flatten(1), batch.num_single)  # bf16 + fp32 -> fp32
 
-    def mlp_block(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Pre-norm SwiGLU MLP of one layer with residual; ``x`` ``[T, hidden]``."""
+    def mlp_block(self, layer: int, x: torch.Tensor, small_rows: int | None = None) -> torch.Tensor:
+        """Pre-norm SwiGLU MLP of one layer with residual; ``x`` ``[T, hidden]``;
+        ``small_rows``: :attr:`StepBatch.num_single` (see :class:`~.linear.TiledLinear`)."""
         w, lin = self.layers[layer], self.linears[layer]
-        gate, up = lin.gate_up(rms_norm(x, w.ffn_norm, self.config.rms_eps)).chunk(2, -1)
-        return x + lin.down.raw(F.silu(gate) * up)
+        h = rms_norm(x, w.ffn_norm, self.config.rms_eps)
+        gate, up = lin.gate_up(h, small_rows).chunk(2, -1)
+        return x + lin.down.raw(F.silu(gate) * up, small_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of ``hidden`` ``[S, hidden]`` -> ``[S, vocab]``."""
@@ -176,5 +178,5 @@ class LlamaModel:
         rope = self.rope.tables(batch.positions)
         for layer in range(self.config.num_layers):
             x = self.attention_block(layer, x, batch, rope)
-            x = self.mlp_block(layer, x)
+            x = self.mlp_block(layer, x, batch.num_single)
         return self.logits(x[batch.last_rows])

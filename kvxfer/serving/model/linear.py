@@ -6,11 +6,14 @@ GEMM libraries pick their kernel, blocking and threading by the row count:
 MKL's fp32 sgemm on an AVX-512 Xeon gives rows of 4-, 8- and 12-row calls
 other bits than the same rows of a 16-row or larger call (on an AVX2 EPYC,
 every multiple of 4 agreed), and oneDNN's bf16 matmul gives rows 33-512 of one
-call other bits than a 32-row call. So every matmul call here has exactly
-:data:`ROW_TILE` rows: a step's rows are padded to a multiple of the tile and
-run tile by tile. Each call has one shape, hence one kernel, and a row's bits
-depend only on that row (tests/test_serving_model.py checks row count, row
-position and 1 vs 2 threads, in both dtypes).
+call other bits than a 32-row call. So every matmul call here has a fixed row
+count: the rows of one-token chunks (decode tokens) are padded to a multiple of
+:data:`ROW_TILE` and run tile by tile, the rows of longer (prompt) chunks the
+same with :data:`PROMPT_TILE`. Each call has one of two shapes, hence one of
+two kernels, and a row's bits depend only on that row and on whether its chunk
+has one token, which is the same on a prefill and a decode worker that split
+the prompt into the same chunks (tests/test_serving_model.py checks row count,
+row position and 1 vs 2 threads, in both dtypes).
 
 ``fp32``: oneDNN fp32 matmuls on weights prepacked for the tile
 (``torch.ops.mkldnn._reorder_linear_weight``: 1.3x faster than ``F.linear``

@@ -42,6 +42,7 @@ class KVCache:
         self.tensor = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
         self._layout: KVLayout | None = None
+        self._layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(num_layers)]
         self.format_tag = ""  # the layout's byte_format: who filled the pool (set by the model)
 
     @property
@@ -53,7 +54,7 @@ class KVCache:
         """``(k, v)`` views ``[N, B, H, D]`` of one layer (not contiguous: stride over N is a block)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+        return self._layers[layer]
 
     def set_format_tag(self, tag: str) -> None:
         """Tag the layout fingerprint (e.g. ``"matmul-bf16"``): pools exchange blocks only with

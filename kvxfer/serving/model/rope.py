@@ -23,15 +23,19 @@ class RotaryEmbedding:
         self.max_position = max_position
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[T, 1, D/2]`` at ``positions`` ``[T]``: gathered once per step."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """``(cos, sin)`` ``[T, 1, D]`` at ``positions`` ``[T]``, gathered once per step:
+        each pair's cosine twice, and its sine as ``(-sin, sin)``."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        return (cos.repeat_interleave(2, -1).unsqueeze(1),
+                torch.stack((-sin, sin), dim=-1).flatten(-2).unsqueeze(1))
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, H, D]`` by tables from :meth:`tables`; returns a new ``[T, H, D]``."""
-        pairs = x.unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        """Rotate ``x`` ``[T, H, D]`` by tables from :meth:`tables`; returns a new ``[T, H, D]``.
+
+        Pair ``(x0, x1)`` -> ``(x0*cos - x1*sin, x1*cos + x0*sin)``: four tensor ops."""
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
+        return x * cos + swapped * sin
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, H, D]`` at ``positions`` ``[T]``; returns a new ``[T, H, D]``."""

@@ -137,9 +137,7 @@ class TransferHandle:
         except Exception:  # noqa: BLE001 - a caller's bug must not break the agent thread
             log.exception("done callback %r of %r raised", fn, self)
 
-    def _run_callbacks(self) -> None:
-        with self._cond:
-            callbacks, self._callbacks = self._callbacks, []
+    def _run_callbacks(self, callbacks: list) -> None:
         for fn in callbacks:
             self._run_callback(fn)
 
@@ -173,8 +171,11 @@ class TransferHandle:
                 return False
             self._state, self._error = state, error
             self.finished = time.monotonic()
+            # taken with the state, in one hold of the lock: a second acquisition would
+            # race the woken waiter for it (a lock convoy on every completion)
+            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
-        self._run_callbacks()
+        self._run_callbacks(callbacks)
         return True
 
     def _succeed(self) -> bool:
@@ -184,8 +185,9 @@ class TransferHandle:
             self._layers_done |= self._layers
             self._state = DONE
             self.finished = time.monotonic()
+            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
-        self._run_callbacks()
+        self._run_callbacks(callbacks)
         return True
 
     def _fail(self, error: KVXferError) -> bool:

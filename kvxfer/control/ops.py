@@ -64,7 +64,7 @@ class RecvOp:
     quiescing: set = field(default_factory=set)  # peers that must CANCEL_ACK before blocks are free
     reason: str = "done"
     started: float = field(default_factory=time.monotonic)
-    post_frame: bytes | None = None  # the encoded RECV_POST
+    post_frame: bytes = b""  # the encoded RECV_POST (the same frame goes to every peer)
     unpacking: int = 0  # chunks the device may still be scattering into `blocks`
 
     @property

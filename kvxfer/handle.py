@@ -143,10 +143,11 @@ class TransferHandle:
 
     def cancel(self) -> bool:
         """Cancel if still pending (frees its leases, tells the peer); True if it did."""
+        on_cancel = self._on_cancel  # _finish drops it
         if not self._finish(CANCELLED, None):
             return False
-        if self._on_cancel is not None:
-            self._on_cancel(self)
+        if on_cancel is not None:
+            on_cancel(self)
         return True
 
     def __enter__(self) -> "TransferHandle":
@@ -171,6 +172,7 @@ class TransferHandle:
                 return False
             self._state, self._error = state, error
             self.finished = time.monotonic()
+            self._on_cancel = None  # it refers back to the agent's op: let both go now
             # taken with the state, in one hold of the lock: a second acquisition would
             # race the woken waiter for it (a lock convoy on every completion)
             callbacks, self._callbacks = self._callbacks, []
@@ -185,6 +187,7 @@ class TransferHandle:
             self._layers_done |= self._layers
             self._state = DONE
             self.finished = time.monotonic()
+            self._on_cancel = None
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
         self._run_callbacks(callbacks)

@@ -74,8 +74,8 @@ class Receiver:
             self.recvs[req] = op
             completer.set_canceller(lambda h: self._end_recv(op, None, "cancelled"))
             lease = self._s.leases.acquire(("recv", req, xid), req, ids, timeout)
-        self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
-            op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
+            op.timer = self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
+                op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
         return completer.handle
 
     # ---- posting ----------------------------------------------------------------------
@@ -121,6 +121,7 @@ class Receiver:
                 return
             # book-keeping first: whoever wakes on the handle sees the lease gone
             del self.recvs[req]
+            self._stop_timer(op)
             self._s.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
             self._s.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
             self._s.leases.release(("recv", req, xid), "done")
@@ -132,6 +133,7 @@ class Receiver:
             if self.recvs.get(op.req) is not op:
                 return
             del self.recvs[op.req]
+            self._stop_timer(op)
             op.reason = reason
             op.quiescing = {p for p in op.posted_to if p.is_connected}
             code = None if error is None else code_of(error)
@@ -144,6 +146,14 @@ class Receiver:
             if error is not None and not op.handle.done():
                 self._s.metrics.inc("failures", kind="recv", error=type(error).__name__)
                 op.completer.fail(error)
+
+    @staticmethod
+    def _stop_timer(op: RecvOp) -> None:
+        """The recv left ``recvs`` (lock held): its expiry timer would do nothing, so drop it
+        and what it holds now rather than at the deadline."""
+        if op.timer is not None:
+            op.timer.cancel()
+            op.timer = None
 
     def _maybe_quiet(self, op: RecvOp) -> None:
         if not op.quiescing and not op.unpacking and self.quiet_wait.pop((op.req, op.xid), None) is op:

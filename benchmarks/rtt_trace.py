@@ -90,7 +90,8 @@ if __name__ == "__main__":
             dd.setdefault(k, t)
         if not all(k in d for k in ("read", "post_in", "write0", "write1")) or "deliv1" not in dd:
             continue
-        if not any(k == "post_out" and t > d["write1"] for k, t in win):
+        after = [t for k, t in ps if k == "post_out" and t > d["write1"]]  # may end after t2
+        if not after:
             continue
         dread = [t for k, t in dmk if k == "read" and t > d["write1"]]
         if not dread: continue
@@ -100,7 +101,7 @@ if __name__ == "__main__":
         res["write"].append(d["write1"] - d["write0"])
         # P's marks in the window start with the previous trip's tail (its handling goes
         # on after D has its data): this trip's RECV_POST handling ends after its write
-        res["P_after_write"].append(min(t for k, t in win if k == "post_out" and t > d["write1"]) - d["write1"])
+        res["P_after_write"].append(after[0] - d["write1"])
         res["to_D_read"].append(dread[0] - d["write1"])
         res["D_read_to_deliv_end"].append(dd["deliv1"] - dread[0])
         res["wake_main"].append(t2 - dd["deliv1"])

@@ -8,7 +8,10 @@ call, P's read of RECV_POST, P's handling up to the write, the write, P's handli
 after it, D's read of DATA_DONE, D's completion, D's waiting thread waking. A
 diagnostic for issue 14 item 4 (it patches internal methods; run it on a quiet machine)::
 
-    PYTHONPATH=. python benchmarks/rtt_trace.py
+    PYTHONPATH=. python benchmarks/rtt_trace.py [--gap-us 1000]
+
+``--gap-us``: D sleeps this long before each recv, as ``bench e2e`` spends its time
+between round trips clearing and checking (both agents' threads go idle meanwhile).
 """
 import multiprocessing as mp
 import os
@@ -59,7 +62,13 @@ if __name__ == "__main__":
     pr = ctx.Process(target=prefill, args=(d.address, N, q)); pr.start()
     assert q.get(timeout=120) == "ready"
     rows = []
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gap-us", type=float, default=0.0)
+    gap = ap.parse_args().gap_us / 1e6
     for i in range(N):
+        if gap:
+            time.sleep(gap)
         dm.clear()
         t0 = time.perf_counter()
         h = d.recv(f"r{i}", [2], timeout=30)
@@ -79,7 +88,10 @@ if __name__ == "__main__":
         dd = {}
         for k, t in dmk:
             dd.setdefault(k, t)
-        if not all(k in d for k in ("read", "post_in", "write0", "write1", "post_out")) or "deliv1" not in dd:
+        if not all(k in d for k in ("read", "post_in", "write0", "write1")) or "deliv1" not in dd:
+            continue
+        after = [t for k, t in ps if k == "post_out" and t > d["write1"]]  # may end after t2
+        if not after:
             continue
         dread = [t for k, t in dmk if k == "read" and t > d["write1"]]
         if not dread: continue
@@ -87,12 +99,14 @@ if __name__ == "__main__":
         res["to_P_read"].append(d["read"] - t1)
         res["P_handle_before_write"].append(d["write0"] - d["read"])
         res["write"].append(d["write1"] - d["write0"])
-        res["P_after_write"].append(d["post_out"] - d["write1"])
+        # P's marks in the window start with the previous trip's tail (its handling goes
+        # on after D has its data): this trip's RECV_POST handling ends after its write
+        res["P_after_write"].append(after[0] - d["write1"])
         res["to_D_read"].append(dread[0] - d["write1"])
         res["D_read_to_deliv_end"].append(dd["deliv1"] - dread[0])
         res["wake_main"].append(t2 - dd["deliv1"])
         res["total"].append(t2 - t0)
-    print("load", os.getloadavg()[0], "samples", len(res["total"]))
+    print("load", os.getloadavg()[0], "samples", len(res["total"]), "gap_us", gap * 1e6)
     for k, v in res.items():
         v.sort()
         print("%-24s p50 %7.0f us" % (k, v[len(v)//2] * 1e6))

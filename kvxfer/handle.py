@@ -137,18 +137,17 @@ class TransferHandle:
         except Exception:  # noqa: BLE001 - a caller's bug must not break the agent thread
             log.exception("done callback %r of %r raised", fn, self)
 
-    def _run_callbacks(self) -> None:
-        with self._cond:
-            callbacks, self._callbacks = self._callbacks, []
+    def _run_callbacks(self, callbacks: list) -> None:
         for fn in callbacks:
             self._run_callback(fn)
 
     def cancel(self) -> bool:
         """Cancel if still pending (frees its leases, tells the peer); True if it did."""
+        on_cancel = self._on_cancel  # _finish drops it
         if not self._finish(CANCELLED, None):
             return False
-        if self._on_cancel is not None:
-            self._on_cancel(self)
+        if on_cancel is not None:
+            on_cancel(self)
         return True
 
     def __enter__(self) -> "TransferHandle":
@@ -173,8 +172,12 @@ class TransferHandle:
                 return False
             self._state, self._error = state, error
             self.finished = time.monotonic()
+            self._on_cancel = None  # it refers back to the agent's op: let both go now
+            # taken with the state, in one hold of the lock: a second acquisition would
+            # race the woken waiter for it (a lock convoy on every completion)
+            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
-        self._run_callbacks()
+        self._run_callbacks(callbacks)
         return True
 
     def _succeed(self) -> bool:
@@ -184,8 +187,10 @@ class TransferHandle:
             self._layers_done |= self._layers
             self._state = DONE
             self.finished = time.monotonic()
+            self._on_cancel = None
+            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
-        self._run_callbacks()
+        self._run_callbacks(callbacks)
         return True
 
     def _fail(self, error: KVXferError) -> bool:

@@ -6,7 +6,8 @@ waits for all handles (timed: recv posted -> every byte visible), checks every
 destination byte against P's (untimed, :class:`~.e2e_pools.Expected`), then takes
 one sample of the memcpy limit (native copy of the same bytes on the path's copy
 threads, :mod:`.resources`). The round-trip phase does the same per 1-block
-request, zeroing and checking only that block. A wrong byte in any request makes
+request, zeroing and checking only that block (on one torch thread: see the
+loop). A wrong byte in any request makes
 the run fail. Only public API: ``Agent``, ``Peer.transport``, ``TransferHandle.path``,
 ``Agent.metrics``, ``KVLayout``, ``pack``.
 """
@@ -113,13 +114,25 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
         wins = {str(k): v for k, v in limit.wins.items()}
         del limit
         rtts = []
-        for i in range(rtt_iters):
-            for layout in d_layouts:
-                clear(layout, dst[:1])
-            t0 = time.perf_counter()
-            _wait_all(d_agents, f"rtt-{i}", dst[:1])
-            rtts.append(time.perf_counter() - t0)
-            _check(expected, d_layouts, dst[:1], f"rtt-{i}", first=True)
+        import torch
+
+        # The untimed clearing and checking between round trips are torch ops on one
+        # block; with torch's intra-op threads, its OpenMP workers spin for a while after
+        # each op, into the next timed round trip, on the cores the agents need (on 2
+        # cores: p99 3.3-3.9 ms instead of 0.8 ms, OMP_WAIT_POLICY=passive gives the same
+        # 0.8 ms). One thread does them as well, and spins nowhere.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for i in range(rtt_iters):
+                for layout in d_layouts:
+                    clear(layout, dst[:1])
+                t0 = time.perf_counter()
+                _wait_all(d_agents, f"rtt-{i}", dst[:1])
+                rtts.append(time.perf_counter() - t0)
+                _check(expected, d_layouts, dst[:1], f"rtt-{i}", first=True)
+        finally:
+            torch.set_num_threads(threads)
         results = [q.get(timeout=TIMEOUT_S) for _ in procs]
         for status, info in results:
             if status != "done":

@@ -58,7 +58,8 @@ def check_piece(op, layout, peer, f: dict):
     if peer not in op.matched:
         raise ProtocolError(f"DATA_DONE for {op.req!r} from {peer.name!r}, which never matched it")
     layers, heads = f["layers"], tuple(f["heads"])
-    if not layers or len(set(layers)) != len(layers) or not set(layers) <= set(op.layers):
+    distinct = set(layers)
+    if not layers or len(distinct) != len(layers) or not distinct <= op.coverage.layers:
         raise InvalidDescriptor(f"DATA_DONE layers {layers[:8]} are not part of {op.req!r}")
     theirs = peer.geometry.head_range if peer.geometry is not None else (0, 0)
     if not (max(op.heads[0], theirs[0]) <= heads[0] < heads[1] <= min(op.heads[1], theirs[1])):
@@ -72,7 +73,9 @@ def check_piece(op, layout, peer, f: dict):
         if f["blocks"]:
             raise InvalidDescriptor("a zero-copy DATA_DONE covers the whole request and names no blocks")
         pos, nblocks = None, len(op.blocks)
-    if layout.wire_nbytes(nblocks, layers, heads) != f["nbytes"]:
+    # = layout.wire_nbytes(nblocks, layers, heads): the layers are distinct layers of op,
+    # i.e. already resolved against this layout, so they need no second resolution
+    if len(layers) * nblocks * layout.block_nbytes(heads) != f["nbytes"]:
         raise InvalidDescriptor(f"DATA_DONE of {f['nbytes']} B does not match its blocks, layers and heads")
     return pos
 

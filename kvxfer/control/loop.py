@@ -101,6 +101,23 @@ class Conn:
         return f"<Conn fd={self.sock.fileno() if not self.closed else -1} peer={self.peer!r}>"
 
 
+class Timer:
+    """What :meth:`IOLoop.call_later` returns: :meth:`cancel` drops the callback (and what it
+    refers to) at once; the loop skips the entry when its deadline comes, or drops it
+    earlier when cancelled entries make up most of the heap."""
+
+    __slots__ = ("fn", "_loop")
+
+    def __init__(self, fn, loop: "IOLoop") -> None:
+        self.fn = fn
+        self._loop = loop
+
+    def cancel(self) -> None:
+        if self.fn is not None:
+            self.fn = None
+            self._loop._cancelled += 1  # a hint for compaction; need not be exact
+
+
 class _FdWatch:
     """A foreign fd the loop watches for readability (not owned: never closed here)."""
 
@@ -120,7 +137,8 @@ class IOLoop:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._lock = threading.Lock()
         self._pending: list = []  # callables from other threads
-        self._timers: list = []  # heap of (deadline, seq, fn); guarded by _lock
+        self._timers: list = []  # heap of (deadline, seq, Timer); guarded by _lock
+        self._cancelled = 0  # about how many heap entries are cancelled timers
         self._sleep_until = 0.0  # monotonic deadline of the current select (inf: none)
         self._seq = itertools.count()
         self._conns: set[Conn] = set()
@@ -134,16 +152,25 @@ class IOLoop:
             self._pending.append(fn)
         self._wake()
 
-    def call_later(self, delay_s: float, fn) -> None:
-        """Run ``fn`` on the loop thread after ``delay_s``. The loop is woken only if this
-        deadline is earlier than the one it sleeps towards (a lease timer per request
-        must not cost a thread wake-up per request)."""
+    def call_later(self, delay_s: float, fn) -> Timer:
+        """Run ``fn`` on the loop thread after ``delay_s`` unless the returned timer is
+        cancelled first. The loop is woken only if this deadline is earlier than the one
+        it sleeps towards (a lease timer per request must not cost a thread wake-up per
+        request)."""
         deadline = time.monotonic() + max(0.0, delay_s)
+        timer = Timer(fn, self)
         with self._lock:
-            heapq.heappush(self._timers, (deadline, next(self._seq), fn))
+            timers = self._timers
+            if self._cancelled > 256 and self._cancelled > len(timers) // 2:
+                # a lease timer per request, most cancelled long before their deadline
+                timers[:] = [t for t in timers if t[2].fn is not None]
+                heapq.heapify(timers)
+                self._cancelled = 0
+            heapq.heappush(timers, (deadline, next(self._seq), timer))
             wake = deadline < self._sleep_until
         if wake:
             self._wake()
+        return timer
 
     def add_conn(self, sock: socket.socket, handler, peer=None) -> Conn:
         conn = Conn(sock, handler, self)
@@ -255,8 +282,12 @@ class IOLoop:
                     with self._lock:
                         if not self._timers or self._timers[0][0] > now:
                             break
-                        fn = heapq.heappop(self._timers)[2]
-                    fn()
+                        timer = heapq.heappop(self._timers)[2]
+                        if timer.fn is None:
+                            self._cancelled = max(0, self._cancelled - 1)
+                    fn, timer.fn = timer.fn, None
+                    if fn is not None:
+                        fn()
         finally:
             for conn in list(self._conns):
                 self._close(conn, KVXferError("agent closed"))

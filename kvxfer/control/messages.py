@@ -1,9 +1,11 @@
 """Control message types and their strict schemas.
 
-Every message is a JSON object whose keys are exactly the schema's keys, each
-of the declared kind. :func:`decode` is the only way bytes from a peer become a
-message; anything else -- unknown type, invalid UTF-8/JSON, a missing, extra or
-mistyped field, a negative id -- raises :class:`~kvxfer.errors.ProtocolError`.
+Every message carries exactly the schema's fields, each of the declared kind:
+a JSON object, except the three on every request's path (RECV_POST, MATCHED,
+DATA_DONE), which use the binary layout of :mod:`.wire`. :func:`decode` is the
+only way bytes from a peer become a message; anything else -- unknown type,
+invalid UTF-8/JSON/binary, a missing, extra or mistyped field, a negative id --
+raises :class:`~kvxfer.errors.ProtocolError`.
 """
 from __future__ import annotations
 
@@ -14,9 +16,7 @@ import json
 
 from ..errors import ProtocolError
 from .framing import encode_frame
-
-MAX_STR = 256
-MAX_LIST = 1 << 20
+from .wire import MAX_LIST, MAX_STR, decode_body, encode_body
 
 
 class Msg(enum.IntEnum):
@@ -127,6 +127,7 @@ def _wire(kind: str, value):
 # one encoder, built once (json.dumps with separators builds a new one per call)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _SCHEMA_ITEMS = {t: tuple(s.items()) for t, s in SCHEMAS.items()}
+BINARY = frozenset((Msg.RECV_POST, Msg.MATCHED, Msg.DATA_DONE))  # payloads in the layout of .wire
 _PASS = frozenset(("int", "str", "bool", "obj"))  # encoded as given
 
 
@@ -163,6 +164,8 @@ def encode(msg_type: Msg, **fields) -> bytes:
     schema = SCHEMAS[msg_type]
     if fields.keys() != schema.keys():
         raise ValueError(f"{msg_type.name} takes fields {sorted(schema)}, got {sorted(fields)}")
+    if msg_type in BINARY:
+        return encode_frame(int(msg_type), encode_body(msg_type.name, _SCHEMA_ITEMS[msg_type], fields))
     parts = []
     for k, kind in _SCHEMA_ITEMS[msg_type]:
         fast = _FAST.get(kind)
@@ -181,6 +184,8 @@ def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
     kind = _MSGS.get(msg_type)
     if kind is None:
         raise ProtocolError(f"unknown message type {msg_type}")
+    if kind in BINARY:
+        return kind, decode_body(kind.name, _SCHEMA_ITEMS[kind], payload)
     try:
         body = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

@@ -41,6 +41,7 @@ class SendOp:
     ack_owed: bool = False  # D asked to cancel; answer once quiet
     started: float = field(default_factory=time.monotonic)
     after: list = field(default_factory=list)  # producer tokens (send(after=)) every piece waits for
+    timer: object = None  # the loop's lease-expiry timer, cancelled once the lease is released
 
     @property
     def handle(self):
@@ -64,8 +65,9 @@ class RecvOp:
     quiescing: set = field(default_factory=set)  # peers that must CANCEL_ACK before blocks are free
     reason: str = "done"
     started: float = field(default_factory=time.monotonic)
-    post_frame: bytes | None = None  # the encoded RECV_POST
+    post_frame: bytes = b""  # the encoded RECV_POST (the same frame goes to every peer)
     unpacking: int = 0  # chunks the device may still be scattering into `blocks`
+    timer: object = None  # the loop's lease-expiry timer, cancelled once the recv ended
 
     @property
     def handle(self):

@@ -58,31 +58,38 @@ class Receiver:
             raise ValueError(f"skip_blocks must be an int >= 0, got {skip_blocks!r}")
         req = str(request_id)
         lay = tuple(self._s.layout.resolve_layers(layers))
-        completer = HandleCompleter("recv", req, None, layers=lay)
+        heads = self._s.geometry.head_range
         with self._s.lock:
             if req in self.recvs:
                 raise ValueError(f"request {req!r} is already being received")
-            op = RecvOp(req, next(self._xids), ids, lay, self._s.geometry.head_range, completer, skip_blocks)
+            xid = next(self._xids)
+            # the RECV_POST goes out first, so the senders work while the rest is built;
+            # all of it is under the lock: nothing that could end this op (a DATA_DONE, a
+            # cancel, a disconnect) runs before it is registered and its lease exists
+            frame = encode(Msg.RECV_POST, req=req, xid=xid, blocks=ids, layers=lay, heads=heads, skip=skip_blocks)
+            posted = [peer for peer in list(self._s.peers.values()) if self._post(peer, frame)]
+            completer = HandleCompleter("recv", req, None, layers=lay)
+            op = RecvOp(req, xid, ids, lay, heads, completer, skip_blocks, post_frame=frame)
+            op.posted_to.update(posted)
             self.recvs[req] = op
             completer.set_canceller(lambda h: self._end_recv(op, None, "cancelled"))
-            for peer in list(self._s.peers.values()):
-                self._post_to(peer, op)
-            # still under the lock: nothing that could end this op (a DATA_DONE, a cancel,
-            # a disconnect) runs before its lease exists; the RECV_POST left a bit earlier
-            lease = self._s.leases.acquire(("recv", req, op.xid), req, ids, timeout)
-        self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
-            op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
+            lease = self._s.leases.acquire(("recv", req, xid), req, ids, timeout)
+            op.timer = self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
+                op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
         return completer.handle
 
     # ---- posting ----------------------------------------------------------------------
-    def _post_to(self, peer, op: RecvOp) -> None:
+    @staticmethod
+    def _post(peer, frame: bytes) -> bool:
+        """Send a RECV_POST to ``peer`` if it can take one; True if it now holds it."""
         if peer.geometry is None or not peer.is_connected:
-            return
-        op.posted_to.add(peer)
-        if op.post_frame is None:  # the same frame goes to every peer
-            op.post_frame = encode(Msg.RECV_POST, req=op.req, xid=op.xid, blocks=op.blocks,
-                                   layers=op.layers, heads=op.heads, skip=op.skip)
-        peer.send(op.post_frame)
+            return False
+        peer.send(frame)
+        return True
+
+    def _post_to(self, peer, op: RecvOp) -> None:
+        if self._post(peer, op.post_frame):
+            op.posted_to.add(peer)
 
     def post_pending(self, peer) -> None:
         for op in list(self.recvs.values()):
@@ -114,6 +121,7 @@ class Receiver:
                 return
             # book-keeping first: whoever wakes on the handle sees the lease gone
             del self.recvs[req]
+            self._stop_timer(op)
             self._s.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
             self._s.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
             self._s.leases.release(("recv", req, xid), "done")
@@ -125,6 +133,7 @@ class Receiver:
             if self.recvs.get(op.req) is not op:
                 return
             del self.recvs[op.req]
+            self._stop_timer(op)
             op.reason = reason
             op.quiescing = {p for p in op.posted_to if p.is_connected}
             code = None if error is None else code_of(error)
@@ -137,6 +146,14 @@ class Receiver:
             if error is not None and not op.handle.done():
                 self._s.metrics.inc("failures", kind="recv", error=type(error).__name__)
                 op.completer.fail(error)
+
+    @staticmethod
+    def _stop_timer(op: RecvOp) -> None:
+        """The recv left ``recvs`` (lock held): its expiry timer would do nothing, so drop it
+        and what it holds now rather than at the deadline."""
+        if op.timer is not None:
+            op.timer.cancel()
+            op.timer = None
 
     def _maybe_quiet(self, op: RecvOp) -> None:
         if not op.quiescing and not op.unpacking and self.quiet_wait.pop((op.req, op.xid), None) is op:

@@ -115,7 +115,7 @@ class Sender:
                 raise ValueError(f"request {key[1]!r} is already being sent to {peer.name!r}")
             lease = self._s.leases.acquire(("send",) + key, key[1], ids, lease_timeout)
             self.sends[key] = op
-        self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._expire(op))
+            op.timer = self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._expire(op))
         return op
 
     def _start(self, peer, req, ids, ready, streaming, lease_timeout, token=None):
@@ -205,6 +205,7 @@ class Sender:
             metrics.inc("transfers", kind=op.handle.kind, path=op.handle.path or "none")
             metrics.observe("transfer_seconds", time.monotonic() - op.started, kind=op.handle.kind)
         self.sends.pop(op.key, None)
+        self._stop_timer(op)
         self._s.leases.release(("send",) + op.key, "done")
         op.completer.succeed()
 
@@ -240,6 +241,7 @@ class Sender:
             return
         if self.sends.get(op.key) is op:
             del self.sends[op.key]
+        self._stop_timer(op)
         if op.ack_owed and op.post is not None:
             op.peer.send(encode(Msg.CANCEL_ACK, req=op.post.req, xid=op.post.xid))
             op.ack_owed = False
@@ -250,6 +252,13 @@ class Sender:
         with self._s.lock:
             op.inflight -= 1
             self.quiesce(op)
+
+    @staticmethod
+    def _stop_timer(op: SendOp) -> None:
+        """The op is final and its lease released (lock held): drop its expiry timer now."""
+        if op.timer is not None:
+            op.timer.cancel()
+            op.timer = None
 
     def _expire(self, op: SendOp) -> None:
         if not op.handle.done():

@@ -128,7 +128,7 @@ class WorkerProcess(WorkerRef):
                 "switching": self.is_switching, "restarts": self.restarts,
                 "restarting": self.is_restarting,
                 "cpus": list(self.spec.cpus) if self.spec.cpus else None,
-                "threads": self.spec.num_threads,
+                "threads": self.spec.num_threads, "matmul": self.info.get("matmul"),
                 "transport": self.info.get("transport")}
 
 

@@ -54,7 +54,7 @@ class RemoteWorker(WorkerRef):
                 "address": self.address, "agent_address": self.agent_address,
                 "pid": self.info.get("pid"), "exit_code": None, "inflight": self.load,
                 "draining": self.is_draining, "connects": self.connects,
-                "transport": self.info.get("transport")}
+                "matmul": self.info.get("matmul"), "transport": self.info.get("transport")}
 
 
 class RemoteCluster:

@@ -118,3 +118,21 @@ def test_request_schema_defaults_and_limits():
         CompletionRequest(prompt="hi", top_p=0)
     with pytest.raises(ValidationError):
         ChatRequest(messages=[{"role": "robot", "content": "x"}])
+
+
+def test_worker_command_line_carries_the_matmul_dtype():
+    import argparse
+
+    from kvxfer.cli.worker import add_parser, worker_argv
+    from kvxfer.serving.workers.main import parse_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["worker", "--role", "decode", "--listen", "127.0.0.1:0",
+                              "--matmul-dtype", "fp32"])
+    argv = worker_argv(args)
+    assert argv[argv.index("--matmul-dtype") + 1] == "fp32"
+    assert parse_args(argv).matmul_dtype == "fp32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--role", "decode", "--listen", "127.0.0.1:0",
+                           "--matmul-dtype", "int8"])

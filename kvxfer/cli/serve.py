@@ -179,6 +179,7 @@ def _local_workers(args: argparse.Namespace, config):
                 "--name", f"{role}-{os.uname().nodename}-{os.getpid()}-{i}",
                 "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--matmul-dtype", args.matmul_dtype,
                 "--transfer-timeout", str(args.transfer_timeout),
                 "--on-transfer-failure", args.on_transfer_failure, "--log-level", args.log_level]
         for flag, value in (("--model", args.model), ("--secret-file", args.secret_file),

@@ -14,6 +14,7 @@ import os
 import socket
 
 from kvxfer.serving.engine.config import EngineConfig
+from kvxfer.serving.model.config import MATMUL_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -37,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=EngineConfig.matmul_dtype,
+                   help="projection dtype: auto (bf16 where the CPU has AMX, else fp32), fp32 "
+                        "or bf16; must resolve to the same as the workers it exchanges KV with")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
     p.add_argument("--log-level", default="info")
@@ -54,6 +58,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
             "--threads", str(threads), "--num-blocks", str(args.num_blocks),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--matmul-dtype", args.matmul_dtype,
             "--transfer-timeout", str(args.transfer_timeout),
             "--on-transfer-failure", args.on_transfer_failure, "--ttl", str(args.ttl),
             "--log-level", args.log_level]

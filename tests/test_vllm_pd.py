@@ -108,7 +108,8 @@ def test_export_matches_kvxfer_model(baseline):
     from kvxfer.serving.engine.sampling import SamplingParams
 
     names = ["short", "long"]
-    ours = Engine(EngineConfig(num_blocks=64, num_threads=1)).generate(
+    # fp32 matmuls: the export is served in fp32 (auto would pick bf16 on an AMX CPU)
+    ours = Engine(EngineConfig(num_blocks=64, num_threads=1, matmul_dtype="fp32")).generate(
         [PROMPTS[n] for n in names], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     for name, expected in zip(names, ours):
         assert baseline["tokens"][name] == expected, name

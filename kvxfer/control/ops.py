@@ -76,3 +76,11 @@ class RecvOp:
     def __post_init__(self) -> None:
         if self.coverage is None:
             self.coverage = Coverage(self.layers, self.heads[1] - self.heads[0], self.blocks)
+
+
+def stop_timer(op) -> None:
+    """``op`` (a :class:`SendOp` or :class:`RecvOp`) is final, lock held: cancel its lease
+    timer now, so the timer drops what it holds instead of keeping it to the deadline."""
+    if op.timer is not None:
+        op.timer.cancel()
+        op.timer = None

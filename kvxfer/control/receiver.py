@@ -20,7 +20,7 @@ from ..errors import (InvalidDescriptor, KVXferError, PeerDisconnected, Protocol
 from ..handle import HandleCompleter
 from .checks import check_chunk_shape, check_piece, code_of, error_from
 from .messages import Msg, encode
-from .ops import RecvOp
+from .ops import RecvOp, stop_timer
 from .state import AgentState
 from .workers import Worker
 
@@ -121,7 +121,7 @@ class Receiver:
                 return
             # book-keeping first: whoever wakes on the handle sees the lease gone
             del self.recvs[req]
-            self._stop_timer(op)
+            stop_timer(op)
             self._s.metrics.inc("transfers", kind="recv", path=op.handle.path or "none")
             self._s.metrics.observe("transfer_seconds", time.monotonic() - op.started, kind="recv")
             self._s.leases.release(("recv", req, xid), "done")
@@ -133,7 +133,7 @@ class Receiver:
             if self.recvs.get(op.req) is not op:
                 return
             del self.recvs[op.req]
-            self._stop_timer(op)
+            stop_timer(op)
             op.reason = reason
             op.quiescing = {p for p in op.posted_to if p.is_connected}
             code = None if error is None else code_of(error)
@@ -146,14 +146,6 @@ class Receiver:
             if error is not None and not op.handle.done():
                 self._s.metrics.inc("failures", kind="recv", error=type(error).__name__)
                 op.completer.fail(error)
-
-    @staticmethod
-    def _stop_timer(op: RecvOp) -> None:
-        """The recv left ``recvs`` (lock held): its expiry timer would do nothing, so drop it
-        and what it holds now rather than at the deadline."""
-        if op.timer is not None:
-            op.timer.cancel()
-            op.timer = None
 
     def _maybe_quiet(self, op: RecvOp) -> None:
         if not op.quiescing and not op.unpacking and self.quiet_wait.pop((op.req, op.xid), None) is op:

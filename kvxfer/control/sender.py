@@ -19,7 +19,7 @@ from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconn
 from ..handle import HandleCompleter
 from .checks import code_of
 from .messages import Msg, encode
-from .ops import Post, SendOp
+from .ops import Post, SendOp, stop_timer
 from .posts import PostMatcher
 from .shipping import Shipper
 from .state import AgentState
@@ -205,7 +205,7 @@ class Sender:
             metrics.inc("transfers", kind=op.handle.kind, path=op.handle.path or "none")
             metrics.observe("transfer_seconds", time.monotonic() - op.started, kind=op.handle.kind)
         self.sends.pop(op.key, None)
-        self._stop_timer(op)
+        stop_timer(op)
         self._s.leases.release(("send",) + op.key, "done")
         op.completer.succeed()
 
@@ -241,7 +241,7 @@ class Sender:
             return
         if self.sends.get(op.key) is op:
             del self.sends[op.key]
-        self._stop_timer(op)
+        stop_timer(op)
         if op.ack_owed and op.post is not None:
             op.peer.send(encode(Msg.CANCEL_ACK, req=op.post.req, xid=op.post.xid))
             op.ack_owed = False
@@ -252,13 +252,6 @@ class Sender:
         with self._s.lock:
             op.inflight -= 1
             self.quiesce(op)
-
-    @staticmethod
-    def _stop_timer(op: SendOp) -> None:
-        """The op is final and its lease released (lock held): drop its expiry timer now."""
-        if op.timer is not None:
-            op.timer.cancel()
-            op.timer = None
 
     def _expire(self, op: SendOp) -> None:
         if not op.handle.done():

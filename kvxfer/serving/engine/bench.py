@@ -8,7 +8,7 @@ steps over a batch of ``--batch`` sequences (tok/s counts all sequences; ms per
 step is the TPOT each sequence sees). ``--dtypes``: time ``F.linear`` at the
 model's projection shapes in fp32, bf16, fp16 and int8 weight-only
 (``torch._weight_int8pack_mm``), as ratios to fp32 (plain ``F.linear`` calls,
-not the runtime's 32-row tiles; ``--matmul-dtype`` picks what the model runs).
+not the runtime's fixed-row tiles; ``--matmul-dtype`` picks what the model runs).
 """
 from __future__ import annotations
 

@@ -118,32 +118,22 @@ class TiledLinear:
         return torch.cat([self._mm(t) for t in x.split(tile)])[:rows]
 
 
-class Bf16TiledLinear(TiledLinear):
-    """:class:`TiledLinear` through bf16 oneDNN matmuls (fp32 accumulation, bf16 result).
+class PackedTiledLinear(TiledLinear):
+    """:class:`TiledLinear` through oneDNN matmuls on a weight prepacked once for the tile.
 
-    ``weight`` ``[out, in]`` is rounded to bf16 and prepacked once.
+    ``dtype`` ``torch.float32`` (fp32 throughout) or ``torch.bfloat16`` (``weight``
+    ``[out, in]`` rounded to bf16, activations rounded to bf16, fp32 accumulation,
+    bf16 result).
     """
 
-    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE,
-                 prompt_tile: int = PROMPT_TILE) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 tile: int = ROW_TILE, prompt_tile: int = PROMPT_TILE) -> None:
         super().__init__(weight, tile, prompt_tile)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().to(torch.bfloat16).contiguous(), tile)
+        self.dtype = dtype
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), tile)
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.bfloat16)
-
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-
-
-class PackedFp32TiledLinear(TiledLinear):
-    """:class:`TiledLinear` through oneDNN fp32 matmuls on a prepacked weight."""
-
-    def __init__(self, weight: torch.Tensor, tile: int = ROW_TILE,
-                 prompt_tile: int = PROMPT_TILE) -> None:
-        super().__init__(weight, tile, prompt_tile)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), tile)
+        return x.to(self.dtype)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
@@ -153,8 +143,8 @@ def make_linear(weight: torch.Tensor, dtype: str):
     """The projection for ``weight`` ``[out, in]`` in resolved ``dtype`` (``"fp32"``/``"bf16"``)."""
     if dtype == "fp32":
         if torch.backends.mkldnn.is_available():
-            return PackedFp32TiledLinear(weight)
+            return PackedTiledLinear(weight, torch.float32)
         return TiledLinear(weight)
     if dtype == "bf16":
-        return Bf16TiledLinear(weight)
+        return PackedTiledLinear(weight, torch.bfloat16)
     raise ValueError(f"resolved matmul dtype must be 'fp32' or 'bf16', got {dtype!r}")

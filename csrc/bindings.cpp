@@ -8,6 +8,7 @@
 
 #include "copy.h"
 #include "errors.h"      // registration and transfer engine
+#include "spin.h"
 #include "ucx_engine.h"  // registration and transfer engine
 #include "vm_copy.h"
 
@@ -53,6 +54,18 @@ PYBIND11_MODULE(_C, m) {
             [](size_t threads, long long split_bytes) { kvxfer::set_vm_copy_config(threads, split_bytes); },
             py::arg("threads"), py::arg("split_bytes"),
             "Same-host copy threads (0: default) and split size (< 0: default), process-wide (vm_copy.h).");
+    }
+
+    // ---- bounded busy-polling for the control plane's latency path (spin.h) ----
+    {
+        m.def(
+            "spin_readable",
+            [](int fd, int64_t ns) {
+                py::gil_scoped_release release;
+                return kvxfer::spin_readable(fd, ns);
+            },
+            py::arg("fd"), py::arg("ns"),
+            "Busy-poll fd for readability for at most ns nanoseconds (GIL released, yields each round).");
     }
 
     // ---- registration and transfer engine (owner: memory/transport) ----

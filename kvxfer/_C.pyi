@@ -19,6 +19,7 @@ def copy_tiles(
 ) -> None: ...
 def memcpy_parallel(dst: int, src: int, nbytes: int, num_threads: int) -> None: ...
 def set_vm_copy_config(threads: int, split_bytes: int) -> None: ...  # 0 / < 0: defaults; process-wide
+def spin_readable(fd: int, ns: int) -> bool: ...  # busy-poll fd up to ns (GIL released, yields); True if readable
 
 # ---- registration and transfer engine (kvxfer/memory.py, kvxfer/transport/ucx.py wrap it) ----
 # Errors: RegistrationError, InvalidDescriptor, PeerDisconnected, TransferTimeout,

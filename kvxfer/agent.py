@@ -14,8 +14,9 @@ frames) and the I/O loop with its :class:`~kvxfer.control.progress.BackendDriver
 
 Threads per agent: one I/O thread (control sockets, timers; blocks in ``select``),
 one send worker (pack, large writes) and one receive worker (unpack). A small
-zero-copy piece is written by the thread that matched it, without a hop. None
-spins; an idle agent uses no CPU.
+zero-copy piece is written by the thread that matched it, without a hop. The I/O
+thread busy-polls for at most ``config.loop_spin_s`` after an event or a posted
+recv, and only while a send or recv is outstanding; an idle agent uses no CPU.
 """
 from __future__ import annotations
 
@@ -93,7 +94,9 @@ class Agent:
         self._driver = BackendDriver(s, self._receiver.busy)
         self._conns = Connections(s, secret, self._handlers(), self._receiver.post_pending,
                                   self._peer_lost, self._driver)
-        s.loop = IOLoop(lsock, self._conns.on_accept, self.name)
+        sends, recv_busy = self._sender.sends, self._receiver.busy
+        s.loop = IOLoop(lsock, self._conns.on_accept, self.name, spin_s=config.loop_spin_s,
+                        spin_if=lambda: bool(sends) or recv_busy())
         self._driver.start()
 
     def _handlers(self) -> dict:

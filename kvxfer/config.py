@@ -28,7 +28,9 @@ ENV_OVERRIDES = {
     "KVXFER_VM_SPLIT_BYTES": ("vm_split_bytes", int),
     "KVXFER_STAGING_BYTES": ("staging_bytes", int),
     "KVXFER_PATH": ("path", str),
+    "KVXFER_LOOP_SPIN_S": ("loop_spin_s", float),
 }
+MAX_SPIN_S = 0.01  # a busy-poll window is bounded: at most 10 ms of a core per event
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,12 @@ class AgentConfig:
     - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
     - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX
       target while a recv is pending / otherwise (a backstop behind its event fd).
+    - ``loop_spin_s``: after each event (and after a ``recv`` is posted), while a send
+      or recv is outstanding, the I/O thread busy-polls its sockets up to this long
+      (native, GIL released, yielding the CPU every round) before it blocks, so the
+      peer's next message is read without a thread wake-up; 0: never. In ``[0, 0.01]``
+      s. An agent with nothing outstanding, or no event for this long, blocks
+      (``docs/benchmarks.md``, "Polling instead of waking").
     """
 
     staging_bytes: int = 32 << 20
@@ -63,6 +71,7 @@ class AgentConfig:
     handshake_timeout: float = 10.0
     progress_busy_s: float = 0.0005
     progress_idle_s: float = 0.05
+    loop_spin_s: float = 0.002
 
     def __post_init__(self) -> None:
         _check_int("staging_bytes", self.staging_bytes, 4096)
@@ -83,6 +92,9 @@ class AgentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"AgentConfig.{name} must be a number > 0, got {value!r}")
+        value = self.loop_spin_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SPIN_S:
+            raise ValueError(f"AgentConfig.loop_spin_s must be a number in [0, {MAX_SPIN_S}] s, got {value!r}")
 
     def ucx_settings(self) -> dict:
         """``ucx`` as ``{key: value}`` strings (TypeError if it is neither a dict nor pairs)."""
@@ -100,7 +112,8 @@ class AgentConfig:
     def from_env(cls, environ=None, **fields) -> "AgentConfig":
         """``AgentConfig(**fields)`` with the documented ``KVXFER_*`` overrides applied
         (``KVXFER_HUGEPAGES``, ``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``,
-        ``KVXFER_STAGING_BYTES``, ``KVXFER_PATH``); a malformed value raises ValueError."""
+        ``KVXFER_STAGING_BYTES``, ``KVXFER_PATH``, ``KVXFER_LOOP_SPIN_S``); a malformed
+        value raises ValueError."""
         env = os.environ if environ is None else environ
         for var, (name, parse) in ENV_OVERRIDES.items():
             raw = env.get(var, "")

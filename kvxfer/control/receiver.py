@@ -76,6 +76,7 @@ class Receiver:
             lease = self._s.leases.acquire(("recv", req, xid), req, ids, timeout)
             op.timer = self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
                 op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
+        self._s.loop.kick()  # the reply comes in ~0.2 ms: poll for it (config.loop_spin_s)
         return completer.handle
 
     # ---- posting ----------------------------------------------------------------------

@@ -74,6 +74,10 @@ def test_shared_hash_ids_share_prefix_exactly(trace_file):
     assert PromptBuilder(length_scale=0.05, seed=3).prompt(a) == pb.prompt(a)  # deterministic
     assert PromptBuilder(length_scale=0.05, seed=4).prompt(a) != pb.prompt(a)
     assert pb.max_tokens(a) == 1  # round(4 * 0.05) clamps to one token
+    longer = PromptBuilder(length_scale=0.05, seed=3, output_scale=2.0)
+    assert longer.max_tokens(a) == 8 and longer.prompt(a) == pb.prompt(a)
+    with pytest.raises(ValueError, match="output_scale"):
+        PromptBuilder(length_scale=0.05, output_scale=0.0)
 
 
 def test_poisson_requests():

@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
                    help="trace mode: spread each arrival uniformly over [t, t+MS) before --time-scale "
                         "(Mooncake's timestamps are 3000 ms buckets; 0 = send each bucket at once)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply input/output token lengths")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help="multiply output lengths by this instead of --length-scale")
     p.add_argument("--num-requests", type=int, default=100, help="Poisson mode: number of requests")
     p.add_argument("--input-len", type=int, default=256, help="Poisson mode: mean input tokens")
     p.add_argument("--output-len", type=int, default=64, help="Poisson mode: mean output tokens")
@@ -168,7 +170,10 @@ def run(args) -> int:
     from ..loadgen.runner import RunConfig, run as replay
 
     reqs = _requests(args)
-    prompts = PromptBuilder(length_scale=args.length_scale, seed=args.seed)
+    try:
+        prompts = PromptBuilder(length_scale=args.length_scale, seed=args.seed, output_scale=args.output_scale)
+    except ValueError as exc:
+        raise SystemExit(f"kvxfer loadgen: {exc}") from None
     cfg = RunConfig(url=args.url, model=args.model, time_scale=args.time_scale,
                     request_timeout=args.request_timeout, max_concurrency=args.max_concurrency,
                     seed=args.seed)

@@ -94,10 +94,18 @@ class Agent:
         self._driver = BackendDriver(s, self._receiver.busy)
         self._conns = Connections(s, secret, self._handlers(), self._receiver.post_pending,
                                   self._peer_lost, self._driver)
-        sends, recv_busy = self._sender.sends, self._receiver.busy
         s.loop = IOLoop(lsock, self._conns.on_accept, self.name, spin_s=config.loop_spin_s,
-                        spin_if=lambda: bool(sends) or recv_busy())
+                        spin_if=self._spin_if)
         self._driver.start()
+
+    def _spin_if(self) -> bool:
+        """Whether the I/O loop may poll: a transfer is outstanding (a peer's message comes
+        soon) and no bulk copy wants the cores (this agent's workers are idle, no pending
+        recv is one a sender's copy pool moves); read without the lock (a hint)."""
+        recv = self._receiver
+        if not (self._sender.shipper.worker.idle() and recv.worker.idle()) or recv.bulk_pending():
+            return False
+        return bool(self._sender.sends) or bool(recv.recvs)
 
     def _handlers(self) -> dict:
         """The dispatch table: each message to the part that owns it."""

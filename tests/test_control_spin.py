@@ -205,3 +205,42 @@ def test_agents_move_bytes_and_go_idle(spin_s):
     finally:
         p.close()
         d.close()
+
+
+def test_no_polling_while_a_bulk_copy_wants_the_cores(monkeypatch):
+    import kvxfer.control.receiver as receiver
+    from kvxfer.control.workers import Worker
+
+    w = Worker("spin-test")
+    release = threading.Event()
+    try:
+        assert w.idle()
+        w.submit(lambda: release.wait(T))
+        assert not w.idle()  # a copy job queued or running
+    finally:
+        release.set()
+        until(w.idle, "the worker idle again", T, 0.01)
+        w.stop()
+
+    p = Agent("p", secret=SECRET, backend="loopback", path="zero_copy")
+    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy")
+    try:
+        p.register_kv(make_pool("2 N B H D", 1))
+        d.register_kv(make_pool("2 N B H D", None))
+        peer = p.connect(d.address)
+        assert not d._spin_if() and not p._spin_if()  # nothing outstanding
+        h = d.recv("small", [1], timeout=T)
+        assert d._spin_if()  # a small recv: its reply comes within a window
+        hs = p.send(peer, "small", [2])
+        h.wait(T)
+        hs.wait(T)
+        monkeypatch.setattr(receiver, "INLINE_BYTES", 0)  # every recv is bulk now
+        rec = Recorder(d._state.loop)
+        i = rec.mark()
+        h = d.recv("bulk", [1], timeout=T)  # nor does an event: the loop does not poll
+        assert d._receiver.bulk_pending() and not d._spin_if()  # a sender copies it with its pool
+        assert Recorder.spins(rec.blocked_after(i)) == []
+        h.cancel()
+    finally:
+        p.close()
+        d.close()

@@ -68,6 +68,7 @@ class RecvOp:
     post_frame: bytes = b""  # the encoded RECV_POST (the same frame goes to every peer)
     unpacking: int = 0  # chunks the device may still be scattering into `blocks`
     timer: object = None  # the loop's lease-expiry timer, cancelled once the recv ended
+    bulk: bool = False  # more bytes than one thread copies inline: a sender's copy pool works on it
 
     @property
     def handle(self):

@@ -21,6 +21,7 @@ from ..handle import HandleCompleter
 from .checks import check_chunk_shape, check_piece, code_of, error_from
 from .messages import Msg, encode
 from .ops import RecvOp, stop_timer
+from .shipping import INLINE_BYTES
 from .state import AgentState
 from .workers import Worker
 
@@ -42,6 +43,10 @@ class Receiver:
         return {Msg.MATCHED: self._on_matched, Msg.STAGE_REQ: self._on_stage_req,
                 Msg.DATA_DONE: self._on_data_done, Msg.STAGE_RELEASE: self._on_stage_release,
                 Msg.CANCEL_ACK: self._on_cancel_ack}
+
+    def bulk_pending(self) -> bool:
+        """A pending recv is large: a sender's copy threads may be working on it now."""
+        return any(op.bulk for op in list(self.recvs.values()))
 
     def busy(self) -> bool:
         """Something waits for a sender (the backend driver progresses faster then)."""
@@ -69,14 +74,16 @@ class Receiver:
             frame = encode(Msg.RECV_POST, req=req, xid=xid, blocks=ids, layers=lay, heads=heads, skip=skip_blocks)
             posted = [peer for peer in list(self._s.peers.values()) if self._post(peer, frame)]
             completer = HandleCompleter("recv", req, None, layers=lay)
-            op = RecvOp(req, xid, ids, lay, heads, completer, skip_blocks, post_frame=frame)
+            op = RecvOp(req, xid, ids, lay, heads, completer, skip_blocks, post_frame=frame,
+                        bulk=len(lay) * len(ids) * self._s.layout.block_nbytes() > INLINE_BYTES)
             op.posted_to.update(posted)
             self.recvs[req] = op
             completer.set_canceller(lambda h: self._end_recv(op, None, "cancelled"))
             lease = self._s.leases.acquire(("recv", req, xid), req, ids, timeout)
             op.timer = self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
                 op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
-        self._s.loop.kick()  # the reply comes in ~0.2 ms: poll for it (config.loop_spin_s)
+        if not op.bulk:  # its reply comes within a poll window (config.loop_spin_s)
+            self._s.loop.kick()
         return completer.handle
 
     # ---- posting ----------------------------------------------------------------------

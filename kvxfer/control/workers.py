@@ -15,11 +15,19 @@ class Worker:
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._jobs = 0  # submitted and not finished
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def submit(self, job) -> None:
+        with self._lock:
+            self._jobs += 1
         self._q.put(job)
+
+    def idle(self) -> bool:
+        """No job queued or running (a hint: read without the lock)."""
+        return self._jobs == 0
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish the queued jobs, then end the thread (joined unless called from it)."""
@@ -36,3 +44,6 @@ class Worker:
                 job()
             except Exception:  # noqa: BLE001 - second line of defence, logged
                 log.exception("kvxfer worker job raised")
+            finally:
+                with self._lock:
+                    self._jobs -= 1

@@ -60,12 +60,13 @@ PYBIND11_MODULE(_C, m) {
     {
         m.def(
             "spin_readable",
-            [](int fd, int64_t ns) {
+            [](int fd, int64_t ns, int64_t contended_ns) {
                 py::gil_scoped_release release;
-                return kvxfer::spin_readable(fd, ns);
+                return kvxfer::spin_readable(fd, ns, contended_ns);
             },
-            py::arg("fd"), py::arg("ns"),
-            "Busy-poll fd for readability for at most ns nanoseconds (GIL released, yields each round).");
+            py::arg("fd"), py::arg("ns"), py::arg("contended_ns") = 0,
+            "Busy-poll fd for readability for at most ns nanoseconds (GIL released, yields each round): "
+            "1 readable, 0 time ran out, -1 a yield took over contended_ns (> 0; the CPU is contended).");
     }
 
     // ---- registration and transfer engine (owner: memory/transport) ----

@@ -24,19 +24,23 @@ inline void relax() {
 
 }  // namespace
 
-bool spin_readable(int fd, int64_t ns) {
-    if (fd < 0) return false;
-    const int64_t end = now_ns() + (ns > 0 ? ns : 0);
+int spin_readable(int fd, int64_t ns, int64_t contended_ns) {
+    if (fd < 0) return 0;
+    int64_t now = now_ns();
+    const int64_t end = now + (ns > 0 ? ns : 0);
     struct pollfd p {};
     p.fd = fd;
     p.events = POLLIN;
     do {
         p.revents = 0;
-        if (poll(&p, 1, 0) > 0) return true;
+        if (poll(&p, 1, 0) > 0) return 1;
         relax();
+        const int64_t before = now_ns();
         sched_yield();
-    } while (now_ns() < end);
-    return false;
+        now = now_ns();
+        if (contended_ns > 0 && now - before > contended_ns) return -1;
+    } while (now < end);
+    return 0;
 }
 
 }  // namespace kvxfer

@@ -10,7 +10,11 @@
 
 namespace kvxfer {
 
-// Spin until `fd` is readable (poll, zero timeout); true if it became readable.
-bool spin_readable(int fd, int64_t ns);
+// Spin until `fd` is readable (poll, zero timeout), at most `ns`: 1 if it became
+// readable, 0 if the time ran out, -1 if a yield took longer than `contended_ns`
+// (> 0): another task wanted this CPU, and a spinner that yields to it waits a whole
+// time slice for the CPU back, so the caller should block instead (its wake-up then
+// preempts). contended_ns <= 0: never give up early.
+int spin_readable(int fd, int64_t ns, int64_t contended_ns);
 
 }  // namespace kvxfer

@@ -19,7 +19,8 @@ def copy_tiles(
 ) -> None: ...
 def memcpy_parallel(dst: int, src: int, nbytes: int, num_threads: int) -> None: ...
 def set_vm_copy_config(threads: int, split_bytes: int) -> None: ...  # 0 / < 0: defaults; process-wide
-def spin_readable(fd: int, ns: int) -> bool: ...  # busy-poll fd up to ns (GIL released, yields); True if readable
+def spin_readable(fd: int, ns: int, contended_ns: int = 0) -> int: ...  # busy-poll fd up to ns (GIL released,
+# yields): 1 readable, 0 time ran out, -1 a yield took over contended_ns (> 0): the CPU is contended
 
 # ---- registration and transfer engine (kvxfer/memory.py, kvxfer/transport/ucx.py wrap it) ----
 # Errors: RegistrationError, InvalidDescriptor, PeerDisconnected, TransferTimeout,

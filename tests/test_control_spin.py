@@ -40,10 +40,11 @@ def test_spin_readable_sees_data_and_gives_up():
     spin = _native.load().spin_readable
     a, b = socket.socketpair()
     try:
-        assert spin(a.fileno(), 1_000_000) is False  # nothing came within 1 ms
+        assert spin(a.fileno(), 1_000_000) == 0  # nothing came within 1 ms
+        assert spin(a.fileno(), 10 * 10**9, 1) == -1  # any yield takes over 1 ns: "contended"
         b.send(b"x")
-        assert spin(a.fileno(), 10 * 10**9) is True  # returns as soon as it is readable
-        assert spin(-1, 1_000_000) is False
+        assert spin(a.fileno(), 10 * 10**9) == 1  # returns as soon as it is readable
+        assert spin(-1, 1_000_000) == 0
     finally:
         a.close()
         b.close()
@@ -55,7 +56,7 @@ class Recorder:
     ``("select", timeout)``, ``("spin", ns, ready)``, ``("mark",)``. ``before_spin`` runs
     in the loop thread just before a poll (to make data arrive during one)."""
 
-    def __init__(self, loop: IOLoop, before_spin=None) -> None:
+    def __init__(self, loop: IOLoop, before_spin=None, contended=False) -> None:
         self.log = []
         self.cond = threading.Condition()
         real_select, real_spin = loop._sel.select, loop._spin_readable
@@ -65,10 +66,10 @@ class Recorder:
             self._add(("select", timeout))
             return real_select(timeout)
 
-        def spin(fd, ns):
+        def spin(fd, ns, contended_ns=0):
             if before_spin is not None:
                 before_spin()
-            ready = real_spin(fd, ns)
+            ready = real_spin(fd, ns, 1 if contended else contended_ns)
             self._add(("spin", ns, ready))
             return ready
 
@@ -142,11 +143,27 @@ def test_window_after_activity_polls_then_blocks():
         seen = rec.blocked_after(i)  # ...and once it is over, the loop blocks again
         spins = Recorder.spins(seen)
         assert spins and all(0 < ns <= 2_000_000 for _, ns, _ in spins)
-        assert spins[-1][2] is False  # the last poll ran out: nothing came
+        assert spins[-1][2] == 0  # the last poll ran out: nothing came
 
         i = len(rec.log)
         loop.kick()  # a request went out: the window opens again
         assert Recorder.spins(rec.blocked_after(i))
+    finally:
+        loop.stop()
+
+
+def test_contended_cpu_stops_polling():
+    outstanding = [True]
+    loop = make_loop(0.002, outstanding)
+    try:
+        rec = Recorder(loop, contended=True)  # every poll reports a yield that took too long
+        seen = rec.blocked_after(rec.mark())
+        assert [e[2] for e in Recorder.spins(seen)] == [-1]  # one poll, then it blocked
+        loop._spin_off_until = float("inf")  # (the back-off, made long for the test)
+        i = rec.mark()
+        loop.kick()
+        assert Recorder.spins(rec.blocked_after(rec.mark())) == []
+        assert Recorder.spins(rec.log[i:]) == []
     finally:
         loop.stop()
 
@@ -172,7 +189,7 @@ def test_poll_picks_up_a_message_in_the_window():
         loop.add_reader(a.fileno(), readable)
         rec.mark()
         assert got.wait(T)
-        assert ("spin", True) in [(e[0], e[2]) for e in Recorder.spins(rec.log)]
+        assert ("spin", 1) in [(e[0], e[2]) for e in Recorder.spins(rec.log)]
     finally:
         loop.stop()
         a.close()

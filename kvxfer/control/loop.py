@@ -29,6 +29,12 @@ from .messages import decode
 
 log = logging.getLogger("kvxfer")
 
+# A poll yields the CPU every round; a yield that takes longer than this means another
+# task ran: the CPU is contended, and a polling thread would wait a whole time slice to
+# get it back, where a blocked one woken by its message preempts. The loop then blocks
+# and does not poll for SPIN_BACKOFF_S.
+SPIN_CONTENDED_NS = 30_000
+SPIN_BACKOFF_S = 0.05
 MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 
@@ -138,6 +144,7 @@ class IOLoop:
         self._spin_ns = int(spin_s * 1e9) if spin_if is not None else 0
         self._spin_if = spin_if  # () -> bool: something outstanding a peer's message will move
         self._spin_until = 0.0  # monotonic end of the poll window after the last event
+        self._spin_off_until = 0.0  # no polling before this (the CPU was contended)
         self._spin_readable = _native.load().spin_readable if self._spin_ns > 0 else None
         self._sel = selectors.DefaultSelector()
         self._listen = listen_sock
@@ -187,7 +194,10 @@ class IOLoop:
         """A request went out from another thread: open the poll window now (waking the
         loop if it blocks), so the reply is read without a wake-up (no-op without spin)."""
         if self._spin_ns:
-            self._spin_until = time.monotonic() + self._spin_ns * 1e-9
+            now = time.monotonic()
+            if now < self._spin_off_until:
+                return
+            self._spin_until = now + self._spin_ns * 1e-9
             if self._sleep_until > 0.0:
                 self._wake()
 
@@ -276,12 +286,16 @@ class IOLoop:
     def _poll_window(self, timeout: float | None) -> float | None:
         """Busy-poll while the window after the last event is open and something is
         outstanding; the ``select`` timeout to use then (0 once a descriptor is ready)."""
-        left = self._spin_until - time.monotonic()
-        if left <= 0.0 or not self._spin_if():
+        now = time.monotonic()
+        left = self._spin_until - now
+        if left <= 0.0 or now < self._spin_off_until or not self._spin_if():
             return timeout
         ns = int(left * 1e9) if timeout is None else int(min(left, timeout) * 1e9)
-        if self._spin_readable(self._sel.fileno(), min(ns, self._spin_ns)):
+        ready = self._spin_readable(self._sel.fileno(), min(ns, self._spin_ns), SPIN_CONTENDED_NS)
+        if ready > 0:
             return 0.0
+        if ready < 0:
+            self._spin_off_until = time.monotonic() + SPIN_BACKOFF_S
         return self._timeout()
 
     def _run(self) -> None:

@@ -30,10 +30,11 @@ from .messages import decode
 log = logging.getLogger("kvxfer")
 
 # A poll yields the CPU every round; a yield that takes longer than this means another
-# task ran: the CPU is contended, and a polling thread would wait a whole time slice to
-# get it back, where a blocked one woken by its message preempts. The loop then blocks
-# and does not poll for SPIN_BACKOFF_S.
-SPIN_CONTENDED_NS = 30_000
+# task ran for most of a time slice (this agent's own threads run far shorter between
+# waits): the CPU is contended, and a polling thread would wait a whole slice to get it
+# back, where a blocked one woken by its message preempts. The loop then blocks and
+# does not poll for SPIN_BACKOFF_S.
+SPIN_CONTENDED_NS = 200_000
 SPIN_BACKOFF_S = 0.05
 MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)

@@ -9,13 +9,19 @@ range. Layer slot ``j`` is one contiguous range (layer-wise streaming).
 Backends: ``"triton"`` (default for CUDA tensors; also CPU tensors under
 ``TRITON_INTERPRET=1``), ``"native"`` (default for CPU: multi-threaded C++),
 ``"torch"`` (CPU/GPU torch indexing) and ``"reference"``.
+
+Also public, for tools that measure against the native copy (``kvxfer bench``):
+:func:`num_threads` (threads of the C++ copy), :data:`STREAM_BYTES` (from this size
+a C++ copy uses non-temporal stores) and :func:`contiguous_copy` (a prepared
+native copy of one contiguous range on a given number of threads).
 """
 from __future__ import annotations
 
 from . import reference
 from .common import check_buffer, check_layout, device_guard, plan_pack, plan_unpack, resolve
+from .cpu import STREAM_BYTES, contiguous_copy, num_threads
 
-__all__ = ["pack", "unpack", "BACKENDS"]
+__all__ = ["pack", "unpack", "BACKENDS", "num_threads", "STREAM_BYTES", "contiguous_copy"]
 
 BACKENDS = ("triton", "native", "torch", "reference")
 

@@ -17,6 +17,7 @@ _MIN_BYTES_PER_THREAD = 1 << 20
 # Above this, tiles are written with non-temporal stores (see csrc/copy.cpp): the
 # copy no longer fits the caches, and streaming skips reading the destination.
 STREAM_BYTES = 32 << 20
+_TILES_PER_THREAD = 64  # contiguous_copy(streaming=True): tiles per thread
 
 
 def num_threads() -> int:
@@ -40,6 +41,50 @@ def native_copy(plan: CopyPlan, wire, *, to_wire: bool, threads: int | None = No
                       plan.outer_sizes, plan.row_bytes, plan.tile_bytes, wire.data_ptr(), to_wire,
                       _threads_for(plan.nbytes, threads),
                       plan.nbytes >= STREAM_BYTES if streaming is None else streaming)
+
+
+def contiguous_copy(dst_ptr: int, src_ptr: int, nbytes: int, *, threads: int = 1,
+                    streaming: bool = False):
+    """A prepared native copy of ``nbytes`` contiguous bytes ``src_ptr -> dst_ptr`` (host
+    memory the caller owns); returns a callable that does it, returning when every byte
+    is in place. The arguments are checked once, here, so a call costs only the copy.
+
+    ``streaming=False``: glibc ``memcpy`` on ``threads`` threads, each a contiguous
+    ``1/threads`` of the bytes (glibc picks its store kind per call). ``streaming=True``:
+    the C++ tile copy of :func:`native_copy` over ``threads * 64`` consecutive tiles with
+    non-temporal stores, the store kind the pack kernels use from :data:`STREAM_BYTES`;
+    the bytes past the last whole tile go through memcpy.
+    """
+    import numpy as np
+
+    from .._native import load
+
+    for name, value in (("dst_ptr", dst_ptr), ("src_ptr", src_ptr), ("nbytes", nbytes), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if nbytes <= 0 or dst_ptr <= 0 or src_ptr <= 0:
+        raise ValueError("nbytes and both addresses must be positive")
+    if threads < 1:
+        raise ValueError("threads must be >= 1")
+    c = load()
+    if not streaming:
+        return lambda: c.memcpy_parallel(dst_ptr, src_ptr, nbytes, threads)
+    num_tiles = threads * _TILES_PER_THREAD
+    tile = nbytes // num_tiles // 64 * 64
+    if tile == 0:  # too small to split: one tile
+        num_tiles, tile = 1, nbytes
+    body = num_tiles * tile
+    addr = np.array([src_ptr], dtype=np.int64)
+    stride = np.array([tile], dtype=np.int64)
+    outer = np.zeros(3, dtype=np.int64)
+    ids = np.arange(num_tiles, dtype=np.int64)  # consecutive whole tiles: one run per thread
+
+    def copy() -> None:
+        c.copy_tiles(addr, stride, outer, ids, (1, 1, 1), tile, tile, dst_ptr, True, threads, True)
+        if body < nbytes:
+            c.memcpy_parallel(dst_ptr + body, src_ptr + body, nbytes - body, 1)
+
+    return copy
 
 
 def torch_copy(layout, plan: CopyPlan, wire, *, to_wire: bool) -> None:

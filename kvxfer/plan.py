@@ -26,6 +26,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from ._dims import strided_nbytes
 from .errors import LayoutMismatch, ProtocolError
 
 
@@ -111,8 +112,7 @@ class Geometry:
             for p in planes:
                 if len(p) != 6 or not all(type(v) is int and v >= 0 for v in p) or p[0] >= len(sizes):
                     raise ValueError("plane")
-                last = p[1] + sum((n - 1) * s for n, s in zip(dims, p[2:])) + ints["itemsize"]
-                if last > sizes[p[0]]:
+                if p[1] + strided_nbytes(dims, p[2:], ints["itemsize"]) > sizes[p[0]]:
                     raise ValueError("plane outside its region")
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"invalid layout geometry from peer ({exc})") from None

@@ -109,10 +109,12 @@ def make_plan(layout, block_ids, *, layers=None, heads=None, unique: bool = Fals
 
 def storage_hulls(layout) -> list:
     """``[(lo, hi), ...]``: per storage, the hull of the bytes the layout's tensors touch."""
+    from ._dims import tensor_span
+
     hulls = {}
     for t in layout.tensors:
-        lo = t.data_ptr()
-        hi = lo + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        lo, nbytes = tensor_span(t)
+        hi = lo + nbytes
         key = t.untyped_storage().data_ptr()
         a, b = hulls.get(key, (lo, hi))
         hulls[key] = (min(a, lo), max(b, hi))

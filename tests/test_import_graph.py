@@ -99,7 +99,7 @@ def test_bench_and_loadgen_use_the_public_surface_only(area):
 @pytest.mark.parametrize("source, found", [
     ("from .._native import load", "kvxfer._native.load (private)"),
     ("from ..kernels.cpu import num_threads", "kvxfer.kernels.cpu (internal module)"),
-    ("from ..kernels import plan_pack", "kvxfer.kernels.plan_pack (not in kvxfer.kernels.__all__)"),
+    ("from ..kernels import prepare_pack", "kvxfer.kernels.prepare_pack (not in kvxfer.kernels.__all__)"),
     ("import kvxfer.control.sender", "kvxfer.control.sender (internal module)"),
     ("from ..agent import Agent", "kvxfer.agent (internal module)"),
     ("from .endpoint import _pattern", "kvxfer.bench.endpoint._pattern (private)"),

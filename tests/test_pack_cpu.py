@@ -96,12 +96,12 @@ def test_out_buffer_prefix_is_written_and_returned():
 
 def test_threads_split_large_copies():
     from kvxfer.kernels.cpu import native_copy
-    from kvxfer.runs import make_plan
+    from kvxfer.runs import tile_copy
 
     layout = make("cross_layer_layers_outer", blocks=64, bs=16, heads=8, hd=128)  # 2 MiB a layer-kv
-    plan = make_plan(layout, list(range(63, -1, -1)))
-    wire = torch.empty(plan.nbytes, dtype=torch.uint8)
-    native_copy(plan, wire, to_wire=True, threads=3)
+    job = tile_copy(layout, list(range(63, -1, -1)))
+    wire = torch.empty(job.nbytes, dtype=torch.uint8)
+    native_copy(job, wire, to_wire=True, threads=3)
     assert torch.equal(wire, kvxfer.pack(layout, list(range(63, -1, -1)), backend="reference"))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..runs import CopyPlan
+from ..runs import TileCopy
 
 # Below this many bytes one thread beats spawning more (thread start ~50 us).
 _MIN_BYTES_PER_THREAD = 1 << 20
@@ -30,17 +30,17 @@ def _threads_for(nbytes: int, threads: int | None) -> int:
     return max(1, min(threads, nbytes // _MIN_BYTES_PER_THREAD))
 
 
-def native_copy(plan: CopyPlan, wire, *, to_wire: bool, threads: int | None = None,
+def native_copy(job: TileCopy, wire, *, to_wire: bool, threads: int | None = None,
                 streaming: bool | None = None) -> None:
     """Copy through ``kvxfer._C.copy_tiles``; returns when every byte is in place."""
     from .._native import load
 
-    if plan.nbytes == 0:
+    if job.nbytes == 0:
         return
-    load().copy_tiles(plan.plane_addrs, plan.block_strides, plan.outer_strides, plan.ids,
-                      plan.outer_sizes, plan.row_bytes, plan.tile_bytes, wire.data_ptr(), to_wire,
-                      _threads_for(plan.nbytes, threads),
-                      plan.nbytes >= STREAM_BYTES if streaming is None else streaming)
+    load().copy_tiles(job.plane_addrs, job.block_strides, job.outer_strides, job.ids,
+                      job.outer_sizes, job.row_bytes, job.tile_bytes, wire.data_ptr(), to_wire,
+                      _threads_for(job.nbytes, threads),
+                      job.nbytes >= STREAM_BYTES if streaming is None else streaming)
 
 
 def contiguous_copy(dst_ptr: int, src_ptr: int, nbytes: int, *, threads: int = 1,
@@ -87,22 +87,22 @@ def contiguous_copy(dst_ptr: int, src_ptr: int, nbytes: int, *, threads: int = 1
     return copy
 
 
-def torch_copy(layout, plan: CopyPlan, wire, *, to_wire: bool) -> None:
+def torch_copy(layout, job: TileCopy, wire, *, to_wire: bool) -> None:
     """Per-plane ``index_select`` (pack) / ``index_copy_`` (unpack) on byte-typed views."""
     import torch
 
-    if plan.nbytes == 0:
+    if job.nbytes == 0:
         return
     from .common import INT_DTYPE_NAMES
 
     int_dtype = getattr(torch, INT_DTYPE_NAMES[layout.itemsize])
-    h0 = plan.heads[0] - layout.head_range[0]
-    h1 = plan.heads[1] - layout.head_range[0]
-    n = plan.ids.size
-    wire = wire.view(int_dtype).view(len(plan.layers), layout.num_kv, n, layout.block_size, h1 - h0,
+    h0 = job.heads[0] - layout.head_range[0]
+    h1 = job.heads[1] - layout.head_range[0]
+    n = job.ids.size
+    wire = wire.view(int_dtype).view(len(job.layers), layout.num_kv, n, layout.block_size, h1 - h0,
                                      layout.head_dim)
-    ids = torch.from_numpy(plan.ids).to(layout.device)
-    for j, layer in enumerate(plan.layers):
+    ids = torch.from_numpy(job.ids).to(layout.device)
+    for j, layer in enumerate(job.layers):
         for kv in range(layout.num_kv):
             view = layout.kv_view(layer, kv).view(int_dtype)[:, :, h0:h1]
             if to_wire:

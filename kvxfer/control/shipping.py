@@ -71,7 +71,7 @@ class Shipper:
         except KVXferError as exc:
             choice = exc
         except (ValueError, TypeError, IndexError, KeyError) as exc:
-            choice = InvalidDescriptor(f"cannot plan {op.key[1]!r}: {exc!r}")
+            choice = InvalidDescriptor(f"cannot choose a path for {op.key[1]!r}: {exc!r}")
         inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
         inline = inline and all(self._s.device.query(t) for t in after)  # never wait with the lock held
         if matched is not None:

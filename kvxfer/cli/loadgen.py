@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--start", type=int, default=0, help="first trace line to replay (0-based)")
     p.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace timestamps (0.1 = 10x rate)")
+    p.add_argument("--arrival-jitter-ms", type=float, default=0.0, metavar="MS",
+                   help="trace mode: spread each arrival uniformly over [t, t+MS) before --time-scale "
+                        "(Mooncake's timestamps are 3000 ms buckets; 0 = send each bucket at once)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply input/output token lengths")
     p.add_argument("--num-requests", type=int, default=100, help="Poisson mode: number of requests")
     p.add_argument("--input-len", type=int, default=256, help="Poisson mode: mean input tokens")
@@ -76,9 +79,13 @@ def _requests(args):
                                 input_length=args.input_len, output_length=args.output_len,
                                 spread=args.spread, shared_blocks=args.shared_blocks, seed=args.seed)
         return reqs[: args.max_requests] if args.max_requests else reqs
-    from ..loadgen.trace import read_trace
+    from ..loadgen.trace import jitter, read_trace
 
-    return read_trace(args.trace or DEFAULT_TRACE, start=args.start, max_requests=args.max_requests)
+    reqs = read_trace(args.trace or DEFAULT_TRACE, start=args.start, max_requests=args.max_requests)
+    try:
+        return jitter(reqs, args.arrival_jitter_ms, seed=args.seed) if args.arrival_jitter_ms else reqs
+    except ValueError as exc:
+        raise SystemExit(f"kvxfer loadgen: {exc}") from None
 
 
 _TABLE = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"), ("e2e ms", "e2e_ms"),

@@ -52,7 +52,7 @@ class AgentConfig:
       over TCP (``ucx:tcp+am-rma``); one request's bytes are split across them in
       contiguous, balanced ranges (at least 256 KiB each), so it is not capped at one
       TCP stream. Other transports keep one endpoint. 1..16 (docs/benchmarks.md,
-      "Striping over several TCP connections").
+      "Striping one request over several TCP connections").
     - ``limits``: per-peer bounds (:class:`~kvxfer.control.limits.PeerLimits`).
     - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
     - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX

@@ -16,7 +16,7 @@ from kvxfer.loadgen.client import RequestResult, stream_completion
 from kvxfer.loadgen.metrics import SLO, summarize_run
 from kvxfer.loadgen.poisson import poisson_requests
 from kvxfer.loadgen.prompts import PromptBuilder
-from kvxfer.loadgen.trace import TraceRequest, read_trace
+from kvxfer.loadgen.trace import TraceRequest, jitter, read_trace
 
 TRACE_LINES = [
     {"timestamp": 1000, "input_length": 1100, "output_length": 4, "hash_ids": [0, 1, 2]},
@@ -44,6 +44,24 @@ def test_read_trace_rebases_and_slices(trace_file, tmp_path):
         read_trace(bad)
 
 
+def test_jitter_spreads_each_arrival_within_its_window(trace_file):
+    reqs = read_trace(trace_file) * 20  # 60 requests at 0, 0, 500 ms
+    moved = jitter(reqs, 3000.0, seed=7)
+    times = [r.timestamp_ms for r in moved]
+    assert times == sorted(times) and len(moved) == len(reqs)
+    assert all(0.0 <= t < 3500.0 for t in times) and len(set(times)) == len(times)
+    assert sorted(r.input_length for r in moved) == sorted(r.input_length for r in reqs)
+    assert [r.timestamp_ms for r in jitter(reqs, 3000.0, seed=7)] == times  # seeded
+    assert [r.timestamp_ms for r in jitter(reqs, 3000.0, seed=8)] != times
+    late = jitter(reqs[2:3], 10.0, seed=1)
+    assert 500.0 <= late[0].timestamp_ms < 510.0
+    assert jitter(reqs, 0.0) == sorted(reqs, key=lambda r: r.timestamp_ms)
+    with pytest.raises(ValueError, match="jitter"):
+        jitter(reqs, -1.0)
+    with pytest.raises(ValueError, match="jitter"):
+        jitter(reqs, float("nan"))
+
+
 def test_shared_hash_ids_share_prefix_exactly(trace_file):
     a, b, c = read_trace(trace_file)
     pb = PromptBuilder(length_scale=0.05, seed=3)
@@ -56,6 +74,10 @@ def test_shared_hash_ids_share_prefix_exactly(trace_file):
     assert PromptBuilder(length_scale=0.05, seed=3).prompt(a) == pb.prompt(a)  # deterministic
     assert PromptBuilder(length_scale=0.05, seed=4).prompt(a) != pb.prompt(a)
     assert pb.max_tokens(a) == 1  # round(4 * 0.05) clamps to one token
+    longer = PromptBuilder(length_scale=0.05, seed=3, output_scale=2.0)
+    assert longer.max_tokens(a) == 8 and longer.prompt(a) == pb.prompt(a)
+    with pytest.raises(ValueError, match="output_scale"):
+        PromptBuilder(length_scale=0.05, output_scale=0.0)
 
 
 def test_poisson_requests():

@@ -29,7 +29,12 @@ def add_parser(sub) -> None:
     p.add_argument("--start", type=int, default=0, help="first trace line to replay (0-based)")
     p.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace timestamps (0.1 = 10x rate)")
+    p.add_argument("--arrival-jitter-ms", type=float, default=0.0, metavar="MS",
+                   help="trace mode: spread each arrival uniformly over [t, t+MS) before --time-scale "
+                        "(Mooncake's timestamps are 3000 ms buckets; 0 = send each bucket at once)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply input/output token lengths")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help="multiply output lengths by this instead of --length-scale")
     p.add_argument("--num-requests", type=int, default=100, help="Poisson mode: number of requests")
     p.add_argument("--input-len", type=int, default=256, help="Poisson mode: mean input tokens")
     p.add_argument("--output-len", type=int, default=64, help="Poisson mode: mean output tokens")
@@ -76,9 +81,13 @@ def _requests(args):
                                 input_length=args.input_len, output_length=args.output_len,
                                 spread=args.spread, shared_blocks=args.shared_blocks, seed=args.seed)
         return reqs[: args.max_requests] if args.max_requests else reqs
-    from ..loadgen.trace import read_trace
+    from ..loadgen.trace import jitter, read_trace
 
-    return read_trace(args.trace or DEFAULT_TRACE, start=args.start, max_requests=args.max_requests)
+    reqs = read_trace(args.trace or DEFAULT_TRACE, start=args.start, max_requests=args.max_requests)
+    try:
+        return jitter(reqs, args.arrival_jitter_ms, seed=args.seed) if args.arrival_jitter_ms else reqs
+    except ValueError as exc:
+        raise SystemExit(f"kvxfer loadgen: {exc}") from None
 
 
 _TABLE = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"), ("e2e ms", "e2e_ms"),
@@ -161,7 +170,10 @@ def run(args) -> int:
     from ..loadgen.runner import RunConfig, run as replay
 
     reqs = _requests(args)
-    prompts = PromptBuilder(length_scale=args.length_scale, seed=args.seed)
+    try:
+        prompts = PromptBuilder(length_scale=args.length_scale, seed=args.seed, output_scale=args.output_scale)
+    except ValueError as exc:
+        raise SystemExit(f"kvxfer loadgen: {exc}") from None
     cfg = RunConfig(url=args.url, model=args.model, time_scale=args.time_scale,
                     request_timeout=args.request_timeout, max_concurrency=args.max_concurrency,
                     seed=args.seed)

@@ -85,7 +85,8 @@ def measure_single(url: str, request: TraceRequest, prompts: PromptBuilder, *, r
         raise ValueError("repeats must be >= 1")
     bodies = []
     for i in range(repeats):
-        fresh = PromptBuilder(length_scale=prompts.length_scale, seed=prompts.seed + 1000 + i)
+        fresh = PromptBuilder(length_scale=prompts.length_scale, seed=prompts.seed + 1000 + i,
+                              output_scale=prompts.output_scale)
         body = {"prompt": fresh.prompt(request), "max_tokens": max(2, prompts.max_tokens(request)),
                 "temperature": 0.0, "ignore_eos": True}
         if model:

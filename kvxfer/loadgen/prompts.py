@@ -37,10 +37,13 @@ class PromptBuilder:
     """Deterministic prompt text for trace requests (see module doc)."""
 
     def __init__(self, *, length_scale: float = 1.0, seed: int = 0,
-                 block_tokens: int = BLOCK_TOKENS):
-        if length_scale <= 0:
-            raise ValueError("length_scale must be > 0")
+                 block_tokens: int = BLOCK_TOKENS, output_scale: float | None = None):
+        """``length_scale`` scales prompt lengths and, unless ``output_scale`` is given, output
+        lengths too."""
+        if not length_scale > 0 or (output_scale is not None and not output_scale > 0):
+            raise ValueError("length_scale and output_scale must be > 0")
         self.length_scale = length_scale
+        self.output_scale = length_scale if output_scale is None else output_scale
         self.seed = seed
         self.block_words = max(1, round(block_tokens * length_scale))
         self._cache: dict[int, list[str]] = {}
@@ -57,7 +60,7 @@ class PromptBuilder:
         return max(1, round(req.input_length * self.length_scale))
 
     def max_tokens(self, req: TraceRequest) -> int:
-        return max(1, round(req.output_length * self.length_scale))
+        return max(1, round(req.output_length * self.output_scale))
 
     def prompt(self, req: TraceRequest) -> str:
         want = self.num_words(req)

@@ -8,7 +8,8 @@ prefix, e.g. a shared system prompt).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces
@@ -58,3 +59,17 @@ def read_trace(path: str | Path, *, start: int = 0, max_requests: int | None = N
         raise ValueError(f"{path}: no requests at start={start}")
     t0 = out[0].timestamp_ms
     return [TraceRequest(r.timestamp_ms - t0, r.input_length, r.output_length, r.hash_ids) for r in out]
+
+
+def jitter(requests: list[TraceRequest], window_ms: float, *, seed: int = 0) -> list[TraceRequest]:
+    """Each request moved to a uniform time in ``[timestamp, timestamp + window_ms)``, sorted.
+
+    Mooncake's traces round arrivals to 3,000 ms buckets, so a replay sends each bucket's
+    requests at once; spreading them over their bucket (``window_ms=3000``) gives the
+    arrival process the bucket counts imply. Seeded: the same seed gives the same times.
+    """
+    if not window_ms >= 0:
+        raise ValueError(f"jitter window must be >= 0 ms, got {window_ms}")
+    rng = random.Random(seed)
+    moved = [replace(r, timestamp_ms=r.timestamp_ms + rng.uniform(0.0, window_ms)) for r in requests]
+    return sorted(moved, key=lambda r: r.timestamp_ms)

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "am_batch.h"
 #include "errors.h"
 #include "ucs_status.h"
 #include "ucx_engine.h"
@@ -142,10 +143,39 @@ const PeerConn& Engine::conn(uint64_t conn_id) {
     return conn_locked(conn_id);
 }
 
+// Closing. UCX's TCP transport keeps one socket per endpoint pair, and it closes
+// only when both ends' endpoints are gone: ours goes with ucp_ep_close_nbx, but
+// the peer's (the one UCX made there for our connection) lives until its worker
+// is destroyed, and ours keeps the socket open to receive from it (a flush-mode
+// close would even keep our endpoint, since it is connected from the remote
+// side). So every lane first says bye; the peer force-closes its endpoint (on_bye),
+// and each side's socket closes once it progresses. A dead peer gets no bye: its
+// sockets are gone, and UCX destroys its failed endpoint on our side.
+void Engine::say_bye(PeerConn& c) {
+    if (c.failed) return;
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    std::vector<void*> reqs;
+    for (ucp_ep_h ep : c.lanes) {
+        void* req = ucp_am_send_nbx(ep, kByeAmId, nullptr, 0, nullptr, 0, &p);
+        if (UCS_PTR_IS_PTR(req)) reqs.push_back(req);
+    }
+    // Sent (handed to the socket) before the close; the close cancels a straggler.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    for (void* req : reqs) {
+        while (ucp_request_check_status(req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
+            ucp_worker_progress(worker_);
+        ucp_request_free(req);  // an unfinished one is released when the close cancels it
+    }
+}
+
 void Engine::close_ep(PeerConn& c) {
     for (auto& kv : c.regions)
         if (kv.second.rkey) ucp_rkey_destroy(kv.second.rkey);
     c.regions.clear();
+    say_bye(c);
     // Force close: transfers were waited for by the caller; a dead peer must not hang us.
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
@@ -165,6 +195,40 @@ void Engine::close_ep(PeerConn& c) {
             ucp_worker_progress(worker_);
         ucp_request_free(req);
     }
+}
+
+// Target: the endpoint UCX made for an initiator's lane that said bye.
+void Engine::close_peer_ep(ucp_ep_h ep) {
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* req = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);  // released when it completes
+}
+
+void Engine::close_byes() {
+    if (byes_.empty() || landings_in_flight_ != 0) return;
+    std::vector<ucp_ep_h> eps;
+    eps.swap(byes_);
+    for (ucp_ep_h ep : eps) close_peer_ep(ep);
+}
+
+ucs_status_t on_bye(void* arg, const void*, size_t, void*, size_t, const ucp_am_recv_param_t* param) {
+    auto* e = static_cast<Engine*>(arg);
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || e->closing_) return UCS_OK;
+    ucp_ep_h ep = param->reply_ep;
+    // UCX may have matched our own connection to that peer with theirs: never close ours.
+    for (auto& kv : e->conns_)
+        for (ucp_ep_h own : kv.second->lanes)
+            if (own == ep) return UCS_OK;
+    for (ucp_ep_h seen : e->byes_)
+        if (seen == ep) return UCS_OK;
+    if (e->landings_in_flight_ != 0)
+        e->byes_.push_back(ep);  // a Landing may still answer on it
+    else
+        e->close_peer_ep(ep);
+    return UCS_OK;
 }
 
 void Engine::disconnect(uint64_t conn_id) {

@@ -80,6 +80,7 @@ ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_re
 ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+ucs_status_t on_bye(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);  // connect.cpp
 
 class Engine {
 public:
@@ -129,6 +130,7 @@ private:
     friend ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend void on_get_reply_sent(void*, ucs_status_t, void*);
+    friend ucs_status_t on_bye(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend void on_landed(void*, ucs_status_t, size_t, void*);
 
     void require_open() const;
@@ -148,6 +150,9 @@ private:
     void close_ep(PeerConn& c);
     ucp_ep_h open_ep(const PeerInfo& info, PeerConn& c);  // connect.cpp; throws PeerDisconnected
     void open_lanes(PeerConn& c);                         // connect.cpp: the extra TCP lanes
+    void say_bye(PeerConn& c);                            // connect.cpp: before close_ep
+    void close_peer_ep(ucp_ep_h ep);                      // connect.cpp: the target's side of a bye
+    void close_byes();                                    // connect.cpp: deferred ones, once nothing lands
 
     std::mutex mu_;
     bool allow_vm_;
@@ -170,6 +175,9 @@ private:
     uint64_t num_rejected_ = 0;
     size_t tcp_lanes_ = 1;
     size_t num_endpoints_ = 0;
+    // Target: endpoints whose initiator said bye while rendezvous data was still
+    // landing (a Landing holds its reply endpoint); closed once none is.
+    std::vector<ucp_ep_h> byes_;
 };
 
 }  // namespace kvxfer

@@ -51,8 +51,10 @@ class AgentConfig:
     - ``tcp_lanes``: TCP connections (UCP endpoints) per peer where UCX carries the data
       over TCP (``ucx:tcp+am-rma``); one request's bytes are split across them in
       contiguous, balanced ranges (at least 256 KiB each), so it is not capped at one
-      TCP stream. Other transports keep one endpoint. 1..16 (docs/benchmarks.md,
-      "Striping one request over several TCP connections").
+      TCP stream. Other transports keep one endpoint. 1..16; default 1: no reliable
+      gain was measured on a 2-core machine (both cores busy copying bytes), more
+      lanes are for machines with cores to spare (docs/benchmarks.md, "Striping one
+      request over several TCP connections").
     - ``limits``: per-peer bounds (:class:`~kvxfer.control.limits.PeerLimits`).
     - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
     - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX
@@ -66,7 +68,7 @@ class AgentConfig:
     copy_threads: int | None = None
     vm_split_bytes: int | None = None
     ucx: tuple = ()  # ((key, value), ...); a dict is accepted too
-    tcp_lanes: int = 4
+    tcp_lanes: int = 1
     limits: PeerLimits = field(default_factory=PeerLimits)
     handshake_timeout: float = 10.0
     progress_busy_s: float = 0.0005

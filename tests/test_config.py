@@ -56,6 +56,7 @@ def test_from_env_applies_only_the_documented_overrides():
     assert (cfg.hugepages, cfg.copy_threads, cfg.vm_split_bytes, cfg.staging_bytes, cfg.path,
             cfg.lease_timeout, cfg.tcp_lanes) == ("off", 3, 0, 8192, "pack", 5.0, 2)
     assert AgentConfig.from_env({}) == AgentConfig()
+    assert AgentConfig().tcp_lanes == AgentConfig.from_env({}).tcp_lanes == 1  # striping is opt-in
     with pytest.raises(ValueError, match="KVXFER_VM_THREADS"):
         AgentConfig.from_env({"KVXFER_VM_THREADS": "many"})
     with pytest.raises(ValueError):

@@ -1,7 +1,8 @@
 """Striping over several TCP connections (AgentConfig.tcp_lanes, csrc/stripe.h) between
 real processes over UCX TCP: bytes land bitwise, both directions; a peer killed
 mid-transfer fails the request with PeerDisconnected within its timeout; every lane's
-endpoint is closed on disconnect; transports that are not TCP keep one endpoint."""
+endpoint is closed on disconnect; transports that are not TCP keep one endpoint; by
+default (tcp_lanes = 1) a TCP connection has one endpoint and one socket."""
 import os
 import signal
 import threading
@@ -99,6 +100,18 @@ def test_peer_killed_mid_striped_transfer_is_peer_disconnected_within_the_timeou
             assert conn.lanes == LANES and b.num_endpoints == LANES
             b.wait(b.post(conn, "write", [[ls, 0, rid, 0, 4 << 20]]), timeout=30)
             assert np.array_equal(np.frombuffer(_ask(pipe, "bytes"), np.uint8), src[: 4 << 20])
+
+
+def test_by_default_a_tcp_connection_has_one_lane_and_one_socket():
+    src = np.arange(2 << 20, dtype=np.uint8)  # large enough to be striped if lanes were > 1
+    with peer("tcp", 2 << 20) as (_, pipe, meta, rid), initiator("tcp") as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        before = _established(os.getpid())
+        conn = b.connect(meta)
+        assert conn.transport == "ucx:tcp+am-rma" and conn.lanes == 1 and b.num_endpoints == 1
+        b.wait(b.post(conn, "write", [[ls, 0, rid, 0, src.nbytes]]), timeout=30)
+        assert np.array_equal(np.frombuffer(_ask(pipe, "bytes"), np.uint8), src)
+        assert _established(os.getpid()) - before == 1
 
 
 @pytest.mark.parametrize("mode", ["vm", "ucx"])

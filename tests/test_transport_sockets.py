@@ -1,0 +1,109 @@
+"""Closing a connection over UCX TCP closes its sockets on both sides (csrc/connect.cpp,
+"say bye"): repeated connect/disconnect cycles between real processes leave no TCP
+socket behind, with one lane and with several; nor does a peer that died (either one).
+Sockets are counted per process (psutil): every TCP connection except listeners."""
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer import AgentConfig
+
+from test_transport_ucx import _ask, initiator, peer
+from waiting import until
+
+psutil = pytest.importorskip("psutil")
+CYCLES = 6
+
+
+def _sockets(pid: int) -> int:
+    return sum(1 for c in psutil.Process(pid).net_connections("tcp") if c.status != psutil.CONN_LISTEN)
+
+
+def _settles(backend, pid: int, count: int, timeout: float = 20.0) -> None:
+    """Progress `backend` (the peer process progresses itself) until `pid` has `count` sockets."""
+
+    def settled():
+        backend.progress()
+        return _sockets(pid) == count
+
+    until(settled, f"{count} TCP sockets in {pid} (has {_sockets(pid)})", timeout=timeout, interval=0.02)
+
+
+def _write(b, conn, ls, rid, nbytes):
+    b.wait(b.post(conn, "write", [[ls, 0, rid, 0, nbytes]]), timeout=30)
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_connect_disconnect_cycles_leave_no_tcp_socket_on_either_side(lanes):
+    src = np.arange(1 << 20, dtype=np.uint8)
+    with peer("tcp", 1 << 20) as (proc, pipe, meta, rid), initiator("tcp", AgentConfig(tcp_lanes=lanes)) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        ours, theirs = _sockets(os.getpid()), _sockets(proc.pid)
+        for _ in range(CYCLES):
+            conn = b.connect(meta)
+            assert conn.transport == "ucx:tcp+am-rma" and conn.lanes == lanes
+            _write(b, conn, ls, rid, src.nbytes)  # every lane connected
+            assert _sockets(os.getpid()) >= ours + lanes
+            b.disconnect(conn)
+            assert b.num_endpoints == 0
+            _settles(b, os.getpid(), ours)
+            _settles(b, proc.pid, theirs)
+        assert np.array_equal(np.frombuffer(_ask(pipe, "bytes"), np.uint8), src)
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_dead_target_leaves_no_tcp_socket_after_disconnect(lanes):
+    src = np.arange(1 << 20, dtype=np.uint8)
+    with initiator("tcp", AgentConfig(tcp_lanes=lanes)) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        ours = _sockets(os.getpid())
+        for _ in range(2):
+            with peer("tcp", 1 << 20) as (proc, pipe, meta, rid):
+                conn = b.connect(meta)
+                _write(b, conn, ls, rid, src.nbytes)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(10)
+                b.disconnect(conn)  # bounded: no bye is answered by a dead peer
+                _settles(b, os.getpid(), ours)
+
+
+def _dying_initiator(pipe, meta, rid, lanes, env):
+    os.environ.update(env)
+    from kvxfer.transport import make_backend
+
+    b = make_backend("ucx", config=AgentConfig(tcp_lanes=lanes))
+    src = np.full(1 << 20, 7, np.uint8)
+    ls = b.register(src.ctypes.data, src.nbytes)
+    conn = b.connect(meta)
+    b.wait(b.post(conn, "write", [[ls, 0, rid, 0, src.nbytes]]), timeout=30)
+    pipe.send("written")
+    end = time.monotonic() + 60  # never outlive a lost parent
+    while time.monotonic() < end and not pipe.poll(0.01):
+        b.progress()
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_dead_initiator_leaves_no_tcp_socket_on_the_target(lanes):
+    pool = np.zeros(1 << 20, np.uint8)
+    with initiator("tcp") as target:
+        rid = target.register(pool.ctypes.data, pool.nbytes)
+        meta = target.metadata()
+        ours = _sockets(os.getpid())
+        ctx = mp.get_context("spawn")
+        for _ in range(2):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_dying_initiator, args=(theirs, meta, rid, lanes, {"UCX_TLS": "tcp"}), daemon=True)
+            proc.start()
+            try:
+                until(lambda: target.progress() >= 0 and mine.poll(0), "the initiator's write", timeout=60, interval=0.005)
+                assert mine.recv() == "written" and (pool == 7).all()
+                assert _sockets(os.getpid()) >= ours + lanes
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(10)
+            _settles(target, os.getpid(), ours)
+            pool[:] = 0

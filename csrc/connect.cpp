@@ -197,23 +197,11 @@ void Engine::close_ep(PeerConn& c) {
     }
 }
 
-// Target: the endpoint UCX made for an initiator's lane that said bye.
-void Engine::close_peer_ep(ucp_ep_h ep) {
-    ucp_request_param_t p;
-    std::memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* req = ucp_ep_close_nbx(ep, &p);
-    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);  // released when it completes
-}
-
-void Engine::close_byes() {
-    if (byes_.empty() || landings_in_flight_ != 0) return;
-    std::vector<ucp_ep_h> eps;
-    eps.swap(byes_);
-    for (ucp_ep_h ep : eps) close_peer_ep(ep);
-}
-
+// Target: an initiator's lane said bye; force-close the endpoint UCX made for it.
+// Closing from inside the handler is safe: UCX destroys the transport endpoint
+// from a later progress callback and keeps the UCP one referenced until then;
+// requests still on it (a rendezvous receive, a read answer) complete canceled,
+// so a Landing never answers on it (landed() answers only on UCS_OK).
 ucs_status_t on_bye(void* arg, const void*, size_t, void*, size_t, const ucp_am_recv_param_t* param) {
     auto* e = static_cast<Engine*>(arg);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || e->closing_) return UCS_OK;
@@ -222,12 +210,12 @@ ucs_status_t on_bye(void* arg, const void*, size_t, void*, size_t, const ucp_am_
     for (auto& kv : e->conns_)
         for (ucp_ep_h own : kv.second->lanes)
             if (own == ep) return UCS_OK;
-    for (ucp_ep_h seen : e->byes_)
-        if (seen == ep) return UCS_OK;
-    if (e->landings_in_flight_ != 0)
-        e->byes_.push_back(ep);  // a Landing may still answer on it
-    else
-        e->close_peer_ep(ep);
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* req = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);  // released when it completes
     return UCS_OK;
 }
 

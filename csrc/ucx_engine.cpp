@@ -372,7 +372,6 @@ unsigned Engine::progress() {
     if (!worker_) return 0;
     unsigned n = 0, k;
     while ((k = ucp_worker_progress(worker_)) != 0 && n < 1024) n += k;
-    close_byes();
     return n;
 }
 
@@ -395,7 +394,6 @@ bool Engine::arm() {
             if (!worker_) return true;
             bool did = false;
             for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) did = true;
-            close_byes();
             const auto now = clock::now();
             if (did) {
                 progressed = true;
@@ -416,7 +414,6 @@ void Engine::close() {
     std::lock_guard<std::mutex> g(mu_);
     if (!worker_) return;
     closing_ = true;  // rendezvous data canceled from here on gets no answer
-    byes_.clear();    // the worker's destruction closes those endpoints
     for (auto& kv : conns_) close_ep(*kv.second);
     for (auto& kv : requests_) {
         XferRequest& r = kv.second;

@@ -151,8 +151,6 @@ private:
     ucp_ep_h open_ep(const PeerInfo& info, PeerConn& c);  // connect.cpp; throws PeerDisconnected
     void open_lanes(PeerConn& c);                         // connect.cpp: the extra TCP lanes
     void say_bye(PeerConn& c);                            // connect.cpp: before close_ep
-    void close_peer_ep(ucp_ep_h ep);                      // connect.cpp: the target's side of a bye
-    void close_byes();                                    // connect.cpp: deferred ones, once nothing lands
 
     std::mutex mu_;
     bool allow_vm_;
@@ -175,9 +173,6 @@ private:
     uint64_t num_rejected_ = 0;
     size_t tcp_lanes_ = 1;
     size_t num_endpoints_ = 0;
-    // Target: endpoints whose initiator said bye while rendezvous data was still
-    // landing (a Landing holds its reply endpoint); closed once none is.
-    std::vector<ucp_ep_h> byes_;
 };
 
 }  // namespace kvxfer

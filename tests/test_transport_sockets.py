@@ -56,6 +56,29 @@ def test_connect_disconnect_cycles_leave_no_tcp_socket_on_either_side(lanes):
 
 
 @pytest.mark.parametrize("lanes", [1, 4])
+def test_disconnect_mid_transfer_leaves_no_socket_and_the_target_serves_on(lanes):
+    # The bye reaches the target while rendezvous data may still be landing: its
+    # endpoint closes anyway (the receive is canceled), and a new connection works.
+    size = 32 << 20
+    src = np.random.default_rng(lanes).integers(0, 256, size, dtype=np.uint8)
+    with peer("tcp", size) as (proc, pipe, meta, rid), initiator("tcp", AgentConfig(tcp_lanes=lanes)) as b:
+        ls = b.register(src.ctypes.data, src.nbytes)
+        ours, theirs = _sockets(os.getpid()), _sockets(proc.pid)
+        for _ in range(3):
+            conn = b.connect(meta)
+            b.post(conn, "write", [[ls, 0, rid, 0, size]])
+            b.progress()
+            b.disconnect(conn)
+            _settles(b, os.getpid(), ours)
+            _settles(b, proc.pid, theirs)
+        conn = b.connect(meta)
+        _write(b, conn, ls, rid, size)
+        assert np.array_equal(np.frombuffer(_ask(pipe, "bytes"), np.uint8), src)
+        b.disconnect(conn)
+        _settles(b, proc.pid, theirs)
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
 def test_a_dead_target_leaves_no_tcp_socket_after_disconnect(lanes):
     src = np.arange(1 << 20, dtype=np.uint8)
     with initiator("tcp", AgentConfig(tcp_lanes=lanes)) as b:

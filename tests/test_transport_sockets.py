@@ -5,12 +5,14 @@ Sockets are counted per process (psutil): every TCP connection except listeners.
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from kvxfer import AgentConfig
+from kvxfer.transport import make_backend
 
 from test_transport_ucx import _ask, initiator, peer
 from waiting import until
@@ -96,8 +98,6 @@ def test_a_dead_target_leaves_no_tcp_socket_after_disconnect(lanes):
 
 def _dying_initiator(pipe, meta, rid, lanes, env):
     os.environ.update(env)
-    from kvxfer.transport import make_backend
-
     b = make_backend("ucx", config=AgentConfig(tcp_lanes=lanes))
     src = np.full(1 << 20, 7, np.uint8)
     ls = b.register(src.ctypes.data, src.nbytes)
@@ -130,3 +130,48 @@ def test_a_dead_initiator_leaves_no_tcp_socket_on_the_target(lanes):
                 proc.join(10)
             _settles(target, os.getpid(), ours)
             pool[:] = 0
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_after_a_closed_connection_the_other_side_connects_back(lanes):
+    # UCX matches B's endpoints to A with the ones it made on B for A's connection.
+    # Without the bye those outlived A's close, and B's connect could get one: its
+    # first write failed (connection reset; seen with 4 lanes, and with 1 outside
+    # pytest). Two engines in this process over TCP.
+    saved = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"
+    try:
+        a, b = (make_backend("ucx", config=AgentConfig(tcp_lanes=lanes)) for _ in range(2))
+    finally:
+        os.environ.pop("UCX_TLS") if saved is None else os.environ.__setitem__("UCX_TLS", saved)
+    stop = threading.Event()
+
+    def drive():  # each engine is the other's target
+        while not stop.is_set():
+            a.progress()
+            b.progress()
+            time.sleep(0.0005)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    src = np.random.default_rng(lanes).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst_a, dst_b = np.zeros_like(src), np.zeros_like(src)
+    try:
+        sa, ra = a.register(src.ctypes.data, src.nbytes), a.register(dst_a.ctypes.data, dst_a.nbytes)
+        sb, rb = b.register(src.ctypes.data, src.nbytes), b.register(dst_b.ctypes.data, dst_b.nbytes)
+        base = _sockets(os.getpid())
+        driver.start()
+        ab = a.connect(b.metadata())
+        a.wait(a.post(ab, "write", [[sa, 0, rb, 0, src.nbytes]]), timeout=30)
+        a.disconnect(ab)
+        until(lambda: _sockets(os.getpid()) == base, "A's sockets closed", timeout=20, interval=0.02)
+        ba = b.connect(a.metadata())
+        b.wait(b.post(ba, "write", [[sb, 0, ra, 0, src.nbytes]]), timeout=30)
+        assert np.array_equal(dst_a, src) and np.array_equal(dst_b, src)
+        b.disconnect(ba)
+        until(lambda: _sockets(os.getpid()) == base, "B's sockets closed", timeout=20, interval=0.02)
+    finally:
+        stop.set()
+        if driver.is_alive():
+            driver.join(10)
+        a.close()
+        b.close()

@@ -191,15 +191,17 @@ def _attend_group(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     s1, num_heads, head_dim = q.shape
     num_kv_heads = cache_k.shape[2]
     group = num_heads // num_kv_heads
-    # contiguous operands: bmm then runs one fixed GEMM per (sequence, kv head)
-    keys = cache_k[g.tables].flatten(1, 2).permute(0, 2, 3, 1).contiguous()
-    values = cache_v[g.tables].flatten(1, 2).transpose(1, 2).contiguous()
-    length = keys.shape[-1]  # keys [G, Hkv, D, L], values [G, Hkv, L, D]
-    qh = q.reshape(s1 * num_kv_heads, group, head_dim)
-    scores = torch.bmm(qh, keys.view(-1, head_dim, length)) * scale  # [G*Hkv, group, L]
-    scores = scores.view(s1, num_kv_heads, group, length).masked_fill(g.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(-1, group, length)
-    out = torch.bmm(probs, values.view(-1, length, head_dim))  # [G*Hkv, group, D]
+    # One row gather per operand ([G, L, Hkv, D], whole blocks copied as they lie);
+    # then per kv head a bmm over strided [G, L, D] views: no transposing copy.
+    keys = torch.index_select(cache_k, 0, g.tables.flatten()).view(s1, -1, num_kv_heads, head_dim)
+    values = torch.index_select(cache_v, 0, g.tables.flatten()).view(s1, -1, num_kv_heads, head_dim)
+    length = keys.shape[1]
+    qh = q.view(s1, num_kv_heads, group, head_dim)
+    out = q.new_empty((s1, num_kv_heads, group, head_dim))
+    for h in range(num_kv_heads):
+        scores = torch.bmm(qh[:, h], keys[:, :, h].transpose(1, 2)) * scale  # [G, group, L]
+        probs = torch.softmax(scores.masked_fill(g.mask[:, 0], float("-inf")), dim=-1)
+        torch.bmm(probs, values[:, :, h], out=out[:, h])  # [G, group, D]
     return out.view(s1, num_heads, head_dim)
 
 

@@ -40,7 +40,7 @@ class Endpoint:
     """One side: backend, registered pool + staging, and the commands the session sends."""
 
     def __init__(self, backend: str, slot_bytes: int, batch: int):
-        from ..config import AgentConfig
+        from .. import AgentConfig
         from ..transport import make_backend
         from .copy_limit import page_aligned
 

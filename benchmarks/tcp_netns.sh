@@ -7,13 +7,19 @@
 # Needs root, iproute2 and iperf3 (Debian: apt-get install -y iperf3).
 #   benchmarks/tcp_netns.sh [OUT_DIR]
 # Environment: PY (python), REPS (3), ITERS (20), NIXL (1: also NIXL over TCP when
-# importable), SMALL ("4K 8K 2048": min max batch), LARGE ("64K 1M 64"),
-# IPERF_S (4); anything else (UCX_*) passes through to both sides.
+# importable), SMALL ("4K 8K 2048": min max batch; "" skips), LARGE ("64K 1M 64"),
+# IPERF_S (4), LANES (kvxfer's TCP connections per peer, KVXFER_TCP_LANES; default:
+# AgentConfig's), NIXL_THREADS / NIXL_SPLIT (NIXL UCX num_threads / split_batch_size:
+# "4" / "1" stripes each NIXL transfer over 4 workers' connections; default: NIXL's
+# single worker); anything else (UCX_*) passes through to both sides.
+# With LANES > 1 every iperf3 point is run twice: -P 1 and -P LANES (the native limit
+# of as many TCP streams as kvxfer uses); ss-lanes.txt records the TCP connections
+# between the namespaces while kvxfer transfers.
 set -euo pipefail
 OUT=${1:-/tmp/kvxfer-tcp-netns}
 PY=${PY:-python3}
 REPS=${REPS:-3}; ITERS=${ITERS:-20}; IPERF_S=${IPERF_S:-4}
-SMALL=${SMALL:-4K 8K 2048}; LARGE=${LARGE:-64K 1M 64}
+SMALL=${SMALL-4K 8K 2048}; LARGE=${LARGE:-64K 1M 64}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"; rm -f "$OUT"/*.json "$OUT"/*.log "$OUT"/load.txt
 A=kvxtA$$; B=kvxtB$$; VA=vta$$; VB=vtb$$
@@ -33,11 +39,16 @@ for ns in "$A" "$B"; do ip -n "$ns" link set lo up; done
 ip -n "$A" link set "$VA" up; ip -n "$B" link set "$VB" up
 sleep 1  # veth up
 
+LANES=${LANES:-$("$PY" -c "from kvxfer import AgentConfig; print(AgentConfig().tcp_lanes)")}
+export KVXFER_TCP_LANES=$LANES
+echo "kvxfer tcp_lanes: $LANES" > "$OUT/setup.txt"
 COMPARE=()
 if [ "${NIXL:-1}" = 1 ] && "$PY" -c "from kvxfer.bench.nixl import available; raise SystemExit(available() is None)"; then
     COMPARE=(--compare nixl --rounds 2)
+    [ -z "${NIXL_THREADS:-}" ] || COMPARE+=(--nixl-threads "$NIXL_THREADS")
+    [ -z "${NIXL_SPLIT:-}" ] || COMPARE+=(--nixl-split-batch "$NIXL_SPLIT")
 fi
-echo "nixl: ${COMPARE[*]:-not importable or NIXL=0}" | tee "$OUT/setup.txt"
+echo "nixl: ${COMPARE[*]:-not importable or NIXL=0}" | tee -a "$OUT/setup.txt"
 export KVXFER_BENCH_SECRET=${KVXFER_BENCH_SECRET:-netns-bench-secret} UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n
 # kvxfer's own TCP segment size (kvxfer/transport/ucx.py UCX_DEFAULTS) for both sides,
 # so NIXL's UCX runs with the same segments as kvxfer's rather than UCX's 8 KiB default
@@ -54,13 +65,32 @@ wait_port() {  # $1 port: listening in B within 30 s
     echo "nothing listens on $IPB:$1" >&2; return 1
 }
 
-# Native TCP limit over the veth: one stream, 128 KiB writes.
-iperf() {
+# Native TCP limit over the veth, 128 KiB writes: one stream (iperf3-K.json) and, with
+# LANES > 1, LANES streams (iperf3pN-K.json).
+iperf_run() {  # $1 file, $2 streams
     ip netns exec "$B" iperf3 -s -1 -B "$IPB" -p 5201 >/dev/null 2>&1 &
     local spid=$!
     wait_port 5201
-    ip netns exec "$A" iperf3 -c "$IPB" -p 5201 -t "$IPERF_S" -l 128K -J > "$OUT/iperf3-$1.json"
+    ip netns exec "$A" iperf3 -c "$IPB" -p 5201 -t "$IPERF_S" -l 128K -P "$2" -J > "$OUT/$1"
     wait "$spid" 2>/dev/null || true
+}
+iperf() {
+    iperf_run "iperf3-$1.json" 1
+    [ "$LANES" -le 1 ] || iperf_run "iperf3p$LANES-$1.json" "$LANES"
+}
+
+# The TCP connections kvxfer opens: one write sweep of 1 MiB x 64, ss sampled meanwhile.
+lanes_check() {
+    ip netns exec "$B" "$PY" -m kvxfer.cli bench transfer --listen "$IPB:5555" > "$OUT/listen-ss.log" 2>&1 &
+    local lpid=$!
+    wait_port 5555
+    ip netns exec "$A" "$PY" -m kvxfer.cli bench transfer --connect "$IPB:5555" --backend ucx --no-progress \
+        --start-block-size 1M --max-block-size 1M --batch-size 64 --iters 200 > "$OUT/kvxfer-ss.log" 2>&1 &
+    local cpid=$!
+    sleep 4
+    { echo "ESTAB TCP connections in $A while kvxfer transfers (port 5555: the bench's control channel):"
+      ip netns exec "$A" ss -tnH state established; } > "$OUT/ss-lanes.txt"
+    wait "$cpid" || true; wait "$lpid" 2>/dev/null || true
 }
 
 # One kvxfer bench sweep (and NIXL, rounds alternating per row): $1 tag, $2 min, $3 max, $4 batch.
@@ -77,11 +107,12 @@ sweep() {
     wait "$lpid" 2>/dev/null || true
 }
 
+lanes_check
 for rep in $(seq "$REPS"); do
     load "rep$rep"
     iperf "$rep"
     # shellcheck disable=SC2086
-    sweep "small-$rep" $SMALL
+    [ -z "$SMALL" ] || sweep "small-$rep" $SMALL
     # shellcheck disable=SC2086
     sweep "large-$rep" $LARGE
     echo "rep $rep of $REPS done"

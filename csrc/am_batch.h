@@ -51,6 +51,7 @@ constexpr unsigned kBatchAmId = 18;     // initiator -> target: write table + by
 constexpr unsigned kBatchAckAmId = 19;  // target -> initiator: write answered
 constexpr unsigned kGetAmId = 20;       // initiator -> target: read table
 constexpr unsigned kGetReplyAmId = 21;  // target -> initiator: read answered (+ bytes)
+constexpr unsigned kByeAmId = 22;       // initiator -> target: this endpoint closes (connect.cpp)
 constexpr size_t kBatchMaxBytes = 1024 * 1024;  // data bytes per message
 constexpr size_t kBatchMaxEntries = 16384;      // table entries per message
 constexpr size_t kRndvMinBytes = 64 * 1024;     // messages this large go by rendezvous ...

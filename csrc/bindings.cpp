@@ -104,12 +104,13 @@ PYBIND11_MODULE(_C, m) {
                                   r.mapping->device_id, r.mapping->is_pinned, r.is_cached);
         };
         py::class_<Engine>(m, "Engine", "UCP context+worker, memory registry and connections (see ucx_engine.h)")
-            .def(py::init<bool, const std::map<std::string, std::string>&, const std::string&>(),
+            .def(py::init<bool, const std::map<std::string, std::string>&, const std::string&, size_t>(),
                  py::arg("allow_vm") = true, py::arg("ucx") = std::map<std::string, std::string>(),
-                 py::arg("hugepages") = std::string("advise"))
+                 py::arg("hugepages") = std::string("advise"), py::arg("tcp_lanes") = 1)
             .def_property_readonly("uid", &Engine::uid)
             .def_property_readonly("closed", &Engine::closed)
             .def_property_readonly("num_rejected", &Engine::num_rejected)
+            .def_property_readonly("num_endpoints", &Engine::num_endpoints)
             .def("register", [=](Engine& e, uintptr_t addr, size_t length, int kind, int device_id, bool pin) {
                     if (kind != 0 && kind != 1) throw py::value_error("kind must be 0 (host) or 1 (cuda)");
                     return region_tuple(e.register_region(addr, length, static_cast<kvxfer::MemKind>(kind), device_id, pin));
@@ -137,6 +138,7 @@ PYBIND11_MODULE(_C, m) {
                     d["peer_pid"] = c.peer.pid;
                     d["peer_host"] = c.peer.hostname;
                     d["ucx_info"] = c.ucx_info;
+                    d["lanes"] = c.lanes.size();
                     d["failed"] = c.failed;
                     d["regions"] = regions;
                     return d;

@@ -212,14 +212,34 @@ BatchMsg* Engine::pending_message(uint64_t token, uint32_t seq, XferRequest*& r)
     return &r->batches[seq];
 }
 
-// Sends the host-memory ops of a request as target-checked messages.
+// Sends the host-memory ops of a request as target-checked messages, striped
+// over the connection's lanes by bytes (stripe.h); seq numbers run across lanes.
 void Engine::post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, uint64_t id, bool is_write) {
-    r.batches = plan_batches(ops, id ^ token_salt_, is_write, max_am_header_);
+    size_t bytes = 0;
+    for (const Op& op : ops)
+        if (checked_by_target(op)) bytes += op.length;
+    const size_t n = stripe_count(bytes, c.lanes.size());
+    std::vector<size_t> lane_of;  // per message
+    if (n == 1) {
+        r.batches = plan_batches(ops, id ^ token_salt_, is_write, max_am_header_);
+        lane_of.assign(r.batches.size(), 0);
+    } else {
+        const auto parts = stripe_ops(ops, n);
+        for (size_t k = 0; k < n; ++k) {
+            for (BatchMsg& m : plan_batches(parts[k], id ^ token_salt_, is_write, max_am_header_)) {
+                m.header.seq = static_cast<uint32_t>(r.batches.size());
+                r.batches.push_back(std::move(m));  // the table's buffer (an eager iov's first entry) moves along
+                lane_of.push_back(k);
+            }
+        }
+    }
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
     std::vector<char> header;
-    for (BatchMsg& m : r.batches) {
+    for (size_t k = 0; k < r.batches.size(); ++k) {
+        BatchMsg& m = r.batches[k];
+        ucp_ep_h ep = c.lanes[lane_of[k]];
         const void* hdr = &m.header;
         size_t hdr_len = sizeof(m.header);
         p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
@@ -232,8 +252,8 @@ void Engine::post_batches(PeerConn& c, XferRequest& r, const std::vector<Op>& op
             p.flags = UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
         }
         p.datatype = is_write ? ucp_dt_make_iov() : ucp_dt_make_contig(1);
-        void* req = is_write ? ucp_am_send_nbx(c.ep, kBatchAmId, hdr, hdr_len, m.iov.data(), m.iov.size(), &p)
-                             : ucp_am_send_nbx(c.ep, kGetAmId, hdr, hdr_len, m.table.data(),
+        void* req = is_write ? ucp_am_send_nbx(ep, kBatchAmId, hdr, hdr_len, m.iov.data(), m.iov.size(), &p)
+                             : ucp_am_send_nbx(ep, kGetAmId, hdr, hdr_len, m.table.data(),
                                                m.table.size() * sizeof(BatchEntry), &p);
         if (UCS_PTR_IS_ERR(req)) {
             ucs_status_t st = UCS_PTR_STATUS(req);

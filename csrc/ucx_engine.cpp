@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <sstream>
 
 #include "errors.h"
 #include "ucs_status.h"
@@ -20,55 +19,12 @@ namespace {
 
 constexpr size_t kMaxRetired = 4096;
 
-// The transport of the first rma_bw lane in ucp_ep_print_info's text, e.g.
-// "lane[0]:  2:cma/memory.0 md[2] -> md[2]/cma/sysdev[255] rma_bw#0" -> "cma";
-// "sysv+am-rma" when UCX has no RMA lane (peer error handling on one host).
-std::string rma_transport(const std::string& info) {
-    std::istringstream in(info);
-    std::string line, fallback;
-    while (std::getline(in, line)) {
-        auto lane = line.find("lane[");
-        if (lane == std::string::npos) continue;
-        auto colon = line.find(':', lane);
-        if (colon == std::string::npos) continue;
-        std::istringstream fields(line.substr(colon + 1));
-        std::string tok;
-        fields >> tok;  // "2:cma/memory.0"
-        auto c = tok.find(':');
-        if (c != std::string::npos) tok = tok.substr(c + 1);
-        auto slash = tok.find('/');
-        std::string tl = tok.substr(0, slash);
-        if (line.find("rma_bw") != std::string::npos) return tl;
-        if (fallback.empty() && line.find(" am") != std::string::npos) fallback = tl;
-    }
-    // No RMA lane: UCX emulates put/get with active messages on the am lane.
-    return fallback.empty() ? "unknown" : fallback + "+am-rma";
-}
-
-std::string ep_print_info(ucp_ep_h ep) {
-    char* buf = nullptr;
-    size_t size = 0;
-    FILE* f = open_memstream(&buf, &size);
-    if (!f) return {};
-    ucp_ep_print_info(ep, f);
-    fclose(f);
-    std::string out(buf ? buf : "", size);
-    free(buf);
-    return out;
-}
-
 void brief_pause() {
     struct timespec ts = {0, 20000};
     nanosleep(&ts, nullptr);
 }
 
 }  // namespace
-
-void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
-    auto* c = static_cast<PeerConn*>(arg);
-    c->failed = true;
-    c->failure = ucs_error("peer endpoint failed", status);
-}
 
 void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     ucp_am_handler_param_t ap;
@@ -83,10 +39,14 @@ void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     if (st != UCS_OK) throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
 }
 
-Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages)
-    : allow_vm_(allow_vm) {
+Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
+               size_t tcp_lanes)
+    : allow_vm_(allow_vm), tcp_lanes_(tcp_lanes) {
     if (hugepages != "advise" && hugepages != "collapse" && hugepages != "off")
         throw std::invalid_argument("hugepages must be advise, collapse or off, got '" + hugepages + "'");
+    if (tcp_lanes < 1 || tcp_lanes > kMaxTcpLanes)
+        throw std::invalid_argument("tcp_lanes must be 1.." + std::to_string(kMaxTcpLanes) + ", got " +
+                                    std::to_string(tcp_lanes));
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
@@ -133,6 +93,7 @@ Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, con
         set_am_handler(kBatchAckAmId, on_batch_ack);
         set_am_handler(kGetAmId, on_get);
         set_am_handler(kGetReplyAmId, on_get_reply);
+        set_am_handler(kByeAmId, on_bye);
     } catch (...) {
         ucp_worker_destroy(worker_);
         ucp_cleanup(context_);
@@ -214,102 +175,12 @@ std::string Engine::metadata() {
     return encode_metadata(info);
 }
 
-uint64_t Engine::connect(const std::string& peer_metadata, bool allow_vm) {
-    PeerInfo info = decode_metadata(peer_metadata);  // ProtocolError before touching UCX
-    std::lock_guard<std::mutex> g(mu_);
-    require_open();
-    auto c = std::make_unique<PeerConn>();
-    c->id = next_conn_++;
-
-    ucp_ep_params_t ep;
-    std::memset(&ep, 0, sizeof(ep));
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(info.worker_address.data());
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = on_ep_error;
-    ep.err_handler.arg = c.get();
-    ucs_status_t st = ucp_ep_create(worker_, &ep, &c->ep);
-    if (st != UCS_OK) throw PeerDisconnected(ucs_error("ucp_ep_create", st));
-
-    for (RegionAd& ad : info.regions) {
-        RemoteRegion rr{ad.id, ad.addr, ad.length, nullptr, ad.kind == 0};
-        st = ucp_ep_rkey_unpack(c->ep, ad.rkey.data(), &rr.rkey);
-        if (st != UCS_OK) {
-            close_ep(*c);
-            throw ProtocolError("peer region " + std::to_string(ad.id) + ": " + ucs_error("ucp_ep_rkey_unpack", st));
-        }
-        c->regions[ad.id] = rr;
-        ad.rkey.clear();
-    }
-
-    if (allow_vm && allow_vm_ && same_host(self_, info)) {
-        auto proc = std::make_unique<PeerProcess>(static_cast<pid_t>(info.pid));
-        if (proc->alive() && vm_probe(proc->pid(), info.probe_addr, info.probe_length, info.probe_token)) {
-            c->process = std::move(proc);
-            c->use_vm = true;
-        }
-    }
-    if (!c->use_vm && same_host(self_, info))  // for liveness checks on the UCX path
-        c->process = std::make_unique<PeerProcess>(static_cast<pid_t>(info.pid));
-    c->ucx_info = ep_print_info(c->ep);
-    c->transport = c->use_vm ? "vm" : "ucx:" + rma_transport(c->ucx_info);
-    c->am_rma = c->transport.size() > 7 && c->transport.compare(c->transport.size() - 7, 7, "+am-rma") == 0;
-    c->peer = std::move(info);
-    const uint64_t id = c->id;
-    conns_[id] = std::move(c);
-    return id;
-}
-
-PeerConn& Engine::conn_locked(uint64_t conn_id) {
-    auto it = conns_.find(conn_id);
-    if (it == conns_.end()) throw std::invalid_argument("unknown connection " + std::to_string(conn_id));
-    return *it->second;
-}
-
-const PeerConn& Engine::conn(uint64_t conn_id) {
-    std::lock_guard<std::mutex> g(mu_);
-    return conn_locked(conn_id);
-}
-
-void Engine::close_ep(PeerConn& c) {
-    for (auto& kv : c.regions)
-        if (kv.second.rkey) ucp_rkey_destroy(kv.second.rkey);
-    c.regions.clear();
-    if (!c.ep) return;
-    // Force close: transfers were waited for by the caller; a dead peer must not hang us.
-    ucp_request_param_t p;
-    std::memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* req = ucp_ep_close_nbx(c.ep, &p);
-    c.ep = nullptr;
-    if (UCS_PTR_IS_PTR(req)) {
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-        while (ucp_request_check_status(req) == UCS_INPROGRESS &&
-               std::chrono::steady_clock::now() < deadline)
-            ucp_worker_progress(worker_);
-        ucp_request_free(req);
-    }
-}
-
-void Engine::disconnect(uint64_t conn_id) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = conns_.find(conn_id);
-    if (it == conns_.end()) return;  // idempotent
-    for (auto& kv : requests_) {
-        XferRequest& r = kv.second;
-        if (r.conn_id == conn_id && !r.done && r.error.empty()) r.error = "connection closed";
-    }
-    close_ep(*it->second);
-    conns_.erase(it);
-}
-
 uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, size_t n) {
     std::lock_guard<std::mutex> g(mu_);
     require_open();
     PeerConn& c = conn_locked(conn_id);
     if (c.failed) throw PeerDisconnected(c.failure);
+    if (c.lanes.empty()) throw PeerDisconnected("connection closed");
     std::vector<Op> ops = validate_batch(descs, n, *registry_, c.regions);
     if (c.process && !c.process->alive()) {
         c.failed = true;

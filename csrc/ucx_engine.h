@@ -29,6 +29,7 @@
 #include "am_batch.h"
 #include "metadata.h"
 #include "registry.h"
+#include "stripe.h"
 #include "validate.h"
 #include "vm_copy.h"
 
@@ -37,7 +38,8 @@ namespace kvxfer {
 struct PeerConn {
     uint64_t id = 0;
     PeerInfo peer;  // regions' rkey bytes dropped after unpacking
-    ucp_ep_h ep = nullptr;
+    ucp_ep_h ep = nullptr;          // lane 0: RMA, and every message when there is one lane
+    std::vector<ucp_ep_h> lanes;    // every endpoint to the peer, lanes[0] == ep (stripe.h)
     std::unordered_map<uint64_t, RemoteRegion> regions;
     std::unique_ptr<PeerProcess> process;  // same host only
     bool use_vm = false;
@@ -78,13 +80,17 @@ ucs_status_t on_batch(void*, const void*, size_t, void*, size_t, const ucp_am_re
 ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+ucs_status_t on_bye(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);  // connect.cpp
 
 class Engine {
 public:
     // ucx: settings applied with ucp_config_modify (key without the UCX_ prefix; an
     // explicit UCX_<key> in the environment wins); hugepages: "advise", "collapse" or
-    // "off" for registered host ranges (AgentConfig; kvxfer/transport/ucx.py builds both).
-    Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages);
+    // "off" for registered host ranges; tcp_lanes: endpoints (TCP connections) per peer
+    // where host ops travel as target-checked messages over TCP, 1..kMaxTcpLanes
+    // (stripe.h). AgentConfig; kvxfer/transport/ucx.py builds them.
+    Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
+           size_t tcp_lanes = 1);
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
@@ -114,6 +120,8 @@ public:
     bool closed() const { return worker_ == nullptr; }
     // Messages this engine refused as a target (ranges outside its regions).
     uint64_t num_rejected() const { return num_rejected_; }
+    // Endpoints this engine opened to peers (connect) and has not closed yet.
+    size_t num_endpoints() const { return num_endpoints_; }
 
 private:
     friend void on_ep_error(void*, ucp_ep_h, ucs_status_t);
@@ -122,6 +130,7 @@ private:
     friend ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend void on_get_reply_sent(void*, ucs_status_t, void*);
+    friend ucs_status_t on_bye(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend void on_landed(void*, ucs_status_t, size_t, void*);
 
     void require_open() const;
@@ -139,6 +148,9 @@ private:
     void landed(Landing& l, ucs_status_t status);
     void set_am_handler(unsigned id, ucp_am_recv_callback_t cb);
     void close_ep(PeerConn& c);
+    ucp_ep_h open_ep(const PeerInfo& info, PeerConn& c);  // connect.cpp; throws PeerDisconnected
+    void open_lanes(PeerConn& c);                         // connect.cpp: the extra TCP lanes
+    void say_bye(PeerConn& c);                            // connect.cpp: before close_ep
 
     std::mutex mu_;
     bool allow_vm_;
@@ -159,6 +171,8 @@ private:
     size_t max_am_header_ = 0;       // the worker's largest AM header (rendezvous tables)
     bool closing_ = false;
     uint64_t num_rejected_ = 0;
+    size_t tcp_lanes_ = 1;
+    size_t num_endpoints_ = 0;
 };
 
 }  // namespace kvxfer

@@ -44,6 +44,19 @@ def parse_dims(dims) -> tuple:
     return letters
 
 
+def strided_nbytes(sizes, byte_strides, itemsize: int) -> int:
+    """Bytes from element 0 to the end of the last element of a strided array with
+    non-negative strides: the span it covers, padding between elements included."""
+    return sum((n - 1) * s for n, s in zip(sizes, byte_strides)) + itemsize
+
+
+def tensor_span(tensor) -> tuple[int, int]:
+    """``(addr, nbytes)`` of the memory a non-empty tensor's elements occupy (strides and
+    views included; no negative strides)."""
+    item = tensor.element_size()
+    return tensor.data_ptr(), strided_nbytes(tensor.shape, [s * item for s in tensor.stride()], item)
+
+
 def _is_tensor(x) -> bool:
     import torch
 

@@ -38,7 +38,7 @@ from .errors import KVXferError, RegistrationError
 from .kernels.device import device_for
 from .lease import LeaseTable
 from .metrics import Metrics
-from .plan import CostModel
+from .transport.paths import CostModel
 
 __all__ = ["Agent", "AgentConfig", "Peer"]
 

@@ -28,8 +28,10 @@ ENV_OVERRIDES = {
     "KVXFER_VM_SPLIT_BYTES": ("vm_split_bytes", int),
     "KVXFER_STAGING_BYTES": ("staging_bytes", int),
     "KVXFER_PATH": ("path", str),
+    "KVXFER_TCP_LANES": ("tcp_lanes", int),
     "KVXFER_LOOP_SPIN_S": ("loop_spin_s", float),
 }
+MAX_TCP_LANES = 16  # csrc/stripe.h kMaxTcpLanes
 MAX_SPIN_S = 0.01  # a busy-poll window is bounded: at most 10 ms of a core per event
 
 
@@ -48,6 +50,13 @@ class AgentConfig:
     - ``ucx``: UCX settings applied with ``ucp_config_modify`` on top of kvxfer's
       defaults, as ``{"TCP_TX_SEG_SIZE": "64k"}`` (without the ``UCX_`` prefix). An
       explicit ``UCX_<key>`` environment variable still wins (UCX's own rule).
+    - ``tcp_lanes``: TCP connections (UCP endpoints) per peer where UCX carries the data
+      over TCP (``ucx:tcp+am-rma``); one request's bytes are split across them in
+      contiguous, balanced ranges (at least 256 KiB each), so it is not capped at one
+      TCP stream. Other transports keep one endpoint. 1..16; default 1: no reliable
+      gain was measured on a 2-core machine (both cores busy copying bytes), more
+      lanes are for machines with cores to spare (docs/benchmarks.md, "Striping one
+      request over several TCP connections").
     - ``limits``: per-peer bounds (:class:`~kvxfer.control.limits.PeerLimits`).
     - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
     - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX
@@ -67,6 +76,7 @@ class AgentConfig:
     copy_threads: int | None = None
     vm_split_bytes: int | None = None
     ucx: tuple = ()  # ((key, value), ...); a dict is accepted too
+    tcp_lanes: int = 1
     limits: PeerLimits = field(default_factory=PeerLimits)
     handshake_timeout: float = 10.0
     progress_busy_s: float = 0.0005
@@ -83,6 +93,9 @@ class AgentConfig:
             _check_int("copy_threads", self.copy_threads, 1)
         if self.vm_split_bytes is not None:
             _check_int("vm_split_bytes", self.vm_split_bytes, 0)
+        _check_int("tcp_lanes", self.tcp_lanes, 1)
+        if self.tcp_lanes > MAX_TCP_LANES:
+            raise ValueError(f"AgentConfig.tcp_lanes must be <= {MAX_TCP_LANES}, got {self.tcp_lanes!r}")
         for key in self.ucx_settings():
             if not key or key.startswith("UCX_") or not key.replace("_", "").isalnum():
                 raise ValueError(f"AgentConfig.ucx key {key!r}: a UCX setting name without the UCX_ prefix")
@@ -112,8 +125,8 @@ class AgentConfig:
     def from_env(cls, environ=None, **fields) -> "AgentConfig":
         """``AgentConfig(**fields)`` with the documented ``KVXFER_*`` overrides applied
         (``KVXFER_HUGEPAGES``, ``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``,
-        ``KVXFER_STAGING_BYTES``, ``KVXFER_PATH``, ``KVXFER_LOOP_SPIN_S``); a malformed
-        value raises ValueError."""
+        ``KVXFER_STAGING_BYTES``, ``KVXFER_PATH``, ``KVXFER_TCP_LANES``,
+        ``KVXFER_LOOP_SPIN_S``); a malformed value raises ValueError."""
         env = os.environ if environ is None else environ
         for var, (name, parse) in ENV_OVERRIDES.items():
             raw = env.get(var, "")

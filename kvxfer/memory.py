@@ -42,16 +42,6 @@ def _check_int(name: str, value) -> int:
     return value
 
 
-def tensor_span(tensor) -> tuple[int, int]:
-    """``(addr, nbytes)`` of the memory a tensor's elements occupy (strides and views included)."""
-    if tensor.numel() == 0:
-        raise ValueError("cannot register an empty tensor")
-    if any(s < 0 for s in tensor.stride()):
-        raise ValueError("tensors with negative strides are not supported")
-    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
-    return tensor.data_ptr(), (last + 1) * tensor.element_size()
-
-
 class MemoryRegistry:
     """Registers memory with one engine; the backend owns it (``backend.registry``)."""
 
@@ -80,6 +70,12 @@ class MemoryRegistry:
 
     def register_tensor(self, tensor, *, pin: bool | None = None) -> Region:
         """Register the storage span of a CPU or CUDA tensor (e.g. a whole KV pool)."""
+        from ._dims import tensor_span
+
+        if tensor.numel() == 0:
+            raise ValueError("cannot register an empty tensor")
+        if any(s < 0 for s in tensor.stride()):
+            raise ValueError("tensors with negative strides are not supported")
         addr, nbytes = tensor_span(tensor)
         device = tensor.device.type
         if device not in _KINDS:

@@ -1,6 +1,6 @@
 """Per-agent counters and histograms, read as a dict (:meth:`Metrics.to_dict`).
 
-Durations are split the way transfer engines report them: ``prepare`` (plan,
+Durations are split the way transfer engines report them: ``prepare`` (path choice,
 descriptors, pack), ``post`` (handing descriptors to the backend) and
 ``transfer`` (request matched -> data visible in the destination).
 """
@@ -22,7 +22,7 @@ COUNTERS = {
     "refused_connections": "inbound connections refused before the handshake (busy or rate-limited)",
 }
 HISTOGRAMS = {
-    "prepare_seconds": "plan + descriptors (+ pack) per chunk",
+    "prepare_seconds": "descriptors (+ pack) per chunk",
     "post_seconds": "backend post + completion per chunk",
     "transfer_seconds": "match to data visible, per transfer",
 }

@@ -1,6 +1,6 @@
-"""Where the bytes of blocks live: copy plans, memory regions, byte runs.
+"""Where the bytes of blocks live: tile copies, memory regions, byte runs.
 
-A :class:`CopyPlan` turns (layout, block ids, layers, heads) into the numbers
+A :class:`TileCopy` turns (layout, block ids, layers, heads) into the numbers
 every copy path uses: per wire plane (a selected (layer, kv) pair, in wire
 order) the address of its head-range origin, its block stride, and a tile of
 ``S0 x S1 x S2`` rows of ``row_bytes`` contiguous bytes. Rows are the largest
@@ -61,8 +61,9 @@ def normalize_ids(block_ids, num_blocks: int, *, unique: bool) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class CopyPlan:
-    """Numbers for one pack/unpack; wire layout ``[layers][kv][ids][S0][S1][S2][row_bytes]``."""
+class TileCopy:
+    """Numbers for one pack/unpack (``kvxfer::TileCopy`` of csrc/copy.h);
+    wire layout ``[layers][kv][ids][S0][S1][S2][row_bytes]``."""
 
     ids: np.ndarray  # int64 [n]
     layers: tuple
@@ -80,7 +81,7 @@ class CopyPlan:
         return len(self.plane_addrs)
 
 
-def make_plan(layout, block_ids, *, layers=None, heads=None, unique: bool = False) -> CopyPlan:
+def tile_copy(layout, block_ids, *, layers=None, heads=None, unique: bool = False) -> TileCopy:
     ids = normalize_ids(block_ids, layout.num_blocks, unique=unique)
     layers = layout.resolve_layers(layers)
     heads = layout.resolve_heads(heads)
@@ -103,16 +104,18 @@ def make_plan(layout, block_ids, *, layers=None, heads=None, unique: bool = Fals
     dims = [(1, [0] * len(planes))] * (3 - len(dims)) + dims
     outer = np.array([d[1] for d in dims], dtype=np.int64).T.reshape(len(planes), 3)
     tile = layout.block_size * num_h * layout.head_dim * item
-    return CopyPlan(ids, layers, heads, addrs, block_strides, np.ascontiguousarray(outer),
+    return TileCopy(ids, layers, heads, addrs, block_strides, np.ascontiguousarray(outer),
                     tuple(d[0] for d in dims), row, tile, len(planes) * ids.size * tile)
 
 
 def storage_hulls(layout) -> list:
     """``[(lo, hi), ...]``: per storage, the hull of the bytes the layout's tensors touch."""
+    from ._dims import tensor_span
+
     hulls = {}
     for t in layout.tensors:
-        lo = t.data_ptr()
-        hi = lo + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        lo, nbytes = tensor_span(t)
+        hi = lo + nbytes
         key = t.untyped_storage().data_ptr()
         a, b = hulls.get(key, (lo, hi))
         hulls[key] = (min(a, lo), max(b, hi))
@@ -131,21 +134,21 @@ def regions(layout, allocation_range=None) -> tuple:
 
 def block_runs(layout, block_ids, *, layers=None, heads=None) -> np.ndarray:
     """int64 ``[num_runs, 4]``: region, offset in region, wire offset, length (coalesced)."""
-    plan = make_plan(layout, block_ids, layers=layers, heads=heads)
-    if plan.nbytes == 0:
+    job = tile_copy(layout, block_ids, layers=layers, heads=heads)
+    if job.nbytes == 0:
         return np.zeros((0, 4), dtype=np.int64)
     spans = regions(layout)
     starts = [lo for lo, _ in spans]
-    region = np.array([bisect.bisect_right(starts, int(a)) - 1 for a in plan.plane_addrs], dtype=np.int64)
-    base = plan.plane_addrs - np.array([starts[r] for r in region], dtype=np.int64)
-    s0, s1, s2 = (np.arange(s, dtype=np.int64) for s in plan.outer_sizes)
-    o = plan.outer_strides
+    region = np.array([bisect.bisect_right(starts, int(a)) - 1 for a in job.plane_addrs], dtype=np.int64)
+    base = job.plane_addrs - np.array([starts[r] for r in region], dtype=np.int64)
+    s0, s1, s2 = (np.arange(s, dtype=np.int64) for s in job.outer_sizes)
+    o = job.outer_strides
     inner = (s0[None, :, None, None] * o[:, None, None, None, 0] + s1[None, None, :, None] * o[:, None, None, None, 1]
              + s2[None, None, None, :] * o[:, None, None, None, 2])  # [P, S0, S1, S2]
-    offs = (base[:, None] + plan.ids[None, :] * plan.block_strides[:, None])[:, :, None] + inner.reshape(len(base), 1, -1)
+    offs = (base[:, None] + job.ids[None, :] * job.block_strides[:, None])[:, :, None] + inner.reshape(len(base), 1, -1)
     offs = offs.reshape(-1)
     regs = np.broadcast_to(region[:, None], (len(base), offs.size // len(base))).reshape(-1)
-    row = plan.row_bytes
+    row = job.row_bytes
     brk = np.ones(offs.size, dtype=bool)
     brk[1:] = (regs[1:] != regs[:-1]) | (offs[1:] != offs[:-1] + row)
     first = np.flatnonzero(brk)

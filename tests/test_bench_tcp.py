@@ -115,3 +115,25 @@ def test_tcp_summary_ratios_per_repetition_and_medians(tmp_path):
     assert row["median_limit_gbps"] == pytest.approx(2.0)
     text = mod.render(s)
     assert "| 4 KiB x 2048 |" in text and "**0.50**" in text and "rep1 1.0 1.0 1.0" in text
+
+
+def test_tcp_summary_uses_iperf3_with_as_many_streams_as_kvxfer_lanes(tmp_path):
+    def iperf(name, gbps):
+        doc = {"end": {"sum_received": {"bits_per_second": gbps * 8e9}}}
+        (tmp_path / name).write_text(json.dumps(doc))
+
+    for k in (1, 2):
+        iperf(f"iperf3-{k}.json", 2.0)   # one stream
+        iperf(f"iperf3p4-{k}.json", 3.0)  # four streams: the limit kvxfer's 4 lanes are held to
+    row = {"block_size": 65536, "block": "64 KiB", "batch": 64, "transport": "ucx:tcp+am-rma", "gbps": 3.3}
+    (tmp_path / "kvxfer-large-1.json").write_text(json.dumps({"rows": [row]}))
+    mod = _summary_module()
+    s = mod.summarize(str(tmp_path))
+    (r,) = s["rows"]
+    assert s["streams"] == 4 and s["iperf3_pn_gbps"] == [3.0, 3.0]
+    assert r["x_iperf3"] == pytest.approx([1.1]) and r["x_iperf3_p1"] == pytest.approx([1.65])
+    text = mod.render(s)
+    assert "iperf3 -P 4" in text and "**1.10**" in text
+    iperf("iperf3p2-1.json", 2.5)  # mixed stream counts in one directory: refused
+    with pytest.raises(ValueError, match="stream counts"):
+        mod.summarize(str(tmp_path))

@@ -193,38 +193,3 @@ def test_parse_size_and_bad_sweep():
     with pytest.raises(ValueError):
         main(["bench", "transfer", "--backend", "loopback", "--start-block-size", "8K",
               "--max-block-size", "4K"])
-
-
-def _imports(root, path) -> set:
-    """Absolute module names imported by ``path``, a file of the package at ``root``."""
-    import ast
-
-    pkg = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1])  # e.g. kvxfer.bench
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
-            mod = ".".join([*base, node.module] if node.module else base)
-            names |= {mod} | {f"{mod}.{a.name}" for a in node.names}
-    return names
-
-
-def test_bench_and_loadgen_share_report_and_nothing_private():
-    from pathlib import Path
-
-    import kvxfer
-
-    root = Path(kvxfer.__file__).parent
-    assert "kvxfer.report.stats" in _imports(root, root / "loadgen" / "metrics.py")
-    for area in ("loadgen", "report"):
-        for path in (root / area).glob("*.py"):
-            bad = {m for m in _imports(root, path) if m.startswith("kvxfer.bench")}
-            assert not bad, f"{path.name} imports {bad}"
-    for path in (root / "report").glob("*.py"):  # report is below both: it imports no kvxfer module
-        assert not {m for m in _imports(root, path) if m.startswith("kvxfer.") and not m.startswith("kvxfer.report")}
-    for path in (root / "bench").glob("*.py"):
-        private = {m for m in _imports(root, path) if any(p.startswith("_") and p != "__future__"
-                                                    for p in m.split(".")[1:])}
-        assert private <= {"kvxfer._native", "kvxfer._native.load"}, f"{path.name} imports {private}"

@@ -30,7 +30,8 @@ def test_defaults_frozen_and_exported():
 @pytest.mark.parametrize("bad", [dict(path="fast"), dict(staging_bytes=0), dict(staging_bytes=1.5),
                                  dict(hugepages="always"), dict(copy_threads=0), dict(vm_split_bytes=-1),
                                  dict(lease_timeout=0), dict(handshake_timeout=float("nan")),
-                                 dict(ucx={"UCX_TLS": "tcp"}), dict(ucx={"": "x"})])
+                                 dict(ucx={"UCX_TLS": "tcp"}), dict(ucx={"": "x"}), dict(tcp_lanes=0),
+                                 dict(tcp_lanes=17), dict(tcp_lanes=2.0), dict(tcp_lanes=True)])
 def test_bad_fields_raise_value_error(bad):
     with pytest.raises(ValueError):
         AgentConfig(**bad)
@@ -49,15 +50,21 @@ def test_bad_types_raise_type_error():
 
 def test_from_env_applies_only_the_documented_overrides():
     env = {"KVXFER_HUGEPAGES": "off", "KVXFER_VM_THREADS": "3", "KVXFER_VM_SPLIT_BYTES": "0",
-           "KVXFER_STAGING_BYTES": "8192", "KVXFER_PATH": "pack", "KVXFER_OTHER": "ignored"}
+           "KVXFER_STAGING_BYTES": "8192", "KVXFER_PATH": "pack", "KVXFER_TCP_LANES": "2",
+           "KVXFER_OTHER": "ignored"}
     cfg = AgentConfig.from_env(env, lease_timeout=5.0)
     assert (cfg.hugepages, cfg.copy_threads, cfg.vm_split_bytes, cfg.staging_bytes, cfg.path,
-            cfg.lease_timeout) == ("off", 3, 0, 8192, "pack", 5.0)
+            cfg.lease_timeout, cfg.tcp_lanes) == ("off", 3, 0, 8192, "pack", 5.0, 2)
     assert AgentConfig.from_env({}) == AgentConfig()
+    assert AgentConfig().tcp_lanes == AgentConfig.from_env({}).tcp_lanes == 1  # striping is opt-in
     with pytest.raises(ValueError, match="KVXFER_VM_THREADS"):
         AgentConfig.from_env({"KVXFER_VM_THREADS": "many"})
     with pytest.raises(ValueError):
         AgentConfig.from_env({"KVXFER_HUGEPAGES": "sometimes"})
+    with pytest.raises(ValueError, match="KVXFER_TCP_LANES"):
+        AgentConfig.from_env({"KVXFER_TCP_LANES": "two"})
+    with pytest.raises(ValueError, match="tcp_lanes"):
+        AgentConfig.from_env({"KVXFER_TCP_LANES": "0"})
 
 
 def test_ucx_settings_accept_a_dict_or_pairs():
@@ -115,3 +122,17 @@ def test_ucx_settings_and_hugepages_reach_the_native_engine():
     with pytest.raises(KVXferError, match="NO_SUCH_KVXFER_SETTING"):
         make_backend("ucx", config=AgentConfig(ucx={"NO_SUCH_KVXFER_SETTING": "1"}))
     make_backend("ucx", config=AgentConfig(ucx={"TCP_TX_SEG_SIZE": "32k"}, hugepages="off")).close()
+
+
+def test_tcp_lanes_reach_the_native_engine_which_checks_them_too():
+    from kvxfer._native import load
+    from kvxfer.transport import make_backend
+
+    b = make_backend("ucx", config=AgentConfig(tcp_lanes=3))
+    try:
+        assert b.num_endpoints == 0
+    finally:
+        b.close()
+    for bad in (0, 17):  # the engine refuses what AgentConfig would have refused
+        with pytest.raises(ValueError, match="tcp_lanes"):
+            load().Engine(False, {}, "off", bad)

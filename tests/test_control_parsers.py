@@ -13,7 +13,7 @@ from kvxfer.control.framing import HEADER, MAX_PAYLOAD, FrameReader, encode_fram
 from kvxfer.control.handshake import ServerHandshake
 from kvxfer.control.messages import SCHEMAS, Msg, decode, encode
 from kvxfer.errors import AuthenticationError, KVXferError, LayoutMismatch, ProtocolError
-from kvxfer.plan import Geometry
+from kvxfer.transport.descriptors import Geometry
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

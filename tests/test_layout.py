@@ -8,7 +8,7 @@ import torch
 import kvxfer
 from kvxfer.errors import LayoutMismatch
 from kvxfer.layout import KVLayout
-from kvxfer.plan import Geometry, count_runs, zero_copy_descs
+from kvxfer.transport.descriptors import Geometry, count_runs, zero_copy_descs
 from pack_cases import B, D, H, KINDS, L, N, make
 
 

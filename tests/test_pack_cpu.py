@@ -96,10 +96,33 @@ def test_out_buffer_prefix_is_written_and_returned():
 
 def test_threads_split_large_copies():
     from kvxfer.kernels.cpu import native_copy
-    from kvxfer.runs import make_plan
+    from kvxfer.runs import tile_copy
 
     layout = make("cross_layer_layers_outer", blocks=64, bs=16, heads=8, hd=128)  # 2 MiB a layer-kv
-    plan = make_plan(layout, list(range(63, -1, -1)))
-    wire = torch.empty(plan.nbytes, dtype=torch.uint8)
-    native_copy(plan, wire, to_wire=True, threads=3)
+    job = tile_copy(layout, list(range(63, -1, -1)))
+    wire = torch.empty(job.nbytes, dtype=torch.uint8)
+    native_copy(job, wire, to_wire=True, threads=3)
     assert torch.equal(wire, kvxfer.pack(layout, list(range(63, -1, -1)), backend="reference"))
+
+
+@pytest.mark.parametrize("nbytes,threads,streaming", [(1, 1, False), (4099, 3, False), (4099, 2, True),
+                                                      ((1 << 20) + 77, 2, True), (64, 4, True)])
+def test_contiguous_copy_moves_every_byte(nbytes, threads, streaming):
+    from kvxfer.kernels import contiguous_copy
+
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes + 2, dtype=np.uint8)
+    dst = np.zeros(nbytes + 2, dtype=np.uint8)
+    copy = contiguous_copy(dst.ctypes.data + 1, src.ctypes.data + 1, nbytes, threads=threads, streaming=streaming)
+    copy()
+    assert np.array_equal(dst[1:-1], src[1:-1]) and dst[0] == 0 and dst[-1] == 0  # nothing outside
+
+
+def test_contiguous_copy_rejects_bad_arguments():
+    from kvxfer.kernels import contiguous_copy
+
+    with pytest.raises(ValueError):
+        contiguous_copy(4096, 4096, 0)
+    with pytest.raises(ValueError):
+        contiguous_copy(4096, 4096, 8, threads=0)
+    with pytest.raises(TypeError):
+        contiguous_copy(4096.0, 4096, 8)

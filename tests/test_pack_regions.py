@@ -7,7 +7,7 @@ import torch
 import kvxfer
 from kvxfer.cuda_ranges import driver_allocation_range, oracle_for, split_parts, split_regions
 from kvxfer.layout import KVLayout
-from kvxfer.plan import Geometry
+from kvxfer.transport.descriptors import Geometry
 
 
 def oracle(allocations):

@@ -39,15 +39,15 @@ def test_interpreter_dtypes(dtype):
 
 def test_word_and_vector_choice():
     from kvxfer.kernels.triton_pack import launch_args
-    from kvxfer.runs import make_plan
+    from kvxfer.runs import tile_copy
 
     layout = make("vllm", blocks=4, bs=16, heads=8, hd=128)
-    plan = make_plan(layout, [3, 1])
-    _, consts, grid = launch_args(layout, plan, torch.empty(plan.nbytes, dtype=torch.uint8))
+    job = tile_copy(layout, [3, 1])
+    _, consts, grid = launch_args(layout, job, torch.empty(job.nbytes, dtype=torch.uint8))
     assert grid == (2, 2 * layout.num_layers)
     assert consts["TILE"] == 16 * 8 * 128 * 2 // 8 and consts["VEC"] == 2  # int64 words, 16-byte vectors
     odd = make("strided_dim", dtype=torch.float8_e4m3fn, **TINY)  # 1-byte rows
-    _, consts, _ = launch_args(odd, make_plan(odd, [0]), torch.empty(64, dtype=torch.uint8))
+    _, consts, _ = launch_args(odd, tile_copy(odd, [0]), torch.empty(64, dtype=torch.uint8))
     assert consts["ROW"] == 1 and consts["VEC"] == 1
 
 
@@ -108,9 +108,9 @@ def test_gpu_matches_reference(kind):
 
 
 @needs_interpreter
-def test_tables_planned_once_per_request(monkeypatch):
+def test_tables_built_once_per_request(monkeypatch):
     """Per-layer calls of one request reuse the device ids and slices of one table: no
-    planning and no new host->device tensor after the first call."""
+    new plane table and no new host->device tensor after the first call."""
     from kvxfer import runs
     from kvxfer.kernels.tables import PoolTables
 
@@ -118,9 +118,9 @@ def test_tables_planned_once_per_request(monkeypatch):
     ids = [4, 0, 2]
     whole = kvxfer.pack(layout, ids, backend="reference")
     tables = PoolTables.of(layout)
-    plans = []
-    real = runs.make_plan
-    monkeypatch.setattr("kvxfer.kernels.tables.make_plan", lambda *a, **k: plans.append(1) or real(*a, **k))
+    built = []
+    real = runs.tile_copy
+    monkeypatch.setattr("kvxfer.kernels.tables.tile_copy", lambda *a, **k: built.append(1) or real(*a, **k))
     made = []
     real_make = tables._make
     monkeypatch.setattr(tables, "_make", lambda host, stream: made.append(host.shape) or real_make(host, stream))
@@ -128,7 +128,7 @@ def test_tables_planned_once_per_request(monkeypatch):
     for layer in range(4):
         part = kvxfer.pack(layout, ids, layers=[layer], backend="triton")
         assert torch.equal(part, whole[layer * step:(layer + 1) * step])
-    assert len(plans) == 1 and len(made) == 2  # one plan, one table, one ids tensor
+    assert len(built) == 1 and len(made) == 2  # one tile copy, one table, one ids tensor
     full = tables.table(layout.head_range, 8, (0, 1, 2, 3), None)
     assert tables.table(layout.head_range, 8, (2, 3), None).data_ptr() == full[4:].data_ptr()  # a view
     assert torch.equal(kvxfer.pack(layout, ids, layers=[3, 1], backend="triton"),

@@ -191,6 +191,28 @@ def test_batch_decode_equals_single_decode_bitwise(engine, spare_any):
     assert torch.equal(reordered.flip(0), singles)
 
 
+def test_decode_of_mixed_context_lengths_equals_single_decode_bitwise(engine, spare_any):
+    """Short and long contexts in one decode step attend in separate width groups (a short
+    one is never padded to the long one's length); each gets the bits it gets alone."""
+    from kvxfer.serving.model.attention import StepBatch, _width_groups
+
+    assert _width_groups([1, 8, 2, 1, 3, 16, 5]) == [[0, 3], [2], [4], [1, 6], [5]]
+    assert _width_groups([]) == []
+    spare = spare_any
+    tok = engine.tokenizer
+    prompts = [tok.encode(p) for p in ("Once upon a time", " ".join([LONG] * 3), "1, 2, 3, 4, 5, 6, 7, 8,")]
+    tables = [(0,), tuple(range(10, 20)), (1, 2)]
+    assert all(len(p) < 16 * len(t) for p, t in zip(prompts, tables))
+    firsts = [int(spare.forward([Chunk(p, 0, t)])[0].argmax()) for p, t in zip(prompts, tables)]
+    chunks = [Chunk([f], len(p), t) for f, p, t in zip(firsts, prompts, tables)]
+    step = StepBatch(chunks, block_size=16, num_blocks=24, max_position=2048)
+    assert len(step.single_groups) == 3  # widths 1, 8+ and 2 blocks
+    batched = spare.forward(chunks)
+    singles = torch.cat([spare.forward([c]) for c in chunks])
+    assert torch.equal(batched, singles)
+    assert torch.equal(spare.forward(chunks[::-1]).flip(0), singles)
+
+
 def test_mixed_step_equals_separate_steps_bitwise(engine, spare_any):
     """A step holding decode tokens of several sequences and a prompt chunk gives each
     sequence the same logits and KV bits as running it alone (every matmul call has

@@ -15,6 +15,7 @@ import struct
 import numpy as np
 import pytest
 
+from kvxfer import AgentConfig
 from kvxfer.errors import InvalidDescriptor
 from kvxfer.transport import make_backend
 
@@ -145,11 +146,19 @@ def test_tcp_large_and_many_runs_cross_message_limits_bitwise(tcp_initiator):
         assert _ask(pipe, "rejected") == 0
 
 
-def test_tcp_rendezvous_messages_of_many_runs_are_checked_whole(tcp_initiator):
+def test_tcp_rendezvous_messages_of_many_runs_are_checked_whole(monkeypatch):
     # 256 runs of 4 KiB: one 1 MiB message whose table rides in the rendezvous
     # header; the target checks it before it accepts a byte. One forged run in
     # the middle refuses the whole message (nothing lands), honest ones land bitwise.
-    b = tcp_initiator
+    # One lane keeps it one message (striped, each lane's messages are checked the
+    # same way: tests/test_transport_lanes.py).
+    for k, v in TCP.items():
+        monkeypatch.setenv(k, v)
+    with make_backend("ucx", config=AgentConfig(tcp_lanes=1)) as b:
+        _many_runs_checked_whole(b)
+
+
+def _many_runs_checked_whole(b):
     n, blk = 256, 4096
     src = np.random.default_rng(3).integers(0, 256, n * blk, dtype=np.uint8)
     back = np.zeros(n * blk, np.uint8)

@@ -2,13 +2,12 @@
 resources the measured path uses, in native code, sampled in the same run.
 
 ``MemcpyLimit(nbytes, threads=T, streaming=S)`` copies between two page-aligned,
-pre-faulted buffers of this process through ``kvxfer._C``:
+pre-faulted buffers of this process with :func:`kvxfer.kernels.contiguous_copy`:
 
-- ``streaming=False``: ``_C.memcpy_parallel`` -- glibc ``memcpy`` on T threads,
-  each a contiguous 1/T of the bytes. glibc picks its own store kind per call
-  (ordinary stores, non-temporal ones above its threshold), so this is the best
-  libc does for the same thread count.
-- ``streaming=True``: ``_C.copy_tiles`` over the bytes as T contiguous ranges with
+- ``streaming=False``: glibc ``memcpy`` on T threads, each a contiguous 1/T of the
+  bytes. glibc picks its own store kind per call (ordinary stores, non-temporal
+  ones above its threshold), so this is the best libc does for the same thread count.
+- ``streaming=True``: the C++ tile copy over the bytes as T contiguous ranges with
   non-temporal (SSE2 streaming) stores, the store kind kvxfer's own pack kernels use
   for large copies.
 
@@ -27,7 +26,6 @@ from __future__ import annotations
 import time
 
 _REPEAT_BELOW = 4 << 20
-_TILES_PER_THREAD = 64
 
 
 def page_aligned(nbytes: int):
@@ -51,48 +49,21 @@ class MemcpyLimit:
     """Seconds per native copy of ``nbytes`` on ``threads`` threads (see the module doc)."""
 
     def __init__(self, nbytes: int, *, threads: int = 1, streaming: bool = False):
-        from .._native import load
+        from ..kernels import contiguous_copy
 
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
         if threads < 1:
             raise ValueError("threads must be >= 1")
         self.nbytes, self.threads, self.streaming = nbytes, int(threads), bool(streaming)
-        self._c = load()
         self._src, self._dst = page_aligned(nbytes), page_aligned(nbytes)
         self._reps = max(1, _REPEAT_BELOW // nbytes)
-        make = self._tiles_fn if streaming else self._memcpy_fn
+        dst, src = self._dst.ctypes.data, self._src.ctypes.data
         counts = sorted({self.threads, 1}, reverse=True)
-        self._copies = [(t, make(t)) for t in counts]  # T threads first, then the caller alone
+        # T threads first, then the caller alone
+        self._copies = [(t, contiguous_copy(dst, src, nbytes, threads=t, streaming=self.streaming))
+                        for t in counts]
         self.wins = {t: 0 for t in counts}
-
-    def _memcpy_fn(self, t: int):
-        c, dst, src, n = self._c, self._dst.ctypes.data, self._src.ctypes.data, self.nbytes
-        return lambda: c.memcpy_parallel(dst, src, n, t)
-
-    def _tiles_fn(self, t: int):
-        """Contiguous streaming copy: consecutive whole tiles, which ``copy_tiles`` merges
-        into one run per thread; the few bytes past the last whole tile go through memcpy."""
-        import numpy as np
-
-        c, n = self._c, self.nbytes
-        num_tiles = t * _TILES_PER_THREAD
-        tile = n // num_tiles // 64 * 64
-        if tile == 0:  # too small to split: one tile
-            num_tiles, tile = 1, n
-        body = num_tiles * tile
-        src, dst = self._src.ctypes.data, self._dst.ctypes.data
-        addr = np.array([src], dtype=np.int64)
-        stride = np.array([tile], dtype=np.int64)
-        outer = np.zeros(3, dtype=np.int64)
-        ids = np.arange(num_tiles, dtype=np.int64)
-
-        def copy() -> None:
-            c.copy_tiles(addr, stride, outer, ids, (1, 1, 1), tile, tile, dst, True, t, True)
-            if body < n:
-                c.memcpy_parallel(dst + body, src + body, n - body, 1)
-
-        return copy
 
     def _time(self, copy) -> float:
         t0 = time.perf_counter()

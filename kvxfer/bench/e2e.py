@@ -3,7 +3,7 @@
 D (this process) owns the decode pool(s); P (spawned, one per prefill TP rank)
 owns a prefill pool of seeded random bytes. P posts every send up front; D times
 each request from ``recv`` posted to every byte visible in its blocks (RECV_POST,
-plan, zero-copy or pack, DATA_DONE). Block ids are a random sample of the pool in
+path choice, zero-copy or pack, DATA_DONE). Block ids are a random sample of the pool in
 random order on both sides. Every timed request is verified: D's pools are zeroed
 before it and every destination byte is compared with P's after it
 (:mod:`.e2e_run`). The yardstick is a native copy of the same bytes on as many

@@ -31,7 +31,7 @@ def make_layout(spec: dict, which: str, rank: int, fill: bool):
     ``rank``; ``fill``: seeded random bytes (distinct per layer and rank), else zeros."""
     import torch
 
-    from ..layout import KVLayout
+    from .. import KVLayout
 
     dims = LAYOUTS[spec[f"{which}_layout"]]
     tp = spec[f"{which}_tp"]

@@ -25,7 +25,7 @@ TIMEOUT_S = 120.0
 
 def _prefill(spec: dict, rank: int, d_addresses: list, requests: list, rtt: int, q) -> None:
     """P rank ``rank``: connect to every D rank, post every send up front, report."""
-    from ..agent import Agent
+    from .. import Agent
 
     try:
         layout = make_layout(spec, "p", rank, fill=True)
@@ -64,7 +64,7 @@ def _check(expected: Expected, layouts: list, ids: list, request: str, *, first:
 
 def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
     """Run P and D, time and verify every request; raises KVXferError on a wrong byte."""
-    from ..agent import Agent
+    from .. import Agent
     from . import resources
     from .copy_limit import MemcpyLimit
 

@@ -40,10 +40,12 @@ class Endpoint:
     """One side: backend, registered pool + staging, and the commands the session sends."""
 
     def __init__(self, backend: str, slot_bytes: int, batch: int):
+        from .. import AgentConfig
         from ..transport import make_backend
         from .copy_limit import page_aligned
 
-        self.backend = make_backend(backend)
+        # an entry point: KVXFER_* overrides apply (KVXFER_TCP_LANES in benchmarks/tcp_netns.sh)
+        self.backend = make_backend(backend, **({} if backend == "loopback" else {"config": AgentConfig.from_env()}))
         self.pool = page_aligned(2 * batch * slot_bytes)
         self.staging = page_aligned(batch * slot_bytes)
         self.pool_rid = self.backend.register(self.pool.ctypes.data, self.pool.nbytes)

@@ -25,7 +25,13 @@ Fair configuration (the same threads kvxfer's bench endpoints run):
   message arrives; a short nap answers about as fast without spinning a core.
 - ``threads``: NIXL's UCX backend ``num_threads`` option, set by the caller to the
   copy threads kvxfer's path uses (:mod:`kvxfer.bench.resources`); 0 keeps
-  NIXL's default.
+  NIXL's default. With ``threads`` > 0 NIXL's UCX backend runs a thread pool: one
+  UCX worker (its own TCP connection to the peer) and one thread per ``threads``,
+  and it splits a transfer of at least ``split_batch`` descriptors (its
+  ``split_batch_size`` option; None: NIXL's default of 1024, 4096 with SGL) into
+  ``threads`` contiguous chunks of descriptors, one per worker: NIXL's own striping
+  of one request over several connections (``kvxfer bench transfer --nixl-threads N
+  --nixl-split-batch 1``; docs/benchmarks.md).
 
 Across hosts (``kvxfer bench transfer --listen/--connect --compare nixl``) the
 target runs under :func:`listen` on the other host (the kvxfer port + 1) and
@@ -95,10 +101,14 @@ class _Pool:
         return crc
 
 
-def _make_agent(name: str, pool: _Pool, threads: int):
+def _make_agent(name: str, pool: _Pool, threads: int, split_batch: int | None = None):
     api = _api()
-    config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"], num_threads=threads)
+    config = api.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=threads)
     agent = api.nixl_agent(name, config)
+    params = {"num_threads": str(threads)} if threads > 0 else {}
+    if split_batch is not None:
+        params["split_batch_size"] = str(split_batch)
+    agent.create_backend("UCX", params)
     if "UCX" not in agent.backends:
         raise KVXferError("NIXL has no UCX backend plugin")
     agent.register_memory([(pool.addr, pool.nbytes, 0, "kv")], "DRAM")
@@ -109,16 +119,16 @@ def listen(address: str, authkey: bytes, timeout: float | None = None) -> None:
     """Serve one NIXL target for a :class:`NixlSession` ``(connect=address)`` elsewhere."""
     from .endpoint import accept_session
 
-    conn, (pool_bytes, threads) = accept_session(address, authkey, timeout)
-    _target_main(conn, pool_bytes, threads)
+    conn, (pool_bytes, threads, split_batch) = accept_session(address, authkey, timeout)
+    _target_main(conn, pool_bytes, threads, split_batch)
 
 
-def _target_main(conn, pool_bytes: int, threads: int) -> None:
+def _target_main(conn, pool_bytes: int, threads: int, split_batch: int | None = None) -> None:
     """Target process: own a pool, publish metadata, answer fill/crc requests; between
     requests progress UCX every ``TARGET_NAP_S``."""
     try:
         pool = _Pool(pool_bytes)
-        agent = _make_agent("kvxfer-bench-nixl-target", pool, threads)
+        agent = _make_agent("kvxfer-bench-nixl-target", pool, threads, split_batch)
         conn.send(("ready", agent.get_agent_metadata(), pool.addr))
         while True:
             while not conn.poll(TARGET_NAP_S):
@@ -135,13 +145,13 @@ def _target_main(conn, pool_bytes: int, threads: int) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _initiator_main(conn, pool_bytes: int, timeout: float, threads: int) -> None:
+def _initiator_main(conn, pool_bytes: int, timeout: float, threads: int, split_batch: int | None = None) -> None:
     """Initiator process: run timed iterations on request, return the samples."""
     import numpy as np
 
     try:
         pool = _Pool(pool_bytes)
-        agent = _make_agent("kvxfer-bench-nixl-initiator", pool, threads)
+        agent = _make_agent("kvxfer-bench-nixl-initiator", pool, threads, split_batch)
         conn.send(("ready",))
         remote_name, remote_addr = None, 0
         while True:
@@ -206,10 +216,11 @@ class NixlSession:
     transport = "nixl:UCX"
 
     def __init__(self, pool_bytes: int, *, timeout: float = 60.0, threads: int = 0,
-                 connect: str | None = None, authkey: bytes = b""):
+                 split_batch: int | None = None, connect: str | None = None, authkey: bytes = b""):
         self.pool_bytes = pool_bytes
         self.timeout = timeout
         self.threads = int(threads)
+        self.split_batch = None if split_batch is None else int(split_batch)
         self.connect, self.authkey = connect, authkey  # target under listen() at this address
         self._procs: list = []
         self._init = self._target = None
@@ -232,17 +243,18 @@ class NixlSession:
         ctx = mp.get_context("spawn")
         self._init, i_child = ctx.Pipe()
         self._procs = [ctx.Process(target=_initiator_main, daemon=True,
-                                   args=(i_child, self.pool_bytes, self.timeout, self.threads))]
+                                   args=(i_child, self.pool_bytes, self.timeout, self.threads,
+                                         self.split_batch))]
         if self.connect:
             from multiprocessing.connection import Client
 
             host, port = self.connect.rsplit(":", 1)
             self._target = Client((host, int(port)), authkey=self.authkey)
-            self._target.send((self.pool_bytes, self.threads))
+            self._target.send((self.pool_bytes, self.threads, self.split_batch))
         else:
             self._target, t_child = ctx.Pipe()
-            self._procs.append(ctx.Process(target=_target_main, args=(t_child, self.pool_bytes, self.threads),
-                                           daemon=True))
+            self._procs.append(ctx.Process(target=_target_main, daemon=True,
+                                           args=(t_child, self.pool_bytes, self.threads, self.split_batch)))
         for p in self._procs:
             p.start()
         try:

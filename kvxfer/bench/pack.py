@@ -39,7 +39,7 @@ def add_arguments(parser) -> None:
 def _make_layout(model: str, num_blocks: int, layout: str, device: str):
     import torch
 
-    from ..layout import KVLayout
+    from .. import KVLayout
 
     layers, heads, head_dim, block = MODELS[model]
     size = {"L": layers, "2": 2, "N": num_blocks, "B": block, "H": heads, "D": head_dim}

@@ -9,7 +9,7 @@ A path's bytes are copied by:
 - ``ucx:*`` and ``loopback``: the posting thread alone (UCX's cma is one
   ``process_vm_writev`` per block on the caller's thread; over TCP the socket
   limit applies instead).
-- the agent's ``pack`` path: the C++ tile copy on :func:`kvxfer.kernels.cpu.num_threads`
+- the agent's ``pack`` path: the C++ tile copy on :func:`kvxfer.kernels.num_threads`
   threads (those with >= 1 MiB each), non-temporal stores from 32 MiB per call.
 
 The vm figures mirror csrc/vm_copy.cpp (``vm_copy_threads``/``vm_split_bytes``)
@@ -80,7 +80,7 @@ def for_path(transport: str, nbytes: int, *, path: str = "zero_copy", senders: i
     threads = transport_threads(transport, per_batch)
     streaming = False
     if path == "pack":
-        from ..kernels.cpu import STREAM_BYTES, num_threads
+        from ..kernels import STREAM_BYTES, num_threads
 
         threads = max(threads, min(num_threads(), max(1, per_batch >> 20)))
         streaming = per_batch >= STREAM_BYTES

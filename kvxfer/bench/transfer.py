@@ -46,6 +46,11 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=2, help="A/B rounds per row with --compare")
     p.add_argument("--check", action="store_true", help="verify every byte of every iteration")
     p.add_argument("--compare", choices=("nixl",), help="run the same workload through NIXL")
+    p.add_argument("--nixl-threads", type=int, default=None, metavar="N",
+                   help="NIXL UCX num_threads (a worker and TCP connection each; default: kvxfer's copy threads)")
+    p.add_argument("--nixl-split-batch", type=int, default=None, metavar="D",
+                   help="NIXL UCX split_batch_size: transfers of >= D descriptors are split across its "
+                        "threads' workers (default: NIXL's)")
     p.add_argument("--listen", metavar="HOST:PORT", help="serve as the target for a --connect run")
     p.add_argument("--connect", metavar="HOST:PORT", help="target is a --listen process elsewhere")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one step may take")
@@ -229,8 +234,11 @@ def run(args) -> int:
                 from .resources import for_path
 
                 threads = for_path(kvx.transport, sizes[-1] * args.batch_size).threads  # kvxfer's, at most
+                if args.nixl_threads is not None:
+                    threads = args.nixl_threads
                 nixl = stack.enter_context(NixlSession(
                     2 * args.batch_size * sizes[-1], timeout=args.timeout, threads=threads,
+                    split_batch=args.nixl_split_batch,
                     connect=_nixl_address(args.connect) if args.connect else None, authkey=secret))
             try:
                 sock = stack.enter_context(SocketLimit(args.timeout))

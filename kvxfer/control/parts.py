@@ -1,6 +1,6 @@
 """Regions registered in parts: descriptors cut where a device allocation ends.
 
-A region (the addressing unit of :class:`~kvxfer.plan.Geometry`, a staging
+A region (the addressing unit of :class:`~kvxfer.transport.descriptors.Geometry`, a staging
 buffer) is registered as one or more *parts*, each inside one device
 allocation (:meth:`KVLayout.region_parts`; with PyTorch's ``expandable_segments``
 one tensor spans several physical chunks, and a backend registration may not

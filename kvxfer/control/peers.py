@@ -29,7 +29,7 @@ class Peer:
         self.name = name
         self.agent_id = agent_id
         self.address = address
-        self.geometry = info["geometry"]  # kvxfer.plan.Geometry, or None (no pool)
+        self.geometry = info["geometry"]  # kvxfer.transport.descriptors.Geometry, or None (no pool)
         self.region_ids: list = info["regions"]
         self.stage_region: int = info["stage_region"]
         self.staging_bytes: int = info["staging"]

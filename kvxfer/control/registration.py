@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..cuda_ranges import oracle_for, split_parts
 from ..errors import KVXferError, ProtocolError, RegistrationError
 from ..kernels.common import device_guard
-from ..plan import Geometry
+from ..transport.descriptors import Geometry
 from .parts import from_wire as parts_from_wire
 from .parts import register_parts, to_wire as parts_to_wire
 from .staging import StagingRing

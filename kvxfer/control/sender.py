@@ -2,7 +2,7 @@
 
 A send is matched with D's RECV_POST (either may come first, :mod:`.posts`),
 then shipped in pieces (all layers, or one layer per :meth:`Sender.send_layer`)
-by the :class:`~.shipping.Shipper`. Each piece is planned, moved zero-copy or
+by the :class:`~.shipping.Shipper`. Each piece gets its path, is moved zero-copy or
 packed through the staging buffers, and reported to D with DATA_DONE only after
 the backend completed (data visible). The op completes when every layer D asked
 for is visible: zero-copy at write completion, pack when D ACKs the unpack.

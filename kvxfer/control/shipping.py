@@ -1,4 +1,4 @@
-"""The send worker's half of the P side: plan a piece, move it, report it.
+"""The send worker's half of the P side: choose a piece's path, move it, report it.
 
 A piece is a set of layers of one send (all of them, or one per ``send_layer``).
 :meth:`Shipper._choose` asks the cost model for the path; zero-copy posts the
@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 
-from .. import plan
 from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolError, TransferCancelled,
                       TransferTimeout)
+from ..transport.descriptors import count_runs, overlap, zero_copy_descs
+from ..transport.paths import pack_chunks
 from .messages import Msg, encode
 from .ops import SendOp
 from .parts import split_descs
@@ -70,7 +71,7 @@ class Shipper:
         except KVXferError as exc:
             choice = exc
         except (ValueError, TypeError, IndexError, KeyError) as exc:
-            choice = InvalidDescriptor(f"cannot plan {op.key[1]!r}: {exc!r}")
+            choice = InvalidDescriptor(f"cannot choose a path for {op.key[1]!r}: {exc!r}")
         inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
         inline = inline and all(self._s.device.query(t) for t in after)  # never wait with the lock held
         if matched is not None:
@@ -100,14 +101,14 @@ class Shipper:
         return choice
 
     def _choose_uncached(self, op: SendOp, layers: tuple) -> tuple:
-        heads = plan.overlap(self._s.geometry.head_range, op.post.heads)
+        heads = overlap(self._s.geometry.head_range, op.post.heads)
         if heads is None:
             raise LayoutMismatch(f"no kv heads in common: sender {self._s.geometry.head_range}, "
                                  f"receiver {op.post.heads}")
         nbytes = len(op.ids) * len(layers) * self._s.layout.block_nbytes(heads)
         if self._s.config.path != "auto":
             return heads, self._s.config.path, nbytes
-        num_descs = plan.count_runs(self._s.geometry, op.peer.geometry, len(op.ids), layers, heads)
+        num_descs = count_runs(self._s.geometry, op.peer.geometry, len(op.ids), layers, heads)
         return heads, self._s.cost.choose(num_descs, nbytes), nbytes
 
     def _ship(self, op: SendOp, layers: tuple, choice, after: tuple = ()) -> None:
@@ -141,8 +142,8 @@ class Shipper:
 
     def _ship_zero_copy(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int, after: tuple = ()) -> None:
         t0 = time.perf_counter()
-        descs = plan.zero_copy_descs(self._s.geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
-                                     heads, self._s.pool.region_ids, op.peer.region_ids)
+        descs = zero_copy_descs(self._s.geometry, op.ids, op.peer.geometry, op.post.blocks, layers,
+                                heads, self._s.pool.region_ids, op.peer.region_ids)
         self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
         # ready before the write, so only the send is left between completion and D
         done_frame = encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
@@ -162,7 +163,7 @@ class Shipper:
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
         tile = self._s.layout.block_nbytes(heads)
         limit = min(self._s.staging_bytes, op.peer.staging_bytes) // 2
-        pieces = plan.chunks(len(op.ids), layers, tile, limit)
+        pieces = pack_chunks(len(op.ids), layers, tile, limit)
         with self._s.lock:
             for lay, _ in pieces:
                 for layer in lay:
@@ -215,12 +216,12 @@ class Shipper:
     def _read(self, peer, completer, ids, remote, layers) -> None:
         handle = completer.handle
         try:
-            heads = plan.overlap(self._s.geometry.head_range, peer.geometry.head_range)
+            heads = overlap(self._s.geometry.head_range, peer.geometry.head_range)
             if heads is None:
                 raise LayoutMismatch("no kv heads in common")
             t0 = time.perf_counter()
-            descs = plan.zero_copy_descs(peer.geometry, remote, self._s.geometry, ids, layers, heads,
-                                         peer.region_ids, self._s.pool.region_ids)
+            descs = zero_copy_descs(peer.geometry, remote, self._s.geometry, ids, layers, heads,
+                                    peer.region_ids, self._s.pool.region_ids)
             descs = descs[:, [2, 3, 0, 1, 4]]  # (local, remote) columns for a read
             if self._s.pool.parts or peer.parts:
                 descs = split_descs(descs, self._s.pool.parts, peer.parts)

@@ -30,7 +30,7 @@ class Pool:
     """
 
     layout: object  # kvxfer.KVLayout
-    geometry: object  # kvxfer.plan.Geometry
+    geometry: object  # kvxfer.transport.descriptors.Geometry
     region_ids: list  # per region of the layout, its first part's id
     registered: list  # every part of every region and staging buffer
     parts: dict  # regions registered in several parts (kvxfer/control/parts.py)
@@ -52,7 +52,7 @@ class AgentState:
     backend: object  # kvxfer.transport.base.Backend
     metrics: object  # kvxfer.metrics.Metrics
     leases: object  # kvxfer.lease.LeaseTable
-    cost: object  # kvxfer.plan.CostModel
+    cost: object  # kvxfer.transport.paths.CostModel
     device: object = None  # kvxfer.kernels.device.Device; the pool's unless given
     loop: object = None  # kvxfer.control.loop.IOLoop, set once it runs
     pool: Pool | None = None

@@ -1,4 +1,4 @@
-"""A worker thread of an agent: runs jobs (plan/pack/post/wait, unpack) off the I/O thread."""
+"""A worker thread of an agent: runs jobs (descriptors/pack/post/wait, unpack) off the I/O thread."""
 from __future__ import annotations
 
 import logging

@@ -9,13 +9,19 @@ range. Layer slot ``j`` is one contiguous range (layer-wise streaming).
 Backends: ``"triton"`` (default for CUDA tensors; also CPU tensors under
 ``TRITON_INTERPRET=1``), ``"native"`` (default for CPU: multi-threaded C++),
 ``"torch"`` (CPU/GPU torch indexing) and ``"reference"``.
+
+Also public, for tools that measure against the native copy (``kvxfer bench``):
+:func:`num_threads` (threads of the C++ copy), :data:`STREAM_BYTES` (from this size
+a C++ copy uses non-temporal stores) and :func:`contiguous_copy` (a prepared
+native copy of one contiguous range on a given number of threads).
 """
 from __future__ import annotations
 
 from . import reference
-from .common import check_buffer, check_layout, device_guard, plan_pack, plan_unpack, resolve
+from .common import check_buffer, check_layout, device_guard, prepare_pack, prepare_unpack, resolve
+from .cpu import STREAM_BYTES, contiguous_copy, num_threads
 
-__all__ = ["pack", "unpack", "BACKENDS"]
+__all__ = ["pack", "unpack", "BACKENDS", "num_threads", "STREAM_BYTES", "contiguous_copy"]
 
 BACKENDS = ("triton", "native", "torch", "reference")
 
@@ -35,17 +41,17 @@ def _pick(layout, backend):
     return backend
 
 
-def _run(layout, plan, wire, to_wire: bool, backend: str) -> None:
+def _run(layout, job, wire, to_wire: bool, backend: str) -> None:
     """``native`` or ``torch`` (triton goes through :func:`_triton`)."""
     if backend == "native":
         from .cpu import native_copy
 
-        native_copy(plan, wire, to_wire=to_wire)
+        native_copy(job, wire, to_wire=to_wire)
     else:
         from .cpu import torch_copy
 
         with device_guard(layout.device):
-            torch_copy(layout, plan, wire, to_wire=to_wire)
+            torch_copy(layout, job, wire, to_wire=to_wire)
 
 
 def pack(layout, block_ids, *, layers=None, heads=None, out=None, backend=None):
@@ -68,8 +74,8 @@ def pack(layout, block_ids, *, layers=None, heads=None, out=None, backend=None):
         return reference.pack(layout, block_ids, layers=layers, heads=heads, out=out)
     if chosen == "triton":
         return _triton(layout, block_ids, layers, heads, out, True)
-    plan, buf = plan_pack(layout, block_ids, layers, heads, out)
-    _run(layout, plan, buf, True, chosen)
+    job, buf = prepare_pack(layout, block_ids, layers, heads, out)
+    _run(layout, job, buf, True, chosen)
     return buf
 
 
@@ -85,13 +91,13 @@ def unpack(layout, buf, block_ids, *, layers=None, heads=None, backend=None) -> 
     if chosen == "triton":
         _triton(layout, block_ids, layers, heads, buf, False)
         return None
-    plan, wire = plan_unpack(layout, buf, block_ids, layers, heads)
-    _run(layout, plan, wire, False, chosen)
+    job, wire = prepare_unpack(layout, buf, block_ids, layers, heads)
+    _run(layout, job, wire, False, chosen)
     return None
 
 
 def _triton(layout, block_ids, layers, heads, buf, to_wire: bool):
-    """The Triton path without a per-call plan: validate, then launch from the device
+    """The Triton path without a per-call tile copy: validate, then launch from the device
     caches (:mod:`.tables`), under the pool's device guard."""
     import torch
 

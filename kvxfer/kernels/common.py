@@ -1,7 +1,7 @@
 """Checks shared by every pack/unpack path (all run before memory is touched)."""
 from __future__ import annotations
 
-from ..runs import make_plan, normalize_ids
+from ..runs import tile_copy, normalize_ids
 
 # same-size integer dtype per itemsize: lets torch index/copy any dtype (fp8 too) bit-exactly
 INT_DTYPE_NAMES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
@@ -27,29 +27,29 @@ def check_layout(layout) -> None:
         raise TypeError(f"layout must be a kvxfer.KVLayout, got {type(layout).__name__}")
 
 
-def plan_pack(layout, block_ids, layers, heads, out):
-    """Validate a pack call -> (plan, out buffer uint8 [plan.nbytes])."""
+def prepare_pack(layout, block_ids, layers, heads, out):
+    """Validate a pack call -> (job, out buffer uint8 [job.nbytes])."""
     import torch
 
     check_layout(layout)
-    plan = make_plan(layout, block_ids, layers=layers, heads=heads, unique=False)
+    job = tile_copy(layout, block_ids, layers=layers, heads=heads, unique=False)
     if out is None:
         with device_guard(layout.device):
-            return plan, torch.empty(plan.nbytes, dtype=torch.uint8, device=layout.device)
-    check_buffer(layout, plan.nbytes, out, "out")
-    return plan, out.reshape(-1)[: plan.nbytes]
+            return job, torch.empty(job.nbytes, dtype=torch.uint8, device=layout.device)
+    check_buffer(layout, job.nbytes, out, "out")
+    return job, out.reshape(-1)[: job.nbytes]
 
 
-def plan_unpack(layout, buf, block_ids, layers, heads):
-    """Validate an unpack call -> (plan, wire bytes uint8 [plan.nbytes])."""
+def prepare_unpack(layout, buf, block_ids, layers, heads):
+    """Validate an unpack call -> (job, wire bytes uint8 [job.nbytes])."""
     check_layout(layout)
-    plan = make_plan(layout, block_ids, layers=layers, heads=heads, unique=True)
-    check_buffer(layout, plan.nbytes, buf, "buf")
-    return plan, buf.reshape(-1)[: plan.nbytes]
+    job = tile_copy(layout, block_ids, layers=layers, heads=heads, unique=True)
+    check_buffer(layout, job.nbytes, buf, "buf")
+    return job, buf.reshape(-1)[: job.nbytes]
 
 
 def resolve(layout, block_ids, layers, heads, *, unique: bool) -> tuple:
-    """Validate a call without planning it -> (ids int64 numpy [n], layers tuple, heads tuple, nbytes)."""
+    """Validate a call without building its tile copy -> (ids int64 numpy [n], layers tuple, heads tuple, nbytes)."""
     check_layout(layout)
     ids = normalize_ids(block_ids, layout.num_blocks, unique=unique)
     layers = layout.resolve_layers(layers)

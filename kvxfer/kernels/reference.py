@@ -1,33 +1,33 @@
 """Pure-torch reference pack/unpack: the definition of the wire format in code.
 
-Independent of :class:`~kvxfer.runs.CopyPlan` geometry (it indexes the layout's
+Independent of :class:`~kvxfer.runs.TileCopy` geometry (it indexes the layout's
 ``[N, B, H, D]`` views directly), so tests compare every fast path with it.
 Wire bytes are ``[layers, kv, n, B, heads, D]`` of the layout dtype, contiguous.
 """
 from __future__ import annotations
 
-from .common import INT_DTYPE_NAMES, plan_pack, plan_unpack
+from .common import INT_DTYPE_NAMES, prepare_pack, prepare_unpack
 
 
-def _wire_and_views(layout, plan, buf):
+def _wire_and_views(layout, job, buf):
     import torch
 
     int_dtype = getattr(torch, INT_DTYPE_NAMES[layout.itemsize])
-    h0 = plan.heads[0] - layout.head_range[0]
-    h1 = plan.heads[1] - layout.head_range[0]
-    shape = (len(plan.layers), layout.num_kv, plan.ids.size, layout.block_size, h1 - h0, layout.head_dim)
+    h0 = job.heads[0] - layout.head_range[0]
+    h1 = job.heads[1] - layout.head_range[0]
+    shape = (len(job.layers), layout.num_kv, job.ids.size, layout.block_size, h1 - h0, layout.head_dim)
     wire = buf.view(int_dtype).view(shape)
-    ids = torch.as_tensor(plan.ids, device=layout.device)
+    ids = torch.as_tensor(job.ids, device=layout.device)
     views = [[layout.kv_view(l, kv).view(int_dtype)[:, :, h0:h1] for kv in range(layout.num_kv)]
-             for l in plan.layers]
+             for l in job.layers]
     return wire, ids, views
 
 
 def pack(layout, block_ids, *, layers=None, heads=None, out=None):
     """Gather blocks into wire bytes: uint8 ``[wire_nbytes]`` (see :func:`kvxfer.pack`)."""
-    plan, buf = plan_pack(layout, block_ids, layers, heads, out)
-    if plan.nbytes:
-        wire, ids, views = _wire_and_views(layout, plan, buf)
+    job, buf = prepare_pack(layout, block_ids, layers, heads, out)
+    if job.nbytes:
+        wire, ids, views = _wire_and_views(layout, job, buf)
         for j, per_kv in enumerate(views):
             for kv, view in enumerate(per_kv):
                 wire[j, kv] = view[ids]
@@ -36,9 +36,9 @@ def pack(layout, block_ids, *, layers=None, heads=None, out=None):
 
 def unpack(layout, buf, block_ids, *, layers=None, heads=None) -> None:
     """Scatter wire bytes back into the blocks (see :func:`kvxfer.unpack`)."""
-    plan, buf = plan_unpack(layout, buf, block_ids, layers, heads)
-    if plan.nbytes:
-        wire, ids, views = _wire_and_views(layout, plan, buf)
+    job, buf = prepare_unpack(layout, buf, block_ids, layers, heads)
+    if job.nbytes:
+        wire, ids, views = _wire_and_views(layout, job, buf)
         for j, per_kv in enumerate(views):
             for kv, view in enumerate(per_kv):
                 view[ids] = wire[j, kv]

@@ -1,14 +1,14 @@
-"""Launch tables of the Triton kernel, planned once per pool and kept on its device.
+"""Launch tables of the Triton kernel, built once per pool and kept on its device.
 
-Per ``(layout, heads)`` the geometry of *every* layer's planes is planned once
-(:func:`kvxfer.runs.make_plan` over all layers): row and tile sizes, per-plane
+Per ``(layout, heads)`` the geometry of *every* layer's planes is computed once
+(:func:`kvxfer.runs.tile_copy` over all layers): row and tile sizes, per-plane
 origin, block stride and outer strides. The kernel reads them from an int64
 ``[planes, 5]`` table of word offsets on the pool's device, built once per
 ``(heads, word)``; a call for layers ``a..b`` (ascending, consecutive: every
 ``send_layer``) uses a row slice of it (a view, no copy), any other selection a
 gathered table cached per layer tuple. Block ids live on the device too,
 cached per contents (a request's ids serve all its layers). So a call does no
-numpy planning and, after the first call of a request, no host->device copy;
+numpy work and, after the first call of a request, no host->device copy;
 a miss copies through pinned memory with ``non_blocking=True``.
 
 Cached device tensors remember the stream that built them; a launch on another
@@ -25,15 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runs import make_plan
+from ..runs import tile_copy
 
 MAX_IDS = 256  # cached block-id tensors per pool
 MAX_TABLES = 64  # cached gathered tables per pool
 
 
 @dataclass(frozen=True)
-class PoolPlan:
-    """Geometry of every plane (all layers, K/V) for one head range."""
+class PlaneTable:
+    """Host table of every plane (all layers, K/V) for one head range, and the sizes the kernel needs."""
 
     row_bytes: int
     tile_bytes: int
@@ -59,7 +59,7 @@ class PoolTables:
         self.device = layout.device
         self.cuda = layout.device.type == "cuda"
         self._lock = threading.Lock()
-        self._plans: dict = {}
+        self._plane_tables: dict = {}
         self._tables: dict = {}  # (heads, word) -> _Entry (all planes); (heads, word, layers) -> _Entry
         self._ids: collections.OrderedDict = collections.OrderedDict()
         self._words: dict = {}  # word bytes -> one-word tensor at the pool's base
@@ -74,23 +74,23 @@ class PoolTables:
         return tables
 
     # ---- geometry ---------------------------------------------------------------------
-    def plan(self, heads: tuple) -> PoolPlan:
-        got = self._plans.get(heads)
+    def plane_table(self, heads: tuple) -> PlaneTable:
+        got = self._plane_tables.get(heads)
         if got is None:
-            got = self._make_plan(heads)
+            got = self._make_plane_table(heads)
             with self._lock:
-                self._plans[heads] = got
+                self._plane_tables[heads] = got
         return got
 
-    def _make_plan(self, heads: tuple) -> PoolPlan:
-        p = make_plan(self.layout, [0], heads=heads)
+    def _make_plane_table(self, heads: tuple) -> PlaneTable:
+        p = tile_copy(self.layout, [0], heads=heads)
         table = np.concatenate([p.plane_addrs[:, None], p.block_strides[:, None], p.outer_strides], axis=1)
         base = self._base_storage.data_ptr()
         align = 0
         for q in (base, p.row_bytes, *table.reshape(-1).tolist()):
             align = math.gcd(align, int(q))
-        return PoolPlan(p.row_bytes, p.tile_bytes, p.outer_sizes, np.ascontiguousarray(table), base,
-                        self._base_storage.nbytes(), align)
+        return PlaneTable(p.row_bytes, p.tile_bytes, p.outer_sizes, np.ascontiguousarray(table), base,
+                          self._base_storage.nbytes(), align)
 
     def pool_words(self, word: int, word_dtype):
         """A one-word tensor at the pool's base storage, typed ``word_dtype`` (the kernel's base pointer)."""
@@ -108,9 +108,9 @@ class PoolTables:
         kv = self.layout.num_kv
         full = self._tables.get((heads, word))
         if full is None:
-            plan = self.plan(heads)
-            words = plan.table_bytes.copy()
-            words[:, 0] -= plan.base
+            ptable = self.plane_table(heads)
+            words = ptable.table_bytes.copy()
+            words[:, 0] -= ptable.base
             full = self._upload((heads, word), words // word, stream)
         first, count = layers[0], len(layers)
         if layers == tuple(range(first, first + count)):
@@ -119,9 +119,9 @@ class PoolTables:
         entry = self._tables.get(key)
         if entry is None:
             rows = np.array([l * kv + k for l in layers for k in range(kv)], dtype=np.int64)
-            plan = self.plan(heads)
-            words = plan.table_bytes[rows].copy()
-            words[:, 0] -= plan.base
+            ptable = self.plane_table(heads)
+            words = ptable.table_bytes[rows].copy()
+            words[:, 0] -= ptable.base
             if len(self._tables) >= MAX_TABLES:
                 with self._lock:
                     for k in [k for k in self._tables if len(k) == 3]:

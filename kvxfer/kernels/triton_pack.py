@@ -17,7 +17,7 @@ import math
 import triton
 import triton.language as tl
 
-from ..runs import CopyPlan
+from ..runs import TileCopy
 
 _WORD_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
 _MAX_BLOCK_BYTES = 8192
@@ -67,8 +67,8 @@ def _word(align: int, wire_ptr: int, base_nbytes: int) -> tuple:
     return word, (16 // word if align % 16 == 0 else 1)
 
 
-def launch_args(layout, plan: CopyPlan, wire):
-    """Kernel arguments for ``plan``: (args tuple, constexpr dict, grid). Host tensors
+def launch_args(layout, job: TileCopy, wire):
+    """Kernel arguments for ``job``: (args tuple, constexpr dict, grid). Host tensors
     (tests and the CPU interpreter); the device path is :func:`copy`."""
     import numpy as np
     import torch
@@ -76,23 +76,23 @@ def launch_args(layout, plan: CopyPlan, wire):
     from .tables import PoolTables
 
     tables = PoolTables.of(layout)
-    pool_plan = tables.plan(plan.heads)
-    word, vec = _word(pool_plan.align, wire.data_ptr(), pool_plan.base_nbytes)
-    rows = np.array([l * layout.num_kv + k for l in plan.layers for k in range(layout.num_kv)], dtype=np.int64)
-    table = pool_plan.table_bytes[rows].copy()
-    table[:, 0] -= pool_plan.base
+    ptable = tables.plane_table(job.heads)
+    word, vec = _word(ptable.align, wire.data_ptr(), ptable.base_nbytes)
+    rows = np.array([l * layout.num_kv + k for l in job.layers for k in range(layout.num_kv)], dtype=np.int64)
+    table = ptable.table_bytes[rows].copy()
+    table[:, 0] -= ptable.base
     word_dtype = getattr(torch, _WORD_DTYPES[word])
-    consts = _consts(pool_plan, word, vec)
+    consts = _consts(ptable, word, vec)
     args = (tables.pool_words(word, word_dtype), wire.view(word_dtype), torch.from_numpy(table // word),
-            torch.from_numpy(plan.ids.copy()), plan.ids.size)
-    return args, consts, (plan.ids.size, plan.num_planes)
+            torch.from_numpy(job.ids.copy()), job.ids.size)
+    return args, consts, (job.ids.size, job.num_planes)
 
 
-def _consts(pool_plan, word: int, vec: int) -> dict:
-    tile = pool_plan.tile_bytes // word
+def _consts(ptable, word: int, vec: int) -> dict:
+    tile = ptable.tile_bytes // word
     block = min(triton.next_power_of_2(tile), _MAX_BLOCK_BYTES // word)
-    s0, s1, s2 = pool_plan.outer_sizes
-    return dict(S0=s0, S1=s1, S2=s2, ROW=pool_plan.row_bytes // word, TILE=tile, BLOCK=block, VEC=vec)
+    s0, s1, s2 = ptable.outer_sizes
+    return dict(S0=s0, S1=s1, S2=s2, ROW=ptable.row_bytes // word, TILE=tile, BLOCK=block, VEC=vec)
 
 
 def copy(layout, ids, layers: tuple, heads: tuple, wire, *, to_wire: bool) -> None:
@@ -101,7 +101,7 @@ def copy(layout, ids, layers: tuple, heads: tuple, wire, *, to_wire: bool) -> No
 
     Asynchronous on GPU, like any launch; call it under :func:`device_guard` (the caller
     allocated ``wire`` there too, see :func:`~kvxfer.kernels.common.device_guard`). Tables and ids come from the device caches
-    (:mod:`kvxfer.kernels.tables`), so a call plans nothing and copies nothing host->device
+    (:mod:`kvxfer.kernels.tables`), so a call builds no table and copies nothing host->device
     once its request's ids were seen.
     """
     import torch
@@ -111,22 +111,22 @@ def copy(layout, ids, layers: tuple, heads: tuple, wire, *, to_wire: bool) -> No
     if ids.size == 0:
         return
     tables = PoolTables.of(layout)
-    pool_plan = tables.plan(heads)
-    word, vec = _word(pool_plan.align, wire.data_ptr(), pool_plan.base_nbytes)
+    ptable = tables.plane_table(heads)
+    word, vec = _word(ptable.align, wire.data_ptr(), ptable.base_nbytes)
     stream = torch.cuda.current_stream(layout.device) if tables.cuda else None
     table = tables.table(heads, word, layers, stream)
     dev_ids = tables.ids(ids, stream)
     word_dtype = getattr(torch, _WORD_DTYPES[word])
     copy_tiles_kernel[(ids.size, len(layers) * layout.num_kv)](
         tables.pool_words(word, word_dtype), wire.view(word_dtype), table, dev_ids, ids.size,
-        **_consts(pool_plan, word, vec), TO_WIRE=to_wire, num_warps=4)
+        **_consts(ptable, word, vec), TO_WIRE=to_wire, num_warps=4)
 
 
-def triton_copy(layout, plan: CopyPlan, wire, *, to_wire: bool) -> None:
-    """Launch the kernel for ``plan`` on the current stream of the pool's device."""
-    if plan.nbytes == 0:
+def triton_copy(layout, job: TileCopy, wire, *, to_wire: bool) -> None:
+    """Launch the kernel for ``job`` on the current stream of the pool's device."""
+    if job.nbytes == 0:
         return
     from .common import device_guard
 
     with device_guard(layout.device):
-        copy(layout, plan.ids, tuple(plan.layers), tuple(plan.heads), wire, to_wire=to_wire)
+        copy(layout, job.ids, tuple(job.layers), tuple(job.heads), wire, to_wire=to_wire)

@@ -1,6 +1,9 @@
 """Move: backends that carry bytes between registered regions (see :mod:`.base`).
 
-``make_backend(name)`` builds one; UCX is imported only then.
+``make_backend(name)`` builds one; UCX is imported only then. What a piece of a
+transfer becomes: :mod:`.descriptors` (a peer's pool :class:`~.descriptors.Geometry`
+and the coalesced zero-copy descriptors between two pools) and :mod:`.paths` (the
+cost model choosing zero-copy or pack, and the pack path's chunks).
 """
 from __future__ import annotations
 

@@ -67,6 +67,7 @@ class UcxConnection(Connection):
     peer_pid: int = 0
     peer_host: str = ""
     ucx_info: str = ""  # ucp_ep_print_info() of the endpoint (lanes and protocols)
+    lanes: int = 1  # endpoints (TCP connections) a request is striped over (AgentConfig.tcp_lanes)
 
 
 def as_descs(descs):
@@ -112,7 +113,7 @@ class UcxBackend(Backend):
                                   -1 if config.vm_split_bytes is None else config.vm_split_bytes)
         self._allow_vm = allow_vm or require_vm
         self._require_vm = require_vm
-        self._engine = native.Engine(self._allow_vm, settings, config.hugepages)
+        self._engine = native.Engine(self._allow_vm, settings, config.hugepages, config.tcp_lanes)
         self.registry = MemoryRegistry(self._engine, pin=pin)
         self._conns: dict[int, UcxConnection] = {}
 
@@ -126,6 +127,11 @@ class UcxBackend(Backend):
     def num_rejected(self) -> int:
         """Peers' transfers this process refused as their target (a range outside its regions)."""
         return self._engine.num_rejected
+
+    @property
+    def num_endpoints(self) -> int:
+        """UCX endpoints this backend opened to peers and has not closed (every lane counts)."""
+        return self._engine.num_endpoints
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name="ucx", per_desc_overhead_us=0.1)
@@ -161,13 +167,13 @@ class UcxBackend(Backend):
         conn = UcxConnection(peer_id=conn_id, transport=info["transport"],
                              remote_regions=dict(info["regions"]), peer_uid=info["peer_uid"],
                              peer_pid=info["peer_pid"], peer_host=info["peer_host"],
-                             ucx_info=info["ucx_info"])
+                             ucx_info=info["ucx_info"], lanes=info["lanes"])
         if self._require_vm and conn.transport != "vm":
             self._engine.disconnect(conn_id)
             raise KVXferError(f"same-host vm path unavailable to peer pid {conn.peer_pid} "
                               f"on {conn.peer_host!r} (UCX would use {conn.transport})")
-        log.info("connected to peer %x (pid %d on %s) via %s", conn.peer_uid, conn.peer_pid,
-                 conn.peer_host, conn.transport)
+        log.info("connected to peer %x (pid %d on %s) via %s, %d lane(s)", conn.peer_uid, conn.peer_pid,
+                 conn.peer_host, conn.transport, conn.lanes)
         log.debug("UCX endpoint of peer %x:\n%s", conn.peer_uid, conn.ucx_info)
         self._conns[conn_id] = conn
         return conn

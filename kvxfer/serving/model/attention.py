@@ -57,6 +57,34 @@ class _SeqSlice:
     block_ids: torch.Tensor  # [nb] long
 
 
+class _SingleGroup:
+    """One-token chunks that attend together: ``rows`` index the step's one-token chunks;
+    ``tables`` ``[G, nb]`` (padded with block 0), ``mask`` ``[G, 1, 1, nb*B]`` True past
+    each sequence's context."""
+
+    def __init__(self, rows: list[int], seqs: list[_SeqSlice], block_size: int) -> None:
+        width = max(len(s.block_ids) for s in seqs)
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.tables = torch.stack([F.pad(s.block_ids, (0, width - len(s.block_ids))) for s in seqs])
+        ctx = torch.tensor([s.start_pos + 1 for s in seqs])
+        self.mask = (torch.arange(width * block_size) >= ctx[:, None])[:, None, None, :]
+
+
+def _width_groups(widths: list[int]) -> list[list[int]]:
+    """Indices of ``widths`` grouped so no member is padded past twice its own width.
+
+    Decode attention pads a group's block tables to its widest member; one long
+    context in a batch of short ones would otherwise make every sequence attend
+    over the long one's length. Groups are power-of-two width classes, in
+    ascending order of width; padding never changes a sequence's bits (masked
+    positions are exact zeros), so grouping is invisible in the results.
+    """
+    classes: dict[int, list[int]] = {}
+    for index, width in enumerate(widths):
+        classes.setdefault(max(width - 1, 0).bit_length(), []).append(index)
+    return [classes[k] for k in sorted(classes)]
+
+
 class StepBatch:
     """Tensors for one step, built from chunks.
 
@@ -113,13 +141,8 @@ class StepBatch:
         single = [s for s in self.seqs if s.num_tokens == 1]
         self.num_single = len(single)  # rows 0 .. num_single-1: the one-token chunks
         self.single_rows = torch.tensor([s.row for s in single], dtype=torch.long)
-        if single:
-            width = max(len(s.block_ids) for s in single)
-            self.single_tables = torch.stack([F.pad(s.block_ids, (0, width - len(s.block_ids)))
-                                              for s in single])  # [S1, nb] (pad: block 0, masked)
-            ctx = torch.tensor([s.start_pos + 1 for s in single])
-            # [S1, 1, 1, nb*B]: True where the position is past the sequence's context
-            self.single_mask = (torch.arange(width * block_size) >= ctx[:, None])[:, None, None, :]
+        self.single_groups = [_SingleGroup(rows, [single[i] for i in rows], block_size)
+                              for rows in _width_groups([len(s.block_ids) for s in single])]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
@@ -153,19 +176,32 @@ def _attend_single(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     contribute exact zeros, so a sequence's result does not depend on which
     others share the step (tests/test_serving_model.py checks this bitwise).
     """
+    groups = batch.single_groups
+    if len(groups) == 1:
+        return _attend_group(q, cache_k, cache_v, groups[0], scale)
+    out = torch.empty_like(q)
+    for g in groups:  # sequences of similar context length (see _width_groups)
+        out[g.rows] = _attend_group(q[g.rows], cache_k, cache_v, g, scale)
+    return out
+
+
+def _attend_group(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  g: _SingleGroup, scale: float) -> torch.Tensor:
+    """``q`` ``[G, Hq, D]`` of one group's sequences -> ``[G, Hq, D]``."""
     s1, num_heads, head_dim = q.shape
     num_kv_heads = cache_k.shape[2]
     group = num_heads // num_kv_heads
-    # contiguous operands: bmm then runs one fixed GEMM per (sequence, kv head)
-    keys = cache_k[batch.single_tables].flatten(1, 2).permute(0, 2, 3, 1).contiguous()
-    values = cache_v[batch.single_tables].flatten(1, 2).transpose(1, 2).contiguous()
-    length = keys.shape[-1]  # keys [S1, Hkv, D, L], values [S1, Hkv, L, D]
-    qh = q.reshape(s1 * num_kv_heads, group, head_dim)
-    scores = torch.bmm(qh, keys.view(-1, head_dim, length)) * scale  # [S1*Hkv, group, L]
-    scores = scores.view(s1, num_kv_heads, group, length).masked_fill(batch.single_mask,
-                                                                      float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(-1, group, length)
-    out = torch.bmm(probs, values.view(-1, length, head_dim))  # [S1*Hkv, group, D]
+    # One row gather per operand ([G, L, Hkv, D], whole blocks copied as they lie);
+    # then per kv head a bmm over strided [G, L, D] views: no transposing copy.
+    keys = torch.index_select(cache_k, 0, g.tables.flatten()).view(s1, -1, num_kv_heads, head_dim)
+    values = torch.index_select(cache_v, 0, g.tables.flatten()).view(s1, -1, num_kv_heads, head_dim)
+    length = keys.shape[1]
+    qh = q.view(s1, num_kv_heads, group, head_dim)
+    out = q.new_empty((s1, num_kv_heads, group, head_dim))
+    for h in range(num_kv_heads):
+        scores = torch.bmm(qh[:, h], keys[:, :, h].transpose(1, 2)) * scale  # [G, group, L]
+        probs = torch.softmax(scores.masked_fill(g.mask[:, 0], float("-inf")), dim=-1)
+        torch.bmm(probs, values[:, :, h], out=out[:, h])  # [G, group, D]
     return out.view(s1, num_heads, head_dim)
 
 

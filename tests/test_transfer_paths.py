@@ -1,4 +1,4 @@
-"""Planning (descriptors, coalescing, chunks, cost model) and the staging allocator."""
+"""Zero-copy descriptors (coalescing), pack chunks, the cost model and the staging allocator."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kvxfer.control.staging import ALIGN, StagingRing
-from kvxfer.plan import CostModel, Geometry, chunks, coalesce, count_runs, zero_copy_descs
+from kvxfer.transport.descriptors import Geometry, coalesce, count_runs, zero_copy_descs
+from kvxfer.transport.paths import CostModel, pack_chunks
 
 from agent_procs import make_pool
 
@@ -54,13 +55,13 @@ def test_coalesce_only_merges_runs_contiguous_on_both_sides():
     assert coalesce(d).tolist() == [[1, 0, 2, 0, 16], [1, 16, 2, 32, 8], [1, 24, 3, 40, 8]]
 
 
-def test_chunks_cover_everything_within_the_limit():
-    pieces = chunks(10, (0, 1, 2), 100, 450)
+def test_pack_chunks_cover_everything_within_the_limit():
+    pieces = pack_chunks(10, (0, 1, 2), 100, 450)
     covered = [(l, i) for lay, sl in pieces for l in lay for i in range(10)[sl]]
     assert sorted(covered) == [(l, i) for l in range(3) for i in range(10)]
     assert all(len(lay) * len(range(10)[sl]) * 100 <= 450 for lay, sl in pieces)
     with pytest.raises(ValueError):
-        chunks(1, (0,), 1000, 10)
+        pack_chunks(1, (0,), 1000, 10)
 
 
 def test_cost_model_prefers_pack_for_short_runs():

@@ -1,23 +1,18 @@
-"""From two pools and two lists of block ids to what the backend must do.
+"""Zero-copy descriptors: from two pools and two lists of block ids to the backend's
+``int64 [n, 5]`` rows (local region, local offset, remote region, remote offset, length).
 
 :class:`Geometry` is the part of a :class:`~kvxfer.KVLayout` a *peer* needs:
 sizes, this rank's global head range, and for each (layer, kv) plane its
 region, byte offset and byte strides ``(N, B, H, D)``. It crosses the control
 channel (after authentication) so that P can compute byte addresses in D's pool.
 
-:func:`plan_transfer` picks a path:
-
-* **zero-copy** -- one descriptor per contiguous run, straight from P's pool
-  into D's pool. Runs are found per block "tile" ``[B, heads, D]`` by walking
-  both tiles in the same element order (memory order when both planes have the
-  same inner strides, the wire order ``B, H, D`` otherwise) and cutting wherever
-  either side stops being contiguous; runs adjacent across blocks, K/V and
-  layers are then coalesced.
-* **pack** -- gather on P into wire format, one write into D's staging ring,
-  scatter on D; chosen when runs are short (e.g. NHD <-> HND: ``D`` elements).
-
-:class:`CostModel` compares ``descs * per_desc_us`` with the pack/unpack time
-plus the staging round trip. Both paths move identical bytes to identical places.
+:func:`zero_copy_descs` emits one descriptor per contiguous run, straight from
+P's pool into D's pool. Runs are found per block "tile" ``[B, heads, D]`` by
+walking both tiles in the same element order (memory order when both planes
+have the same inner strides, the wire order ``B, H, D`` otherwise) and cutting
+wherever either side stops being contiguous; runs adjacent across blocks, K/V
+and layers are then coalesced. :func:`count_runs` bounds their number for the
+cost model (:mod:`.paths`), which picks between this path and pack.
 """
 from __future__ import annotations
 
@@ -26,7 +21,8 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from .errors import LayoutMismatch, ProtocolError
+from .._dims import strided_nbytes
+from ..errors import LayoutMismatch, ProtocolError
 
 
 @dataclass(frozen=True)
@@ -58,12 +54,12 @@ class Geometry:
 
     @cached_property
     def _plane_cache(self) -> dict:
-        """Per-geometry memo of planned columns and descriptor templates (see below)."""
+        """Per-geometry memo of plane columns and descriptor templates (see below)."""
         return {}
 
     @cached_property
     def is_uniform(self) -> bool:
-        """Every plane has the same strides (the usual case): plan all planes in one numpy pass."""
+        """Every plane has the same strides (the usual case): describe all planes in one numpy pass."""
         return len({p[2:] for p in self.planes}) == 1
 
     def plane(self, layer: int, kv: int) -> tuple:
@@ -84,7 +80,7 @@ class Geometry:
                    layout.head_range[0], tuple(planes), tuple(n for _, n in spans))
 
     def to_wire(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}  # not the plan caches
+        out = {f.name: getattr(self, f.name) for f in fields(self)}  # not the memo caches
         out["planes"] = [list(p) for p in self.planes]
         out["region_sizes"] = list(self.region_sizes)
         return out
@@ -111,8 +107,7 @@ class Geometry:
             for p in planes:
                 if len(p) != 6 or not all(type(v) is int and v >= 0 for v in p) or p[0] >= len(sizes):
                     raise ValueError("plane")
-                last = p[1] + sum((n - 1) * s for n, s in zip(dims, p[2:])) + ints["itemsize"]
-                if last > sizes[p[0]]:
+                if p[1] + strided_nbytes(dims, p[2:], ints["itemsize"]) > sizes[p[0]]:
                     raise ValueError("plane outside its region")
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"invalid layout geometry from peer ({exc})") from None
@@ -261,39 +256,3 @@ def coalesce(descs: np.ndarray) -> np.ndarray:
     out = descs[starts].copy()
     out[:, 4] = np.add.reduceat(descs[:, 4], starts)
     return out
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Microseconds per path; zero-copy wins unless its runs are short."""
-
-    per_desc_us: float = 1.0  # backend's per-descriptor cost (Capabilities)
-    pack_gbps: float = 4.0  # gather (and again scatter) rate on this host
-    # the staging grant round trip plus the extra worker hand-offs of the pack path;
-    # measured 0.5-2 ms per small pack request on a loaded 2-core host
-    stage_rtt_us: float = 500.0
-
-    def zero_copy_us(self, num_descs: int) -> float:
-        return num_descs * self.per_desc_us
-
-    def pack_us(self, nbytes: int) -> float:
-        return 2 * nbytes / (self.pack_gbps * 1e3) + self.stage_rtt_us
-
-    def choose(self, num_descs: int, nbytes: int) -> str:
-        return "zero_copy" if self.zero_copy_us(num_descs) <= self.pack_us(nbytes) else "pack"
-
-
-def chunks(num_ids: int, layers: tuple, tile_nbytes: int, max_nbytes: int) -> list:
-    """Split a pack transfer into ``(layers, id_slice)`` pieces of at most ``max_nbytes``.
-
-    ``tile_nbytes`` is the wire size of one block of one layer (K and V).
-    """
-    if tile_nbytes > max_nbytes:
-        raise ValueError(f"one block-layer ({tile_nbytes} B) exceeds the staging chunk ({max_nbytes} B)")
-    per_layer = num_ids * tile_nbytes
-    if per_layer <= max_nbytes:
-        step = max(1, max_nbytes // per_layer)
-        return [(layers[i:i + step], slice(0, num_ids)) for i in range(0, len(layers), step)]
-    step = max_nbytes // tile_nbytes
-    return [((layer,), slice(i, min(i + step, num_ids)))
-            for layer in layers for i in range(0, num_ids, step)]

@@ -1,0 +1,117 @@
+"""The package's import graph, read with ``ast`` (nothing is imported to check it):
+
+- the library core never imports serving, bench, loadgen, cli, integrations or report;
+- report (shared by bench and loadgen) imports no other kvxfer module, and loadgen
+  and report never import bench;
+- bench and loadgen reach the library only through its public surface: the names in
+  ``__all__`` of ``kvxfer``, ``kvxfer.errors``, ``kvxfer.kernels`` and
+  ``kvxfer.transport`` (docs/api.md, "Public surface"), plus ``kvxfer.report`` and
+  their own package; never an underscore name or an internal module.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import kvxfer
+
+ROOT = Path(kvxfer.__file__).parent
+CORE = ["*.py", "control/*.py", "transport/*.py", "kernels/*.py"]
+OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report")
+PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport")
+
+
+def imports(path: Path, source: str | None = None) -> list[tuple[str, str | None]]:
+    """``(absolute module, imported name or None)`` for every import in ``path``, a file of
+    the package (``source`` overrides its text)."""
+    package = path.relative_to(ROOT.parent).with_suffix("").parts[:-1]  # e.g. (kvxfer, bench)
+    out = []
+    for node in ast.walk(ast.parse(source if source is not None else path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            out += [(module, a.name) for a in node.names]
+    return out
+
+
+def _public_names(module: str) -> set:
+    return set(importlib.import_module(module).__all__)
+
+
+def public_surface_violations(path: Path, source: str | None = None) -> list[str]:
+    """Imports of ``path`` (a file of kvxfer/bench or kvxfer/loadgen) outside the public surface."""
+    own = ".".join(path.relative_to(ROOT.parent).parts[:2])  # kvxfer.bench or kvxfer.loadgen
+
+    def open_module(module: str) -> bool:  # any public name of it may be imported
+        return any(module == m or module.startswith(m + ".") for m in (own, "kvxfer.report"))
+
+    bad = []
+    for module, name in imports(path, source):
+        if module != "kvxfer" and not module.startswith("kvxfer."):
+            continue
+        parts = module.split(".") + ([name] if name else [])
+        if any(p.startswith("_") for p in parts[1:]):
+            bad.append(f"{module}.{name} (private)")
+        elif module in PUBLIC_MODULES:
+            sub = f"{module}.{name}"
+            if name is not None and name not in _public_names(module) and not (
+                    sub in PUBLIC_MODULES or open_module(sub)):
+                bad.append(f"{sub} (not in {module}.__all__)")
+        elif not open_module(module):
+            bad.append(f"{module} (internal module)")
+    return bad
+
+
+def _files(*patterns: str) -> list[Path]:
+    return sorted(p for pattern in patterns for p in ROOT.glob(pattern))
+
+
+def test_core_imports_nothing_above_it():
+    for path in _files(*CORE):
+        above = {m for m, _ in imports(path) if m.split(".")[:2][-1] in OUTSIDE_CORE and m.startswith("kvxfer.")}
+        assert not above, f"{path.relative_to(ROOT)} imports {above}"
+
+
+def test_report_is_below_bench_and_loadgen():
+    assert ("kvxfer.report.stats", "summarize") in imports(ROOT / "loadgen" / "metrics.py")
+    for path in _files("loadgen/*.py", "report/*.py"):
+        bad = {m for m, _ in imports(path) if m.startswith("kvxfer.bench")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+    for path in _files("report/*.py"):
+        bad = {m for m, _ in imports(path) if m.startswith("kvxfer.") and not m.startswith("kvxfer.report")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("area", ["bench", "loadgen"])
+def test_bench_and_loadgen_use_the_public_surface_only(area):
+    paths = _files(f"{area}/*.py")
+    assert paths
+    for path in paths:
+        bad = public_surface_violations(path)
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("source, found", [
+    ("from .._native import load", "kvxfer._native.load (private)"),
+    ("from ..kernels.cpu import num_threads", "kvxfer.kernels.cpu (internal module)"),
+    ("from ..kernels import prepare_pack", "kvxfer.kernels.prepare_pack (not in kvxfer.kernels.__all__)"),
+    ("import kvxfer.control.sender", "kvxfer.control.sender (internal module)"),
+    ("from ..agent import Agent", "kvxfer.agent (internal module)"),
+    ("from .endpoint import _pattern", "kvxfer.bench.endpoint._pattern (private)"),
+    ("from .. import runs", "kvxfer.runs (not in kvxfer.__all__)"),
+    ("from ..loadgen.trace import TraceRequest", "kvxfer.loadgen.trace (internal module)"),
+])
+def test_the_check_finds_private_and_internal_imports(source, found):
+    assert public_surface_violations(ROOT / "bench" / "probe.py", source) == [found]
+
+
+def test_the_check_allows_the_public_surface():
+    source = ("import kvxfer\nfrom .. import Agent, KVLayout, pack, kernels\nfrom ..errors import KVXferError\n"
+              "from ..transport import make_backend\nfrom ..kernels import num_threads\n"
+              "from .. import report\nfrom ..report.stats import summarize\nfrom .copy_limit import MemcpyLimit\n")
+    assert public_surface_violations(ROOT / "bench" / "probe.py", source) == []

@@ -42,6 +42,7 @@ def disaggregated(tmp_path_factory):
     # tests/faults/sitecustomize.py: Agent.send fails in the workers while fault_file exists
     faults = str(Path(__file__).parent / "faults")
     server = Server("--prefill", "1", "--decode", "1", "--on-transfer-failure", "recompute",
+                    "--prefill-nice", "5",
                     env={"KVXFER_FAULT_FILE": str(fault_file),
                          "PYTHONPATH": os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")])})
     server.fault_file = fault_file
@@ -66,6 +67,18 @@ def test_disaggregated_equals_colocated(disaggregated, reference):
         assert got["kvxfer"]["kv_bytes"] > 0
         assert got["kvxfer"]["kv_transfer_ms"] is not None
     assert ref["kvxfer"]["prefill_worker"] is None  # the baseline moved nothing
+
+
+def test_prefill_workers_run_at_their_nice_value(disaggregated):
+    """--prefill-nice 5: the prefill worker (every thread: set before any starts) runs 5
+    nice levels below the decode worker (both start at the launcher's level)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    workers = {w["role"]: w for w in disaggregated.health()["workers"]}
+    assert workers["decode"]["nice"] == base and workers["prefill"]["nice"] == min(19, base + 5)
+    pid = workers["prefill"]["pid"]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        assert int(stat[16]) == min(19, base + 5)  # field 19 of proc(5): nice
 
 
 def test_prefix_blocks_are_not_sent_again(disaggregated, reference):

@@ -10,6 +10,7 @@ import pytest
 from kvxfer.errors import ProtocolError
 from kvxfer.serving.server import ipc
 from kvxfer.serving.server.prom import Registry
+from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
 from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
 from kvxfer.serving.server.sse import DONE, event
 
@@ -81,7 +82,9 @@ def test_cpu_groups_and_worker_specs():
         ("colocated-0", (0, 1), 1), ("colocated-1", (0, 1), 1)]
     for bad in (dict(num_colocated=1), dict(num_prefill=0), dict(on_transfer_failure="retry"),
                 dict(cpu_groups=((0,), (1,), (2,))), dict(schedule="fifo"),
-                dict(local_prefill_tokens=-1), dict(local_prefill_queue=-2)):
+                dict(local_prefill_tokens=-1), dict(local_prefill_queue=-2),
+                dict(prefill_nice=-1), dict(prefill_nice=20), dict(prefill_nice=1.5),
+                dict(num_prefill=2, num_decode=1, prefill_nice=5, adaptive=AdaptivePolicy())):
         with pytest.raises(ValueError):
             ServeConfig(**bad)
 
@@ -94,10 +97,10 @@ def test_serve_cli_passes_schedule_and_local_prefill_flags():
     parser = argparse.ArgumentParser()
     serve.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--schedule", "separate", "--local-prefill-tokens", "32",
-                              "--local-prefill-queue", "3"])
+                              "--local-prefill-queue", "3", "--prefill-nice", "7"])
     config = serve.config_from_args(args)
-    assert (config.schedule, config.local_prefill_tokens, config.local_prefill_queue) == \
-        ("separate", 32, 3)
+    assert (config.schedule, config.local_prefill_tokens, config.local_prefill_queue,
+            config.prefill_nice) == ("separate", 32, 3, 7)
 
 
 def test_sse_event_format():

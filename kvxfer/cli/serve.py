@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
     p.add_argument("--local-prefill-queue", type=int, default=0, metavar="K",
                    help="disaggregated: prefill on the decode worker while the prefill worker "
                         "holds K or more requests (0: off)")
+    p.add_argument("--prefill-nice", type=int, default=0, metavar="N",
+                   help="disaggregated: run prefill workers N nice levels (0-19) below decode ones, so "
+                        "that decode workers sharing their CPU group (one --cpus group for all) take the "
+                        "CPU first and prefill fills what decode leaves (0: off)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--retries", type=int, default=0, metavar="N",
                    help="place a request again (up to N times) on another worker of the same "
@@ -100,7 +104,7 @@ def config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         schedule=args.schedule, matmul_dtype=args.matmul_dtype,
         local_prefill_tokens=args.local_prefill_tokens,
-        local_prefill_queue=args.local_prefill_queue,
+        local_prefill_queue=args.local_prefill_queue, prefill_nice=args.prefill_nice,
         transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes, retries=args.retries,

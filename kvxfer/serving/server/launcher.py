@@ -91,6 +91,8 @@ class WorkerProcess(WorkerRef):
                 "--log-level", config.log_level]
         if self.spec.cpus is not None:
             args += ["--cpus", ",".join(map(str, self.spec.cpus))]
+        if self.role == "prefill" and config.prefill_nice:
+            args += ["--nice", str(config.prefill_nice)]
         if config.model_path:
             args += ["--model", config.model_path]
         env = dict(os.environ)
@@ -129,6 +131,7 @@ class WorkerProcess(WorkerRef):
                 "restarting": self.is_restarting,
                 "cpus": list(self.spec.cpus) if self.spec.cpus else None,
                 "threads": self.spec.num_threads, "matmul": self.info.get("matmul"),
+                "nice": self.info.get("nice"),
                 "transport": self.info.get("transport")}
 
 

@@ -71,6 +71,7 @@ class ServeConfig:
     matmul_dtype: str = EngineConfig.matmul_dtype  # of every worker (auto: by CPU)
     local_prefill_tokens: int = 0  # prefill uncached prompts shorter than this on the decode worker
     local_prefill_queue: int = 0  # ... and every prompt while the prefill worker holds this many
+    prefill_nice: int = 0  # prefill workers run this many nice levels below decode workers
     startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
@@ -108,6 +109,8 @@ class ServeConfig:
                              f"got {self.matmul_dtype!r}")
         if self.local_prefill_tokens < 0 or self.local_prefill_queue < 0:
             raise ValueError("local prefill thresholds must be >= 0 (0: off)")
+        if type(self.prefill_nice) is not int or not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be an int in [0, 19], got {self.prefill_nice!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if self.max_body_bytes < 1:
@@ -123,6 +126,9 @@ class ServeConfig:
                                  "--colocated or --discovery")
             if num_workers < 3:
                 raise ValueError("--adaptive needs at least 3 workers (a role is never left empty)")
+            if self.prefill_nice:
+                raise ValueError("--prefill-nice is set when a worker starts; --adaptive moves "
+                                 "workers between roles: not both")
         if self.adaptive_slo_ms is not None and not all(v > 0 for v in self.adaptive_slo_ms):
             raise ValueError("adaptive SLO values must be > 0")
         if len(self.cpu_groups) not in (0, 1, num_workers):

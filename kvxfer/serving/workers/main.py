@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None)
     p.add_argument("--cpus", default=None, help="CPU list to pin to, e.g. 0 or 2-3")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="N",
+                   help="run this many nice levels below the launcher (0-19; before any thread starts)")
     p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     agent = None
     registration = None
     try:
+        if args.nice:  # before torch's pools and the agent's threads, which inherit it
+            os.nice(args.nice)
         _pin(args.cpus, args.threads)
         from .loop import WorkerContext
         from ..engine.runtime import Runtime
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
              "num_blocks": config.num_blocks, "block_size": config.block_size,
              "threads": args.threads, "matmul": runtime.model.matmul_dtype,
              "kv_fingerprint": runtime.cache.kv_layout().fingerprint(),
-             "cpus": sorted(os.sched_getaffinity(0))}
+             "cpus": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
     channel.send(ready)
     try:
         if args.discovery:

@@ -70,8 +70,8 @@ def test_disaggregated_equals_colocated(disaggregated, reference):
 
 
 def test_prefill_workers_run_at_their_nice_value(disaggregated):
-    """--prefill-nice 5: the prefill worker (every thread: set before any starts) runs 5
-    nice levels below the decode worker (both start at the launcher's level)."""
+    """--prefill-nice 5: the prefill worker (every thread: set before any starts) runs at 5
+    nice levels more than the decode worker (both start at the launcher's level)."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     workers = {w["role"]: w for w in disaggregated.health()["workers"]}
     assert workers["decode"]["nice"] == base and workers["prefill"]["nice"] == min(19, base + 5)

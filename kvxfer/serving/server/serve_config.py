@@ -71,7 +71,7 @@ class ServeConfig:
     matmul_dtype: str = EngineConfig.matmul_dtype  # of every worker (auto: by CPU)
     local_prefill_tokens: int = 0  # prefill uncached prompts shorter than this on the decode worker
     local_prefill_queue: int = 0  # ... and every prompt while the prefill worker holds this many
-    prefill_nice: int = 0  # prefill workers run this many nice levels below decode workers
+    prefill_nice: int = 0  # prefill workers run at +N nice (lower priority) than decode workers
     startup_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
     request_timeout_s: float = 600.0

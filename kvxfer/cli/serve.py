@@ -46,10 +46,9 @@ def add_parser(sub) -> None:
                    help="disaggregated: prefill on the decode worker while the prefill worker "
                         "holds K or more requests (0: off)")
     p.add_argument("--prefill-nice", type=int, default=0, metavar="N",
-                   help="disaggregated: run prefill workers at N (0-19) more nice levels (lower "
-                        "priority) than decode ones, so "
-                        "that decode workers sharing their CPU group (one --cpus group for all) take the "
-                        "CPU first and prefill fills what decode leaves (0: off)")
+                   help="disaggregated: prefill workers run at N (0-19) more nice levels (lower "
+                        "priority) than decode workers, so a decode worker sharing their CPU "
+                        "group (one --cpus group for all) takes the CPU first (0: off)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--retries", type=int, default=0, metavar="N",
                    help="place a request again (up to N times) on another worker of the same "

@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpus", default=None, help="CPU list to pin to, e.g. 0 or 2-3")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="N",
-                   help="add this much nice (0-19: lower priority) to the launcher's, before any thread starts")
+                   help="add this much nice (0-19: lower priority), before any thread starts")
     p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int,

@@ -172,7 +172,8 @@ def _attend_single(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     """Attention of every one-token chunk at once: ``q`` ``[S1, Hq, D]`` -> ``[S1, Hq, D]``.
 
     Each sequence's keys are gathered through its block table, padded to the
-    longest table in the step and masked past its context. Masked positions
+    longest table of its width group (:func:`_width_groups`) and masked past its
+    context. Masked positions
     contribute exact zeros, so a sequence's result does not depend on which
     others share the step (tests/test_serving_model.py checks this bitwise).
     """

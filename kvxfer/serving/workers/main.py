@@ -106,6 +106,8 @@ def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.Simp
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.nice:  # before any thread starts (channel reader, torch pools, agent): they inherit it
+        os.nice(args.nice)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     from ..server.ipc import WorkerChannel
@@ -124,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     agent = None
     registration = None
     try:
-        if args.nice:  # before torch's pools and the agent's threads, which inherit it
-            os.nice(args.nice)
         _pin(args.cpus, args.threads)
         from .loop import WorkerContext
         from ..engine.runtime import Runtime

@@ -33,9 +33,10 @@ log = logging.getLogger("kvxfer")
 # task ran for most of a time slice (this agent's own threads run far shorter between
 # waits): the CPU is contended, and a polling thread would wait a whole slice to get it
 # back, where a blocked one woken by its message preempts. The loop then blocks and
-# does not poll for SPIN_BACKOFF_S.
+# does not poll for SPIN_BACKOFF_S (2 ms: the contending task is often this process's own
+# thread between two trips; 50 ms kept the loop from polling for dozens of round trips).
 SPIN_CONTENDED_NS = 200_000
-SPIN_BACKOFF_S = 0.05
+SPIN_BACKOFF_S = 0.002
 
 
 class Timer:

@@ -8,6 +8,7 @@
 
 #include "copy.h"
 #include "errors.h"      // registration and transfer engine
+#include "shared_mem.h"
 #include "spin.h"
 #include "ucx_engine.h"  // registration and transfer engine
 #include "vm_copy.h"
@@ -54,6 +55,22 @@ PYBIND11_MODULE(_C, m) {
             [](size_t threads, long long split_bytes) { kvxfer::set_vm_copy_config(threads, split_bytes); },
             py::arg("threads"), py::arg("split_bytes"),
             "Same-host copy threads (0: default) and split size (< 0: default), process-wide (vm_copy.h).");
+    }
+
+    // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----
+    {
+        m.def("shared_alloc", &kvxfer::shared_alloc, py::arg("length"), py::call_guard<py::gil_scoped_release>(),
+              "Zeroed, populated shared memory (sealed memfd) of >= length bytes -> address.");
+        m.def("shared_free", &kvxfer::shared_free, py::arg("addr"), py::call_guard<py::gil_scoped_release>(),
+              "Unmap an allocation of shared_alloc; False if addr is not one.");
+        m.def("shared_lookup", [](uintptr_t addr, size_t length) {
+                const kvxfer::ShmRef r = kvxfer::shared_lookup(addr, length);
+                py::list pieces;
+                for (const auto& p : r.pieces) pieces.append(py::make_tuple(p.fd, p.ino, p.size));
+                return py::make_tuple(r.offset, pieces);
+            }, py::arg("addr"), py::arg("length"),
+            "-> (offset in the first, [(fd, inode, size), ...]) of the allocations covering the range "
+            "back to back; no pieces if none.");
     }
 
     // ---- bounded busy-polling for the control plane's latency path (spin.h) ----
@@ -131,7 +148,11 @@ PYBIND11_MODULE(_C, m) {
             .def("conn_info", [](Engine& e, uint64_t id) {
                     const kvxfer::PeerConn& c = e.conn(id);
                     py::dict regions;
-                    for (const auto& kv : c.regions) regions[py::int_(kv.first)] = py::make_tuple(kv.second.addr, kv.second.length);
+                    size_t shared = 0;
+                    for (const auto& kv : c.regions) {
+                        regions[py::int_(kv.first)] = py::make_tuple(kv.second.addr, kv.second.length);
+                        shared += kv.second.shm_addr != 0;
+                    }
                     py::dict d;
                     d["transport"] = c.transport;
                     d["peer_uid"] = c.peer.uid;
@@ -141,6 +162,7 @@ PYBIND11_MODULE(_C, m) {
                     d["lanes"] = c.lanes.size();
                     d["failed"] = c.failed;
                     d["regions"] = regions;
+                    d["shared_regions"] = shared;  // remote regions written with memcpy (vm path)
                     return d;
                 }, py::arg("conn_id"))
             .def("disconnect", &Engine::disconnect, py::arg("conn_id"), py::call_guard<py::gil_scoped_release>())

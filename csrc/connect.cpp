@@ -87,6 +87,22 @@ void Engine::open_lanes(PeerConn& c) {
     while (c.lanes.size() < tcp_lanes_) c.lanes.push_back(open_ep(c.peer, c));
 }
 
+// vm path: the peer's regions inside its shared allocations become plain memory
+// here (shared_mem.h); the pid is checked again after opening, so a pid reused in
+// between cannot pass.
+void Engine::map_shared(PeerConn& c, const PeerInfo& info) {
+    c.segments = std::make_unique<PeerSegments>();
+    for (const RegionAd& ad : info.regions) {
+        if (ad.kind != 0 || ad.shm.pieces.empty()) continue;
+        auto it = c.regions.find(ad.id);
+        if (it != c.regions.end()) it->second.shm_addr = c.segments->map(c.process->pid(), ad.shm, ad.length);
+    }
+    if (!c.process->alive()) {
+        for (auto& kv : c.regions) kv.second.shm_addr = 0;
+        c.segments.reset();
+    }
+}
+
 uint64_t Engine::connect(const std::string& peer_metadata, bool allow_vm) {
     PeerInfo info = decode_metadata(peer_metadata);  // ProtocolError before touching UCX
     std::lock_guard<std::mutex> g(mu_);
@@ -113,6 +129,7 @@ uint64_t Engine::connect(const std::string& peer_metadata, bool allow_vm) {
         if (proc->alive() && vm_probe(proc->pid(), info.probe_addr, info.probe_length, info.probe_token)) {
             c->process = std::move(proc);
             c->use_vm = true;
+            map_shared(*c, info);
         }
     }
     if (!c->use_vm && same_host(self_, info))  // for liveness checks on the UCX path

@@ -11,12 +11,11 @@
 #endif
 
 namespace kvxfer {
-namespace {
 
 // memcpy, or, for copies far larger than the caches, non-temporal stores: libc uses
 // them only for one huge memcpy, so a gather of 32 KiB tiles would otherwise pay a
 // read-for-ownership of every destination line (1.5x the memory traffic).
-inline void copy_bytes(char* dst, const char* src, int64_t n, bool streaming) {
+void copy_bytes(char* dst, const char* src, int64_t n, bool streaming) {
 #if defined(__SSE2__)
     if (streaming && n >= 256) {
         const int64_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
@@ -40,11 +39,13 @@ inline void copy_bytes(char* dst, const char* src, int64_t n, bool streaming) {
     std::memcpy(dst, src, n);
 }
 
-inline void fence(bool streaming) {
+void fence(bool streaming) {
 #if defined(__SSE2__)
     if (streaming) _mm_sfence();  // order the streaming stores before the caller sees "done"
 #endif
 }
+
+namespace {
 
 void copy_range(const TileCopy& j, bool to_wire, int64_t first, int64_t last) {
     const bool st = j.streaming;

@@ -28,6 +28,14 @@ struct TileCopy {
 // `num_threads` threads (1 = calling thread only). Returns when all bytes are copied.
 void copy_tiles(const TileCopy& job, bool to_wire, int num_threads);
 
+// n bytes src -> dst: memcpy, or with streaming non-temporal stores (from 256 bytes);
+// a thread calls fence(true) after its last streaming copy, before it reports done.
+void copy_bytes(char* dst, const char* src, int64_t n, bool streaming);
+void fence(bool streaming);
+// Batches from this size are copied with streaming stores (the pack kernels'
+// kvxfer.kernels.STREAM_BYTES and the same-host shared-memory path).
+constexpr int64_t kStreamBytes = int64_t{32} << 20;
+
 // Contiguous memcpy split across threads: the baseline the benchmark compares with.
 void memcpy_parallel(uintptr_t dst, uintptr_t src, int64_t nbytes, int num_threads);
 

@@ -12,7 +12,7 @@ namespace kvxfer {
 namespace {
 
 constexpr char kMagic[4] = {'K', 'V', 'X', 'M'};
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 constexpr uint32_t kMaxString = 1u << 20;
 constexpr uint32_t kMaxRegions = 1u << 20;
 
@@ -90,6 +90,13 @@ std::string encode_metadata(const PeerInfo& info) {
         w.pod<uint64_t>(r.length);
         w.pod<uint32_t>(r.kind);
         w.str(r.rkey);
+        w.pod<uint64_t>(r.shm.offset);
+        w.pod<uint32_t>(static_cast<uint32_t>(r.shm.pieces.size()));
+        for (const ShmPiece& p : r.shm.pieces) {
+            w.pod<int32_t>(p.fd);
+            w.pod<uint64_t>(p.ino);
+            w.pod<uint64_t>(p.size);
+        }
     }
     w.pod<uint64_t>(fnv1a(w.out.data(), w.out.size()));
     return w.out;
@@ -125,7 +132,23 @@ PeerInfo decode_metadata(const std::string& bytes) {
         ad.length = r.pod<uint64_t>();
         ad.kind = r.pod<uint32_t>();
         ad.rkey = r.str();
-        if (ad.length == 0 || ad.kind > 1 || ad.addr + ad.length < ad.addr || ad.rkey.empty())
+        ad.shm.offset = r.pod<uint64_t>();
+        const uint32_t pieces = r.pod<uint32_t>();
+        if (pieces > kMaxShmPieces) throw ProtocolError("peer metadata: too many shared-memory pieces");
+        uint64_t shm_bytes = 0;
+        bool shm_ok = true;
+        for (uint32_t k = 0; k < pieces; ++k) {
+            ShmPiece p;
+            p.fd = r.pod<int32_t>();
+            p.ino = r.pod<uint64_t>();
+            p.size = r.pod<uint64_t>();
+            shm_ok = shm_ok && p.fd >= 0 && p.size > 0 && shm_bytes + p.size > shm_bytes;
+            shm_bytes += p.size;
+            ad.shm.pieces.push_back(p);
+        }
+        if (pieces > 0 && (ad.kind != 0 || ad.shm.offset > shm_bytes || ad.length > shm_bytes - ad.shm.offset))
+            shm_ok = false;
+        if (ad.length == 0 || ad.kind > 1 || ad.addr + ad.length < ad.addr || ad.rkey.empty() || !shm_ok)
             throw ProtocolError("peer metadata: malformed region " + std::to_string(ad.id));
         info.regions.push_back(std::move(ad));
     }

@@ -1,6 +1,6 @@
 // The bytes one engine gives its peers (after the agent authenticated them):
 // identity for same-host detection, the UCX worker address, the vm probe area,
-// and every region (id, addr, length, packed rkey).
+// and every region (id, addr, length, packed rkey, shared-memory reference).
 //
 // Layout (little-endian): "KVXM" u16 version, then the fields of PeerInfo in
 // order, each string as u32 length + bytes, then an FNV-1a 64 checksum of all
@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "shared_mem.h"
+
 namespace kvxfer {
 
 struct RegionAd {
@@ -20,6 +22,7 @@ struct RegionAd {
     uint64_t length = 0;
     uint32_t kind = 0;  // MemKind: 0 host, 1 cuda
     std::string rkey;
+    ShmRef shm;  // host memory in kvxfer shared allocations (shared_mem.h); no pieces otherwise
 };
 
 struct PeerInfo {

@@ -170,7 +170,9 @@ std::string Engine::metadata() {
     require_open();
     PeerInfo info = self_;
     for (const Region* r : registry_->all()) {
-        info.regions.push_back({r->id, r->addr, r->length, static_cast<uint32_t>(r->mapping->kind), r->mapping->rkey});
+        RegionAd ad{r->id, r->addr, r->length, static_cast<uint32_t>(r->mapping->kind), r->mapping->rkey, {}};
+        if (r->mapping->kind == MemKind::Host) ad.shm = shared_lookup(r->addr, r->length);
+        info.regions.push_back(std::move(ad));
     }
     return encode_metadata(info);
 }
@@ -194,6 +196,12 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
     for (const Op& op : ops) all_host = all_host && op.is_host;
     if (c.use_vm && all_host) {  // device memory goes through UCX (cuda_ipc on one host)
         vm_transfer(c.process->pid(), ops, is_write);
+        // A peer that died during a copy into its shared memory raised nothing.
+        if (!c.process->alive()) {
+            c.failed = true;
+            c.failure = "peer process " + std::to_string(c.process->pid()) + " exited";
+            throw PeerDisconnected(c.failure);
+        }
         r.done = true;  // the copy finished inside post()
         requests_[id] = std::move(r);
         retire(id);

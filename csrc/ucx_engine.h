@@ -11,7 +11,8 @@
 //
 // Completion: a request is complete when test() returns true / wait() returns.
 // For a write the bytes are then visible in the peer's memory (UCX path: after
-// ucp_ep_flush_nbx completed; vm path: process_vm_writev returned in post()).
+// ucp_ep_flush_nbx completed; vm path: process_vm_writev or the memcpy into the
+// peer's shared memory returned in post()).
 // For a read the bytes are in local memory.
 #pragma once
 #include <ucp/api/ucp.h>
@@ -29,6 +30,7 @@
 #include "am_batch.h"
 #include "metadata.h"
 #include "registry.h"
+#include "shared_mem.h"
 #include "stripe.h"
 #include "validate.h"
 #include "vm_copy.h"
@@ -42,6 +44,7 @@ struct PeerConn {
     std::vector<ucp_ep_h> lanes;    // every endpoint to the peer, lanes[0] == ep (stripe.h)
     std::unordered_map<uint64_t, RemoteRegion> regions;
     std::unique_ptr<PeerProcess> process;  // same host only
+    std::unique_ptr<PeerSegments> segments;  // vm path: the peer's shared memory mapped here
     bool use_vm = false;
     bool am_rma = false;    // UCX emulates RMA with active messages: host ops go target-checked (am_batch.h)
     std::string transport;  // "vm", "ucx:cma", "ucx:tcp", ...
@@ -151,6 +154,7 @@ private:
     ucp_ep_h open_ep(const PeerInfo& info, PeerConn& c);  // connect.cpp; throws PeerDisconnected
     void open_lanes(PeerConn& c);                         // connect.cpp: the extra TCP lanes
     void say_bye(PeerConn& c);                            // connect.cpp: before close_ep
+    void map_shared(PeerConn& c, const PeerInfo& info);   // connect.cpp: vm path, shared memory
 
     std::mutex mu_;
     bool allow_vm_;

@@ -68,16 +68,17 @@ std::vector<Op> validate_batch(const int64_t* d, size_t n, const Registry& local
         lspans[i] = {laddr, laddr + ulen, i};
         rspans[i] = {raddr, raddr + ulen, i};
         ucp_mem_h memh = lr->mapping->memh;
+        const uintptr_t shm = rr->shm_addr ? rr->shm_addr + static_cast<uintptr_t>(roff) : 0;
         if (!ops.empty()) {
             Op& p = ops.back();
             if (p.memh == memh && p.rkey == rr->rkey && p.laddr + p.length == laddr &&
-                p.raddr + p.length == raddr) {
+                p.raddr + p.length == raddr && (p.shm ? p.shm + p.length == shm : shm == 0)) {
                 p.length += ulen;
                 continue;
             }
         }
         ops.push_back({laddr, raddr, static_cast<size_t>(ulen), memh, rr->rkey,
-                       rr->is_host && lr->mapping->kind == MemKind::Host});
+                       rr->is_host && lr->mapping->kind == MemKind::Host, shm});
     }
     check_disjoint(lspans, "local");
     check_disjoint(rspans, "remote");

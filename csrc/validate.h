@@ -24,6 +24,7 @@ struct RemoteRegion {
     uint64_t length = 0;
     ucp_rkey_h rkey = nullptr;
     bool is_host = true;
+    uintptr_t shm_addr = 0;  // vm path: the region's first byte mapped here (shared_mem.h), else 0
 };
 
 struct Op {
@@ -33,6 +34,7 @@ struct Op {
     ucp_mem_h memh;
     ucp_rkey_h rkey;
     bool is_host;  // both sides host memory (the vm path may carry it)
+    uintptr_t shm;  // raddr mapped into this process (vm path, shared memory), else 0
 };
 
 // Throws InvalidDescriptor naming the first offending row.

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "copy.h"
 #include "errors.h"
 
 #ifndef IOV_MAX
@@ -71,8 +72,23 @@ namespace {
     throw Error(std::string(is_write ? "process_vm_writev: " : "process_vm_readv: ") + std::strerror(err));
 }
 
+// Ops whose remote side is mapped here (shared memory) are plain copies; in batches
+// far larger than the caches with streaming stores (copy.h).
+void shm_copy_ops(const Op* ops, size_t n, bool is_write, bool streaming) {
+    for (size_t i = 0; i < n; ++i) {
+        char* local = reinterpret_cast<char*>(ops[i].laddr);
+        char* remote = reinterpret_cast<char*>(ops[i].shm);
+        const int64_t len = static_cast<int64_t>(ops[i].length);
+        if (is_write)
+            copy_bytes(remote, local, len, streaming);
+        else
+            copy_bytes(local, remote, len, streaming);
+    }
+    fence(streaming);
+}
+
 // Copies ops[0, n) with up to IOV_MAX ranges per system call.
-void vm_copy_ops(pid_t pid, const Op* ops, size_t n, bool is_write) {
+void vm_syscall_ops(pid_t pid, const Op* ops, size_t n, bool is_write) {
     static thread_local std::vector<struct iovec> lv(IOV_MAX), rv(IOV_MAX);
     struct iovec* liov = lv.data();
     struct iovec* riov = rv.data();
@@ -106,6 +122,20 @@ void vm_copy_ops(pid_t pid, const Op* ops, size_t n, bool is_write) {
                 adv = 0;
             }
         }
+    }
+}
+
+// Runs of shared-memory ops and of the others, each the way it goes.
+void vm_copy_ops(pid_t pid, const Op* ops, size_t n, bool is_write, bool streaming) {
+    size_t i = 0;
+    while (i < n) {
+        size_t j = i + 1;
+        while (j < n && (ops[j].shm != 0) == (ops[i].shm != 0)) ++j;
+        if (ops[i].shm)
+            shm_copy_ops(ops + i, j - i, is_write, streaming);
+        else
+            vm_syscall_ops(pid, ops + i, j - i, is_write);
+        i = j;
     }
 }
 
@@ -218,6 +248,7 @@ void set_vm_copy_config(size_t threads, long long split_bytes) {
 void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
     size_t total = 0;
     for (const Op& op : ops) total += op.length;
+    const bool streaming = total >= static_cast<size_t>(kStreamBytes);
     const size_t split = vm_split_bytes();
     size_t parts = 1;
     if (!ops.empty() && split > 0 && total >= split) {
@@ -248,13 +279,14 @@ void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
                     in_part += piece.length;
                     op.laddr += piece.length;
                     op.raddr += piece.length;
+                    if (op.shm) op.shm += piece.length;
                     op.length -= piece.length;
                 }
             }
             std::vector<std::exception_ptr> errors(parts);
             std::function<void(size_t)> fn = [&](size_t i) {
                 try {
-                    vm_copy_ops(pid, slices[i].data(), slices[i].size(), is_write);
+                    vm_copy_ops(pid, slices[i].data(), slices[i].size(), is_write, streaming);
                 } catch (...) {
                     errors[i] = std::current_exception();
                 }
@@ -266,7 +298,7 @@ void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
             }
         }
     }
-    vm_copy_ops(pid, ops.data(), ops.size(), is_write);
+    vm_copy_ops(pid, ops.data(), ops.size(), is_write, streaming);
 }
 
 }  // namespace kvxfer

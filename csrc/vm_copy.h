@@ -54,7 +54,8 @@ size_t vm_split_bytes();
 // threads 0 / split_bytes < 0: the default.
 void set_vm_copy_config(size_t threads, long long split_bytes);
 
-// Copies every op (local laddr <-> remote raddr). Throws PeerDisconnected
+// Copies every op (local laddr <-> remote raddr; an op with shm set is a memcpy
+// with the peer's shared memory mapped at shm, see shared_mem.h). Throws PeerDisconnected
 // (ESRCH, EPERM: the process is gone or no longer ours), InvalidDescriptor
 // (EFAULT: the peer unmapped the memory it advertised).
 void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write);

@@ -39,6 +39,7 @@ _LAZY = {
     "PeerLimits": "kvxfer.control.limits",
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
+    "shared_empty": "kvxfer.shared_memory",
 }
 
 __all__ = [*errors.__all__, *_LAZY]

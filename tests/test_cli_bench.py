@@ -72,6 +72,9 @@ def test_vm_resources_follow_the_environment(monkeypatch):
     monkeypatch.setenv("KVXFER_VM_SPLIT_BYTES", "0")
     assert resources.for_path("vm", 64 << 20).threads == 1       # 0: never split
     assert resources.for_path("vm", 64 << 20, path="pack").streaming
+    assert resources.for_path("vm", 64 << 20, shared=True).streaming      # memcpy into a mapped pool
+    assert not resources.for_path("vm", 16 << 20, shared=True).streaming  # below STREAM_BYTES
+    assert not resources.for_path("ucx:cma", 64 << 20, shared=True).streaming
 
 
 def test_envinfo_busy_threshold(monkeypatch):

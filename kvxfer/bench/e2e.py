@@ -33,6 +33,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--path", choices=["auto", "zero_copy", "pack"], default="auto")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--memory", choices=["shared", "torch"], default="shared",
+                        help="pool memory: kvxfer.shared_empty (same-host peers copy with memcpy) or torch.empty")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rtt-iters", type=int, default=200, help="1-block round trips (0: skip)")
@@ -48,7 +50,7 @@ def _spec(args) -> dict:
     spec = dict(layers=layers, heads=heads, head_dim=head_dim, block_size=args.block_size,
                 blocks=-(-args.tokens // args.block_size), dtype=args.dtype, p_layout=p_lay,
                 d_layout=d_lay or p_lay, p_tp=int(p_tp), d_tp=int(d_tp or 1), path=args.path,
-                backend=args.backend)
+                backend=args.backend, memory=args.memory)
     for key in ("p_layout", "d_layout"):
         if spec[key] not in LAYOUTS:
             raise SystemExit(f"--layout: unknown layout {spec[key]!r}")
@@ -127,7 +129,8 @@ def run(args) -> int:
     res["environment"]["load_average_at_start"] = list(load)
     lim = res["memcpy_resources"]
     print(f"model={args.model} tokens={args.tokens} block={spec['block_size']} layout={args.layout} "
-          f"tp={args.tp} dtype={spec['dtype']} path={res['path']} transport={res['transport']}")
+          f"tp={args.tp} dtype={spec['dtype']} memory={spec['memory']} path={res['path']} "
+          f"transport={res['transport']}")
     print(f"  {res['bytes'] / 1e6:.1f} MB  median {_median(res['seconds']) * 1e3:.2f} ms  "
           f"{res['gbps']:.2f} GB/s  memcpy ({lim['threads']} thr{', NT' if lim['streaming'] else ''}) "
           f"{res['memcpy_gbps']:.2f} GB/s  ratio {res['ratio_to_memcpy']:.2f}  "

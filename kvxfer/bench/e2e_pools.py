@@ -28,10 +28,11 @@ LAYOUTS = {"nhd": "2 N B H D", "hnd": "N 2 H B D", "blocks-first": "N 2 B H D", 
 
 def make_layout(spec: dict, which: str, rank: int, fill: bool):
     """A pool of ``spec["pool_blocks"]`` blocks for side ``which`` ("p" or "d") and TP
-    ``rank``; ``fill``: seeded random bytes (distinct per layer and rank), else zeros."""
+    ``rank``; ``fill``: seeded random bytes (distinct per layer and rank), else zeros;
+    ``spec["memory"]`` "shared": :func:`kvxfer.shared_empty` memory, else ``torch.empty``."""
     import torch
 
-    from .. import KVLayout
+    from .. import KVLayout, shared_empty
 
     dims = LAYOUTS[spec[f"{which}_layout"]]
     tp = spec[f"{which}_tp"]
@@ -42,7 +43,7 @@ def make_layout(spec: dict, which: str, rank: int, fill: bool):
     count = 1 if "L" in dims else spec["layers"]
     tensors = []
     for layer in range(count):
-        t = torch.empty(shape, dtype=dtype)
+        t = shared_empty(shape, dtype) if spec.get("memory") == "shared" else torch.empty(shape, dtype=dtype)
         raw = t.view(torch.uint8).view(-1)
         if fill:
             torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8,

@@ -103,7 +103,7 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
             if limit is None:  # the path is known once a request moved
                 path = hs[0].path
                 res = resources.for_path(transport, nbytes, path=path, senders=spec["p_tp"],
-                                         receivers=spec["d_tp"])
+                                         receivers=spec["d_tp"], shared=spec.get("memory") == "shared")
                 limit = MemcpyLimit(nbytes, threads=res.threads, streaming=res.streaming)
                 if not limit.check():
                     raise KVXferError("memcpy limit copied wrong bytes")

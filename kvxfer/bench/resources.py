@@ -5,7 +5,9 @@ A path's bytes are copied by:
 - ``vm`` (``process_vm_writev``): the posting thread plus the vm copy pool's helpers
   for one batch of at least ``KVXFER_VM_SPLIT_BYTES`` (default 4 MiB; 0: never
   split); ``KVXFER_VM_THREADS`` copying threads in all (default min(cores, 2),
-  at most 4). The kernel copies with ordinary stores.
+  at most 4). The kernel copies with ordinary stores; into a peer's
+  :func:`kvxfer.shared_empty` pool (``shared=True``) the same threads copy
+  themselves, with non-temporal stores from 32 MiB per batch (``STREAM_BYTES``).
 - ``ucx:*`` and ``loopback``: the posting thread alone (UCX's cma is one
   ``process_vm_writev`` per block on the caller's thread; over TCP the socket
   limit applies instead).
@@ -71,16 +73,19 @@ def transport_threads(transport: str, batch_bytes: int) -> int:
 
 
 def for_path(transport: str, nbytes: int, *, path: str = "zero_copy", senders: int = 1,
-             receivers: int = 1) -> CopyResources:
+             receivers: int = 1, shared: bool = False) -> CopyResources:
     """Resources of moving ``nbytes`` in all: ``senders`` processes each posting one batch
-    to each of ``receivers`` peers (the e2e bench's P and D tensor-parallel ranks)."""
+    to each of ``receivers`` peers (the e2e bench's P and D tensor-parallel ranks);
+    ``shared``: the peers' pools are :func:`kvxfer.shared_empty` memory."""
+    from ..kernels import STREAM_BYTES
+
     if senders < 1 or receivers < 1:
         raise ValueError("senders and receivers must be >= 1")
     per_batch = nbytes // (senders * receivers)
     threads = transport_threads(transport, per_batch)
-    streaming = False
+    streaming = shared and transport == "vm" and path == "zero_copy" and per_batch >= STREAM_BYTES
     if path == "pack":
-        from ..kernels import STREAM_BYTES, num_threads
+        from ..kernels import num_threads
 
         threads = max(threads, min(num_threads(), max(1, per_batch >> 20)))
         streaming = per_batch >= STREAM_BYTES

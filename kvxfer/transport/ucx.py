@@ -68,6 +68,7 @@ class UcxConnection(Connection):
     peer_host: str = ""
     ucx_info: str = ""  # ucp_ep_print_info() of the endpoint (lanes and protocols)
     lanes: int = 1  # endpoints (TCP connections) a request is striped over (AgentConfig.tcp_lanes)
+    shared_regions: int = 0  # vm path: the peer's regions in kvxfer.shared_empty memory, mapped here
 
 
 def as_descs(descs):
@@ -167,13 +168,14 @@ class UcxBackend(Backend):
         conn = UcxConnection(peer_id=conn_id, transport=info["transport"],
                              remote_regions=dict(info["regions"]), peer_uid=info["peer_uid"],
                              peer_pid=info["peer_pid"], peer_host=info["peer_host"],
-                             ucx_info=info["ucx_info"], lanes=info["lanes"])
+                             ucx_info=info["ucx_info"], lanes=info["lanes"],
+                             shared_regions=info["shared_regions"])
         if self._require_vm and conn.transport != "vm":
             self._engine.disconnect(conn_id)
             raise KVXferError(f"same-host vm path unavailable to peer pid {conn.peer_pid} "
                               f"on {conn.peer_host!r} (UCX would use {conn.transport})")
-        log.info("connected to peer %x (pid %d on %s) via %s, %d lane(s)", conn.peer_uid, conn.peer_pid,
-                 conn.peer_host, conn.transport, conn.lanes)
+        log.info("connected to peer %x (pid %d on %s) via %s, %d lane(s), %d shared region(s)", conn.peer_uid,
+                 conn.peer_pid, conn.peer_host, conn.transport, conn.lanes, conn.shared_regions)
         log.debug("UCX endpoint of peer %x:\n%s", conn.peer_uid, conn.ucx_info)
         self._conns[conn_id] = conn
         return conn

@@ -52,7 +52,9 @@ def widen_region(meta: bytes, region_id: int, by: int) -> bytes:
         rid, addr, length = struct.unpack_from("<QQQ", body, pos)
         if rid == region_id:
             struct.pack_into("<QQ", body, pos + 8, addr - by, length + 2 * by)
-        pos = skip_str(pos + 8 * 3 + 4)
+        pos = skip_str(pos + 8 * 3 + 4)  # id, addr, length, kind, rkey
+        (pieces,) = struct.unpack_from("<I", body, pos + 8)  # shared memory: offset, pieces (fd, ino, size)
+        pos += 8 + 4 + pieces * (4 + 8 + 8)
     assert pos == len(body)
     return bytes(body) + struct.pack("<Q", _fnv1a(bytes(body)))
 

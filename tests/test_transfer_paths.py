@@ -26,7 +26,8 @@ def _copy_by_descs(src_layout, dst_layout, descs):
 
 
 @pytest.mark.parametrize("p_dims,d_dims,heads", [("2 N B H D", "2 N B H D", (0, 4)), ("2 N B H D", "N 2 H B D", (0, 4)),
-                                                 ("N 2 H B D", "N 2 H B D", (0, 4)), ("N L 2 B H D", "2 N B H D", (0, 4))])
+                                                 ("N 2 H B D", "N 2 H B D", (0, 4)), ("N L 2 B H D", "2 N B H D", (0, 4)),
+                                                 ("N L 2 B H D", "N L 2 B H D", (0, 4))])
 def test_zero_copy_descriptors_move_exactly_the_blocks(p_dims, d_dims, heads):
     import kvxfer
 
@@ -48,6 +49,18 @@ def test_same_layout_consecutive_blocks_coalesce_to_few_runs():
     regions = list(range(len(g.region_sizes)))
     descs = zero_copy_descs(g, [4, 5, 6, 7], g, [10, 11, 12, 13], range(4), (0, 4), regions, regions)
     assert len(descs) == src.num_layers * 2  # one run per (layer, kv): 4 blocks merged
+
+
+def test_blocks_whose_planes_touch_coalesce_block_major():
+    # "N L 2 B H D" on both sides: a block's layers and K/V are one run, so scattered
+    # blocks give one descriptor per block, and consecutive ones merge further.
+    src, dst = make_pool("N L 2 B H D", 1), make_pool("N L 2 B H D", None)
+    gs, gd = Geometry.from_layout(src), Geometry.from_layout(dst)
+    regions = list(range(len(gs.region_sizes)))
+    scattered = zero_copy_descs(gs, [7, 2, 5], gd, [1, 6, 3], range(src.num_layers), (0, 4), regions, regions)
+    assert len(scattered) == 3 and set(scattered[:, 4]) == {src.block_nbytes() * src.num_layers}
+    consecutive = zero_copy_descs(gs, [4, 5, 6], gd, [0, 1, 2], range(src.num_layers), (0, 4), regions, regions)
+    assert len(consecutive) == 1
 
 
 def test_coalesce_only_merges_runs_contiguous_on_both_sides():

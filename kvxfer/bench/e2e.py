@@ -140,7 +140,9 @@ def run(args) -> int:
               f"{res['nixl_gbps']:.2f} GB/s  kvxfer/NIXL {res['ratio_to_nixl']:.2f}")
     if res["rtt_p50_us"] is not None:
         print(f"  1-block round trip: p50 {res['rtt_p50_us']:.0f} us  p99 {res['rtt_p99_us']:.0f} us")
-    print(f"  load average at start {load[0]:.2f} (1 min) on {envinfo.num_cores()} cores")
+    thp = res["environment"]["transparent_huge_pages"]
+    print(f"  load average at start {load[0]:.2f} (1 min) on {envinfo.num_cores()} cores; "
+          f"transparent huge pages: anon {thp['anon']}, shmem {thp['shmem']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -116,6 +116,20 @@ def busy_warning(threshold_per_core: float = BUSY_LOAD_PER_CORE) -> str | None:
     return None
 
 
+def huge_pages() -> dict:
+    """The transparent-huge-page modes (the bracketed choice of each sysfs file; None if absent):
+    ``anon`` for private memory, ``shmem`` for shared memory such as ``kvxfer.shared_empty``."""
+    out = {}
+    for key, name in (("anon", "enabled"), ("shmem", "shmem_enabled")):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                text = f.read()
+            out[key] = text[text.index("[") + 1:text.index("]")]
+        except (OSError, ValueError):
+            out[key] = None
+    return out
+
+
 def collect(**extra) -> dict:
     """Everything recorded about the environment; ``extra`` adds run-specific fields."""
     torch_version = None
@@ -137,6 +151,7 @@ def collect(**extra) -> dict:
         "ucx_tls": os.environ.get("UCX_TLS"),
         "torch": torch_version,
         "git_commit": git_commit(),
+        "transparent_huge_pages": huge_pages(),
     }
     info.update(extra)
     return info

@@ -8,8 +8,6 @@ for writes and reads of any size, and keep serving honest ranges.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
-import os
 import struct
 
 import numpy as np
@@ -61,27 +59,12 @@ def widen_region(meta: bytes, region_id: int, by: int) -> bytes:
 
 @contextlib.contextmanager
 def guarded_target(pool_bytes: int = POOL):
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=transport_peer.serve, args=(theirs, pool_bytes, TCP),
-                       kwargs={"guard_bytes": GUARD}, daemon=True)
-    proc.start()
-    try:
-        assert ours.poll(60), "target did not start"
-        yield ours, *ours.recv()
-    finally:
-        with contextlib.suppress(Exception):
-            ours.send("exit")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+    with transport_peer.spawned(pool_bytes, TCP, guard_bytes=GUARD) as (_, pipe, meta, rid):
+        yield pipe, meta, rid
 
 
 def _ask(pipe, cmd):
-    pipe.send(cmd)
-    assert pipe.poll(T), f"target did not answer {cmd!r}"
-    return pipe.recv()
+    return transport_peer.ask(pipe, cmd, T)
 
 
 @pytest.fixture

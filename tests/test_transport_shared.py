@@ -8,7 +8,6 @@ PeerDisconnected.
 """
 import contextlib
 import gc
-import multiprocessing as mp
 import os
 import signal
 import struct
@@ -32,31 +31,11 @@ GUARD = 64 << 10
 BLOCK = 4096
 
 
-@contextlib.contextmanager
 def shared_peer(pool_bytes=POOL, guard_bytes=GUARD):
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=transport_peer.serve, args=(theirs, pool_bytes, {}),
-                       kwargs={"guard_bytes": guard_bytes, "shared": True}, daemon=True)
-    proc.start()
-    try:
-        if not ours.poll(60):
-            raise TimeoutError("peer did not start")
-        meta, rid = ours.recv()
-        yield proc, ours, meta, rid
-    finally:
-        with contextlib.suppress(Exception):
-            ours.send("exit")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+    return transport_peer.spawned(pool_bytes, {}, guard_bytes=guard_bytes, shared=True)
 
 
-def _ask(pipe, cmd):
-    pipe.send(cmd)
-    assert pipe.poll(30), f"peer did not answer {cmd!r}"
-    return pipe.recv()
+_ask = transport_peer.ask
 
 
 @contextlib.contextmanager

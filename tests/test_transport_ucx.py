@@ -4,7 +4,6 @@ Modes: ``vm`` (process_vm_writev fast path), ``ucx`` (UCX forced, its default
 same-host transports) and ``tcp`` (UCX_TLS=tcp in both processes).
 """
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -27,30 +26,11 @@ def _env(mode):
     return {"UCX_TLS": "tcp"} if mode == "tcp" else {}
 
 
-@contextlib.contextmanager
 def peer(mode, pool_bytes=POOL):
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=transport_peer.serve, args=(theirs, pool_bytes, _env(mode)), daemon=True)
-    proc.start()
-    try:
-        if not ours.poll(60):
-            raise TimeoutError("peer did not start")
-        meta, rid = ours.recv()
-        yield proc, ours, meta, rid
-    finally:
-        with contextlib.suppress(Exception):
-            ours.send("exit")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+    return transport_peer.spawned(pool_bytes, _env(mode))
 
 
-def _ask(pipe, cmd):
-    pipe.send(cmd)
-    assert pipe.poll(30), f"peer did not answer {cmd!r}"
-    return pipe.recv()
+_ask = transport_peer.ask
 
 
 @contextlib.contextmanager

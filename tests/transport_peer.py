@@ -6,6 +6,8 @@ then serves commands while driving progress: ``bytes`` (the pool's contents),
 ``guards`` (the ``guard_bytes`` on each side of the pool, unregistered, filled
 with 0xA5), ``rejected`` (transfers it refused as a target), ``exit``.
 """
+import contextlib
+import multiprocessing as mp
 import os
 import time
 
@@ -47,3 +49,32 @@ def serve(pipe, pool_bytes: int, env: dict, deadline_s: float = 120.0, guard_byt
         elif cmd == "exit":
             break
     backend.close()
+
+
+@contextlib.contextmanager
+def spawned(pool_bytes: int, env: dict, **kwargs):
+    """A :func:`serve` child (spawned): yields ``(proc, pipe, metadata, region_id)`` and
+    asks it to exit (then kills it) on the way out."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=serve, args=(theirs, pool_bytes, env), kwargs=kwargs, daemon=True)
+    proc.start()
+    try:
+        if not ours.poll(60):
+            raise TimeoutError("peer did not start")
+        meta, rid = ours.recv()
+        yield proc, ours, meta, rid
+    finally:
+        with contextlib.suppress(Exception):
+            ours.send("exit")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+def ask(pipe, cmd, timeout: float = 30):
+    """Send a command to a :func:`serve` child and return its answer."""
+    pipe.send(cmd)
+    assert pipe.poll(timeout), f"peer did not answer {cmd!r}"
+    return pipe.recv()

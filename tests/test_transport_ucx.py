@@ -1,7 +1,8 @@
 """UcxBackend between real processes (multiprocessing spawn, one host).
 
-Modes: ``vm`` (process_vm_writev fast path), ``ucx`` (UCX forced, its default
-same-host transports) and ``tcp`` (UCX_TLS=tcp in both processes).
+Modes: ``vm`` (process_vm_writev fast path), ``vm-shared`` (the same path into a
+peer pool of :func:`kvxfer.shared_empty` memory: mapped, memcpy), ``ucx`` (UCX
+forced, its default same-host transports) and ``tcp`` (UCX_TLS=tcp in both processes).
 """
 import contextlib
 import os
@@ -19,7 +20,7 @@ import transport_peer
 
 POOL = 1 << 20
 BLOCK = 4096
-MODES = ["vm", "ucx", "tcp"]
+MODES = ["vm", "vm-shared", "ucx", "tcp"]
 
 
 def _env(mode):
@@ -27,7 +28,7 @@ def _env(mode):
 
 
 def peer(mode, pool_bytes=POOL):
-    return transport_peer.spawned(pool_bytes, _env(mode))
+    return transport_peer.spawned(pool_bytes, _env(mode), shared=mode == "vm-shared")
 
 
 _ask = transport_peer.ask
@@ -38,7 +39,7 @@ def initiator(mode, config=None):
     saved = os.environ.get("UCX_TLS")
     os.environ.update(_env(mode))  # UCX reads its config when the engine is created
     try:
-        b = make_backend("vm" if mode == "vm" else "ucx", config=config)
+        b = make_backend("vm" if mode.startswith("vm") else "ucx", config=config)
     finally:
         if mode == "tcp":
             os.environ.pop("UCX_TLS") if saved is None else os.environ.__setitem__("UCX_TLS", saved)
@@ -49,8 +50,8 @@ def initiator(mode, config=None):
 
 
 def _check_transport(mode, conn):
-    if mode == "vm":
-        assert conn.transport == "vm"
+    if mode.startswith("vm"):
+        assert conn.transport == "vm" and conn.shared_regions == (mode == "vm-shared")
     elif mode == "tcp":
         assert conn.transport.startswith("ucx:tcp")
     else:
@@ -129,7 +130,7 @@ def test_tcp_batched_write_to_a_deregistered_region_is_refused_by_the_target():
         assert not np.frombuffer(_ask(pipe, "bytes"), np.uint8).any()
 
 
-@pytest.mark.parametrize("mode", ["vm", "ucx"])
+@pytest.mark.parametrize("mode", ["vm", "vm-shared", "ucx"])
 def test_remote_bounds_and_deregistration_enforced(mode):
     src = np.full(3 * BLOCK, 7, np.uint8)
     with peer(mode) as (_, pipe, meta, rid), initiator(mode) as b:
@@ -154,6 +155,7 @@ def test_peer_killed_mid_batch_then_survivor_moves_on(mode):
         i = np.arange(n, dtype=np.int64)[::-1].copy()  # reversed: no coalescing
         with peer(mode, size) as (proc, pipe, meta, rid):
             conn = b.connect(meta)
+            _check_transport(mode, conn)
             rows = np.stack([np.full(n, ls), i * BLOCK, np.full(n, rid), i[::-1] * BLOCK, np.full(n, BLOCK)], axis=1)
             killer = threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL))
             killer.start()

@@ -179,8 +179,9 @@ def test_peer_killed_mid_batch_then_survivor_moves_on(mode):
             assert np.array_equal(pool[BLOCK : 2 * BLOCK], extra)
 
 
+@pytest.mark.parametrize("mode", ["vm", "vm-shared"])
 @pytest.mark.parametrize("split", ["8192", "0"])
-def test_vm_batch_split_across_copy_threads(split):
+def test_vm_batch_split_across_copy_threads(split, mode):
     # vm_split_bytes=8192 makes even this small batch split across the copy threads,
     # cutting runs mid-way at page boundaries; odd lengths and scattered, reversed
     # remote slots must still land byte for byte, both directions.
@@ -192,10 +193,10 @@ def test_vm_batch_split_across_copy_threads(split):
     n = POOL // stride
     src = rng.integers(0, 256, n * run, dtype=np.uint8)
     slots = rng.permutation(n)
-    with peer("vm") as (_, pipe, meta, rid), initiator("vm", config) as b:
+    with peer(mode) as (_, pipe, meta, rid), initiator(mode, config) as b:
         ls = b.register(src.ctypes.data, src.nbytes)
         conn = b.connect(meta)
-        assert conn.transport == "vm"
+        _check_transport(mode, conn)
         rows = np.array([[ls, i * run, rid, s * stride + 7, run] for i, s in enumerate(slots)], np.int64)
         b.wait(b.post(conn, "write", rows), timeout=30)
         pool = np.frombuffer(_ask(pipe, "bytes"), np.uint8)

@@ -1,6 +1,5 @@
 #include "ucx_engine.h"
 
-#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -14,17 +13,6 @@
 #include "ucs_status.h"
 
 namespace kvxfer {
-
-namespace {
-
-constexpr size_t kMaxRetired = 4096;
-
-void brief_pause() {
-    struct timespec ts = {0, 20000};
-    nanosleep(&ts, nullptr);
-}
-
-}  // namespace
 
 void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     ucp_am_handler_param_t ap;
@@ -262,116 +250,6 @@ void Engine::post_rma(PeerConn& c, XferRequest& r, const std::vector<Op>& ops, b
         r.status = UCS_PTR_STATUS(flush);
     } else if (flush != nullptr) {
         r.ucx_req = flush;
-    }
-}
-
-void Engine::retire(uint64_t id) {
-    retired_.push_back(id);
-    while (retired_.size() > kMaxRetired) {
-        requests_.erase(retired_.front());
-        retired_.pop_front();
-    }
-}
-
-// Updates r from UCX and the peer's liveness; true once r is finished.
-void Engine::uncount(XferRequest& r) {
-    if (!r.counted) return;
-    r.counted = false;
-    --num_pending_;
-}
-
-bool Engine::poll_request(XferRequest& r, uint64_t id) {
-    if (r.done) return true;
-    if (r.ucx_req) {
-        ucs_status_t st = ucp_request_check_status(r.ucx_req);
-        if (st != UCS_INPROGRESS) {
-            ucp_request_free(r.ucx_req);
-            r.ucx_req = nullptr;
-            r.status = st;
-        }
-    }
-    if (!r.ucx_req && (r.acks_pending == 0 || r.status != UCS_OK)) {
-        uncount(r);
-        r.done = true;
-        retire(id);
-        return true;
-    }
-    if (r.error.empty()) {
-        auto it = conns_.find(r.conn_id);
-        if (it == conns_.end()) {
-            r.error = "connection closed";
-        } else if (it->second->failed) {
-            r.error = it->second->failure;
-        } else if (it->second->process && !it->second->process->alive()) {
-            it->second->failed = true;
-            it->second->failure = "peer process " + std::to_string(it->second->process->pid()) + " exited";
-            r.error = it->second->failure;
-        }
-    }
-    // A failed peer: the flush request completes (canceled) once the endpoint
-    // is closed; report the failure now and let close() reap the request.
-    return !r.error.empty();
-}
-
-// A request of a failed peer: force-close its endpoint so UCX cancels the
-// flush, then free it (keeps num_pending_ honest for deregister()).
-void Engine::reap(XferRequest& r) {
-    auto it = conns_.find(r.conn_id);
-    if (it != conns_.end()) close_ep(*it->second);  // cancels unsent batches too
-    r.acks_pending = 0;
-    if (r.ucx_req) {
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-        while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
-            ucp_worker_progress(worker_);
-        if (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS) return;  // close() reaps it
-        ucp_request_free(r.ucx_req);
-        r.ucx_req = nullptr;
-    }
-    uncount(r);
-}
-
-bool Engine::test(uint64_t request_id) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = requests_.find(request_id);
-    if (it == requests_.end()) {
-        if (request_id == 0 || request_id >= next_req_)
-            throw std::invalid_argument("unknown request " + std::to_string(request_id));
-        throw std::invalid_argument("request " + std::to_string(request_id) + " is too old to report");
-    }
-    if (worker_) ucp_worker_progress(worker_);
-    XferRequest& r = it->second;
-    if (!poll_request(r, request_id)) return false;
-    if (!r.error.empty()) {
-        if (!r.done) {
-            reap(r);
-            r.done = r.ucx_req == nullptr;
-            if (r.done) retire(request_id);
-        }
-        throw PeerDisconnected(r.error);
-    }
-    if (r.rejected)
-        throw InvalidDescriptor("the peer refused the transfer: a range outside its registered host memory");
-    if (r.status != UCS_OK) {
-        if (is_peer_failure(r.status)) throw PeerDisconnected(ucs_error("transfer failed", r.status));
-        throw Error(ucs_error("transfer failed", r.status));
-    }
-    return true;
-}
-
-void Engine::wait(uint64_t request_id, double timeout) {
-    if (!(timeout >= 0)) throw std::invalid_argument("timeout must be >= 0");
-    auto deadline = std::chrono::steady_clock::now() +
-                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                        std::chrono::duration<double>(std::min(timeout, 1e7)));
-    unsigned idle = 0;
-    for (;;) {
-        if (test(request_id)) return;
-        if (std::chrono::steady_clock::now() >= deadline)
-            throw TransferTimeout("request " + std::to_string(request_id) + " did not complete within " +
-                                  std::to_string(timeout) + " s");
-        // Spin briefly (cma/shm complete in the caller's progress), then back
-        // off so a wait for a slow peer does not steal a core.
-        if (++idle > 256) brief_pause();
     }
 }
 

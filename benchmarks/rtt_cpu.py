@@ -19,11 +19,7 @@ def _cb(phase, info):
     else:
         g = GCT.setdefault(info["generation"], [0, 0.0]); g[0] += 1; g[1] += (time.perf_counter() - _t[0]) * 1e3
 gc.callbacks.append(_cb)
-def pool(n=64):
-    import torch
-    from kvxfer import KVLayout
-    t = torch.ones(2, n, 16, 3, 64, dtype=torch.bfloat16)
-    return KVLayout.from_tensors([t.clone() for _ in range(30)], "2 N B H D")
+from rtt_pools import pool  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 def clocks():
     out = {}
     for t in threading.enumerate():

@@ -16,11 +16,7 @@ between round trips clearing and checking (both agents' threads go idle meanwhil
 import multiprocessing as mp
 import os
 import time
-def pool(n=64):
-    import torch
-    from kvxfer import KVLayout
-    t = torch.ones(2, n, 16, 3, 64, dtype=torch.bfloat16)
-    return KVLayout.from_tensors([t.clone() for _ in range(30)], "2 N B H D")
+from rtt_pools import pool  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 SECRET = b"0123456789abcdef-rtt"
 def patch(marks):
     import kvxfer.control.loop as L, kvxfer.control.posts as P, kvxfer.control.shipping as S

@@ -16,14 +16,9 @@ import os
 import threading
 import time
 
+from rtt_pools import pool  # benchmarks/ is on sys.path when run as a script
+
 SECRET = b"0123456789abcdef-spin"
-
-
-def pool(n=64):
-    import torch
-    from kvxfer import KVLayout
-    t = torch.ones(2, n, 16, 3, 64, dtype=torch.bfloat16)
-    return KVLayout.from_tensors([t.clone() for _ in range(30)], "2 N B H D")
 
 
 def clocks():

@@ -5,6 +5,7 @@ without shipping tensors between processes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -35,6 +36,24 @@ def make_pool(dims: str, seed: int | None, *, dtype="float16", tp_rank=0, tp_siz
     if "L" in letters:
         tensors = tensors[0]
     return KVLayout.from_tensors(tensors, dims, tp_rank=tp_rank, tp_size=tp_size)
+
+
+@contextlib.contextmanager
+def loopback_pair(config=None, dims: str = "2 N B H D"):
+    """Two in-process agents over the loopback backend, zero-copy path: P's pool seeded,
+    D's zeroed, P connected to D. Yields ``(p, d, peer, src, dst)``; closes both."""
+    from kvxfer import Agent
+
+    p = Agent("p", secret=SECRET, backend="loopback", path="zero_copy", config=config)
+    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy", config=config)
+    try:
+        src, dst = make_pool(dims, 1), make_pool(dims, None)
+        p.register_kv(src)
+        d.register_kv(dst)
+        yield p, d, p.connect(d.address), src, dst
+    finally:
+        p.close()
+        d.close()
 
 
 def prefill(address, request_ids, block_ids, out_q, *, dims="2 N B H D", seed=1, tp_rank=0, tp_size=1,

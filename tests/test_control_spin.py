@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from kvxfer import Agent, AgentConfig, _native
+from kvxfer import AgentConfig, _native
 from kvxfer.control.loop import IOLoop
 
-from agent_procs import SECRET, make_pool
+from agent_procs import loopback_pair
 from waiting import until
 
 T = 20.0
@@ -199,15 +199,8 @@ def test_poll_picks_up_a_message_in_the_window():
 # ---- the agent ------------------------------------------------------------------------------
 @pytest.mark.parametrize("spin_s", [0.0, 0.01])
 def test_agents_move_bytes_and_go_idle(spin_s):
-    cfg = AgentConfig(loop_spin_s=spin_s)
-    p = Agent("p", secret=SECRET, backend="loopback", path="zero_copy", config=cfg)
-    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy", config=cfg)
-    try:
-        src, dst = make_pool("2 N B H D", 1), make_pool("2 N B H D", None)
-        p.register_kv(src)
-        d.register_kv(dst)
+    with loopback_pair(AgentConfig(loop_spin_s=spin_s)) as (p, d, peer, src, dst):
         assert (p._state.loop._spin_ns > 0) == (d._state.loop._spin_ns > 0) == (spin_s > 0)
-        peer = p.connect(d.address)
         recs = [Recorder(a._state.loop) for a in (p, d)]
         for i in range(3):
             hs = p.send(peer, f"r{i}", [2])
@@ -219,9 +212,6 @@ def test_agents_move_bytes_and_go_idle(spin_s):
         until(lambda: not d._receiver.busy() and not p._sender.sends, "idle agents", T, 0.01)
         for rec in recs:  # nothing outstanding: an event opens no window
             assert Recorder.spins(rec.blocked_after(rec.mark())) == []
-    finally:
-        p.close()
-        d.close()
 
 
 def test_no_polling_while_a_bulk_copy_wants_the_cores(monkeypatch):
@@ -239,12 +229,7 @@ def test_no_polling_while_a_bulk_copy_wants_the_cores(monkeypatch):
         until(w.idle, "the worker idle again", T, 0.01)
         w.stop()
 
-    p = Agent("p", secret=SECRET, backend="loopback", path="zero_copy")
-    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy")
-    try:
-        p.register_kv(make_pool("2 N B H D", 1))
-        d.register_kv(make_pool("2 N B H D", None))
-        peer = p.connect(d.address)
+    with loopback_pair() as (p, d, peer, _, _):
         assert not d._spin_if() and not p._spin_if()  # nothing outstanding
         h = d.recv("small", [1], timeout=T)
         assert d._spin_if()  # a small recv: its reply comes within a window
@@ -258,6 +243,3 @@ def test_no_polling_while_a_bulk_copy_wants_the_cores(monkeypatch):
         assert d._receiver.bulk_pending() and not d._spin_if()  # a sender copies it with its pool
         assert Recorder.spins(rec.blocked_after(i)) == []
         h.cancel()
-    finally:
-        p.close()
-        d.close()

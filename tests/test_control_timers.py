@@ -10,10 +10,9 @@ import weakref
 
 import pytest
 
-from kvxfer import Agent
 from kvxfer.control.loop import IOLoop
 
-from agent_procs import SECRET, make_pool
+from agent_procs import loopback_pair
 from waiting import until
 
 T = 20.0
@@ -56,12 +55,7 @@ def test_cancelled_timers_are_compacted(loop):
 
 
 def test_finished_request_is_freed_without_the_collector():
-    p = Agent("p", secret=SECRET, backend="loopback", path="zero_copy")
-    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy")
-    try:
-        p.register_kv(make_pool("2 N B H D", 1))
-        d.register_kv(make_pool("2 N B H D", None))
-        peer = p.connect(d.address)
+    with loopback_pair() as (p, d, peer, _, _):
         refs = []
         gc.collect()
         gc.disable()
@@ -80,6 +74,3 @@ def test_finished_request_is_freed_without_the_collector():
         finally:
             gc.enable()
         assert not p.held_blocks() and not d.held_blocks()
-    finally:
-        p.close()
-        d.close()

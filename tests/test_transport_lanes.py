@@ -4,9 +4,6 @@ mid-transfer fails the request with PeerDisconnected within its timeout; every l
 endpoint is closed on disconnect; transports that are not TCP keep one endpoint; by
 default (tcp_lanes = 1) a TCP connection has one endpoint and one socket."""
 import os
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +11,7 @@ import pytest
 from kvxfer import AgentConfig
 from kvxfer.errors import InvalidDescriptor, PeerDisconnected
 
+import transport_peer
 from test_transport_ucx import _ask, initiator, peer
 
 LANES = 4
@@ -79,17 +77,8 @@ def test_peer_killed_mid_striped_transfer_is_peer_disconnected_within_the_timeou
             assert conn.lanes == LANES
             rows = [[ls, 0, rid, 0, size]]
             b.wait(b.post(conn, "write", rows), timeout=60)  # every lane connected and used
-            killer = threading.Timer(0.2, os.kill, (proc.pid, signal.SIGKILL))
-            killer.start()
-            try:
-                deadline = time.monotonic() + 60
-                with pytest.raises(PeerDisconnected):
-                    while time.monotonic() < deadline:
-                        began = time.monotonic()
-                        b.wait(b.post(conn, "write", rows), timeout=20)
-                assert time.monotonic() - began < 20 + 5  # failed by the timeout, not hung past it
-            finally:
-                killer.cancel()
+            failing_s = transport_peer.write_until_killed(b, conn, rows, proc, after_s=0.2)
+            assert failing_s < 20 + 5  # failed by the write's timeout, not hung past it
             with pytest.raises(PeerDisconnected):
                 b.post(conn, "write", rows)
             b.disconnect(conn)

@@ -6,9 +6,6 @@ forced, its default same-host transports) and ``tcp`` (UCX_TLS=tcp in both proce
 """
 import contextlib
 import os
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -157,15 +154,7 @@ def test_peer_killed_mid_batch_then_survivor_moves_on(mode):
             conn = b.connect(meta)
             _check_transport(mode, conn)
             rows = np.stack([np.full(n, ls), i * BLOCK, np.full(n, rid), i[::-1] * BLOCK, np.full(n, BLOCK)], axis=1)
-            killer = threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL))
-            killer.start()
-            try:
-                deadline = time.monotonic() + 60
-                with pytest.raises(PeerDisconnected):
-                    while time.monotonic() < deadline:
-                        b.wait(b.post(conn, "write", rows), timeout=20)
-            finally:
-                killer.cancel()
+            transport_peer.write_until_killed(b, conn, rows, proc, after_s=0.3)
             with pytest.raises(PeerDisconnected):
                 b.post(conn, "write", rows[:1])
             b.disconnect(conn)

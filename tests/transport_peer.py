@@ -9,6 +9,8 @@ with 0xA5), ``rejected`` (transfers it refused as a target), ``exit``.
 import contextlib
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 
 
@@ -78,3 +80,24 @@ def ask(pipe, cmd, timeout: float = 30):
     pipe.send(cmd)
     assert pipe.poll(timeout), f"peer did not answer {cmd!r}"
     return pipe.recv()
+
+
+def write_until_killed(backend, conn, rows, proc, *, after_s: float, timeout: float = 20.0) -> float:
+    """Write ``rows`` again and again while ``proc`` is SIGKILLed after ``after_s``; the
+    write that meets the dead peer must raise PeerDisconnected (AssertionError if none
+    did within 60 s). Returns the seconds that failing write took."""
+    from kvxfer.errors import PeerDisconnected
+
+    killer = threading.Timer(after_s, os.kill, (proc.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            began = time.monotonic()
+            try:
+                backend.wait(backend.post(conn, "write", rows), timeout=timeout)
+            except PeerDisconnected:
+                return time.monotonic() - began
+        raise AssertionError("no write failed with PeerDisconnected after the peer was killed")
+    finally:
+        killer.cancel()

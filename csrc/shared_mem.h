@@ -53,7 +53,6 @@ public:
     // back to back here as in the owner, provided [ref.offset, ref.offset + length)
     // lies inside them; 0 when one cannot be used (the caller keeps process_vm_writev).
     uintptr_t map(pid_t pid, const ShmRef& ref, uint64_t length);
-    size_t num_mapped() const { return maps_.size(); }
 
 private:
     std::vector<std::pair<void*, size_t>> maps_;  // one reservation per mapped range

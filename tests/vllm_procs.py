@@ -90,11 +90,14 @@ class VllmServer:
         with open(self.log.name, errors="replace") as f:
             return f.read()[-n:]
 
-    def complete(self, prompt_ids, max_tokens: int, *, kv_transfer_params=None, timeout: float = 300.0) -> dict:
+    def complete(self, prompt_ids, max_tokens: int, *, kv_transfer_params=None, timeout: float = 300.0,
+                 logprobs: int | None = None) -> dict:
         import httpx
 
         body = {"model": self.model_name(), "prompt": list(prompt_ids), "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        if logprobs is not None:  # top-k maps keyed "token_id:N", not by (ambiguous) text
+            body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)

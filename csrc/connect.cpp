@@ -182,8 +182,7 @@ void Engine::say_bye(PeerConn& c) {
     // Sent (handed to the socket) before the close; the close cancels a straggler.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
     for (void* req : reqs) {
-        while (ucp_request_check_status(req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
-            ucp_worker_progress(worker_);
+        progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; }, deadline);
         ucp_request_free(req);  // an unfinished one is released when the close cancels it
     }
 }
@@ -206,10 +205,10 @@ void Engine::close_ep(PeerConn& c) {
     }
     c.lanes.clear();
     c.ep = nullptr;
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    // one deadline for all lanes: a dead peer costs kDrainTimeout once, not per lane
+    auto deadline = std::chrono::steady_clock::now() + kDrainTimeout;
     for (void* req : reqs) {
-        while (ucp_request_check_status(req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
-            ucp_worker_progress(worker_);
+        progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; }, deadline);
         ucp_request_free(req);
     }
 }

@@ -78,10 +78,7 @@ void Engine::reap(XferRequest& r) {
     if (it != conns_.end()) close_ep(*it->second);  // cancels unsent batches too
     r.acks_pending = 0;
     if (r.ucx_req) {
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-        while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
-            ucp_worker_progress(worker_);
-        if (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS) return;  // close() reaps it
+        if (!drain_request(r.ucx_req)) return;  // close() reaps it
         ucp_request_free(r.ucx_req);
         r.ucx_req = nullptr;
     }

@@ -27,6 +27,45 @@ void Engine::set_am_handler(unsigned id, ucp_am_recv_callback_t cb) {
     if (st != UCS_OK) throw Error(ucs_error("ucp_worker_set_am_recv_handler", st));
 }
 
+// The worker, its event fd, AM handlers and address; throws with worker_ set as far
+// as it got (the constructor releases it).
+void Engine::open_worker() {
+    ucp_worker_params_t wp;
+    std::memset(&wp, 0, sizeof(wp));
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the engine lock serializes callers
+    ucs_status_t st = ucp_worker_create(context_, &wp, &worker_);
+    if (st != UCS_OK) {
+        worker_ = nullptr;
+        throw Error(ucs_error("ucp_worker_create", st));
+    }
+    st = ucp_worker_get_efd(worker_, &efd_);
+    if (st != UCS_OK) throw Error(ucs_error("ucp_worker_get_efd", st));
+    ucp_worker_attr_t wa;
+    std::memset(&wa, 0, sizeof(wa));
+    wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    st = ucp_worker_query(worker_, &wa);
+    if (st != UCS_OK) throw Error(ucs_error("ucp_worker_query", st));
+    max_am_header_ = wa.max_am_header;
+    set_am_handler(kBatchAmId, on_batch);
+    set_am_handler(kBatchAckAmId, on_batch_ack);
+    set_am_handler(kGetAmId, on_get);
+    set_am_handler(kGetReplyAmId, on_get_reply);
+    set_am_handler(kByeAmId, on_bye);
+
+    ucp_address_t* addr = nullptr;
+    size_t addr_len = 0;
+    st = ucp_worker_get_address(worker_, &addr, &addr_len);
+    if (st != UCS_OK) throw Error(ucs_error("ucp_worker_get_address", st));
+    self_.worker_address.assign(reinterpret_cast<const char*>(addr), addr_len);
+    ucp_worker_release_address(worker_, addr);
+}
+
+bool Engine::drain_request(void* req) {
+    return progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; },
+                          std::chrono::steady_clock::now() + kDrainTimeout);
+}
+
 Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
                size_t tcp_lanes)
     : allow_vm_(allow_vm), tcp_lanes_(tcp_lanes) {
@@ -57,57 +96,26 @@ Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, con
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_init", st));
-
-    ucp_worker_params_t wp;
-    std::memset(&wp, 0, sizeof(wp));
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the engine lock serializes callers
-    st = ucp_worker_create(context_, &wp, &worker_);
-    if (st != UCS_OK) {
-        ucp_cleanup(context_);
-        throw Error(ucs_error("ucp_worker_create", st));
-    }
-
     try {
-        st = ucp_worker_get_efd(worker_, &efd_);
-        if (st != UCS_OK) throw Error(ucs_error("ucp_worker_get_efd", st));
-        ucp_worker_attr_t wa;
-        std::memset(&wa, 0, sizeof(wa));
-        wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
-        st = ucp_worker_query(worker_, &wa);
-        if (st != UCS_OK) throw Error(ucs_error("ucp_worker_query", st));
-        max_am_header_ = wa.max_am_header;
-        set_am_handler(kBatchAmId, on_batch);
-        set_am_handler(kBatchAckAmId, on_batch_ack);
-        set_am_handler(kGetAmId, on_get);
-        set_am_handler(kGetReplyAmId, on_get_reply);
-        set_am_handler(kByeAmId, on_bye);
+        open_worker();
+        std::random_device rd;
+        self_.uid = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+        token_salt_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+        for (size_t i = 0; i < kProbeTokenBytes; ++i) probe_[i] = static_cast<char>(rd());
+        fill_host_identity(self_);
+        self_.probe_addr = reinterpret_cast<uint64_t>(probe_);
+        self_.probe_length = kProbeBytes;
+        self_.probe_token.assign(probe_, kProbeTokenBytes);
+        registry_ = std::make_unique<Registry>(context_, hugepages);
     } catch (...) {
-        ucp_worker_destroy(worker_);
+        // each UCX object is released once, here, whatever step failed
+        if (worker_) ucp_worker_destroy(worker_);
+        worker_ = nullptr;
+        efd_ = -1;
         ucp_cleanup(context_);
+        context_ = nullptr;
         throw;
     }
-
-    ucp_address_t* addr = nullptr;
-    size_t addr_len = 0;
-    st = ucp_worker_get_address(worker_, &addr, &addr_len);
-    if (st != UCS_OK) {
-        ucp_worker_destroy(worker_);
-        ucp_cleanup(context_);
-        throw Error(ucs_error("ucp_worker_get_address", st));
-    }
-    self_.worker_address.assign(reinterpret_cast<const char*>(addr), addr_len);
-    ucp_worker_release_address(worker_, addr);
-
-    std::random_device rd;
-    self_.uid = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-    token_salt_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-    for (size_t i = 0; i < kProbeTokenBytes; ++i) probe_[i] = static_cast<char>(rd());
-    fill_host_identity(self_);
-    self_.probe_addr = reinterpret_cast<uint64_t>(probe_);
-    self_.probe_length = kProbeBytes;
-    self_.probe_token.assign(probe_, kProbeTokenBytes);
-    registry_ = std::make_unique<Registry>(context_, hugepages);
 }
 
 Engine::~Engine() {
@@ -136,10 +144,8 @@ void Engine::deregister(uint64_t region_id) {
                                 " transfer(s) are in flight; wait for them first");
     // Answers to peers' reads may still be gathered from our memory, peers'
     // writes may still be landing in it: let them finish.
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while ((replies_in_flight_ > 0 || landings_in_flight_ > 0) && std::chrono::steady_clock::now() < deadline)
-        ucp_worker_progress(worker_);
-    if (replies_in_flight_ > 0 || landings_in_flight_ > 0)
+    if (!progress_while([this] { return replies_in_flight_ > 0 || landings_in_flight_ > 0; },
+                        std::chrono::steady_clock::now() + kDrainTimeout))
         throw RegistrationError("cannot deregister while " + std::to_string(replies_in_flight_ + landings_in_flight_) +
                                 " peer read(s)/write(s) of this process's memory are in flight");
     registry_->remove(region_id);
@@ -304,9 +310,7 @@ void Engine::close() {
     for (auto& kv : requests_) {
         XferRequest& r = kv.second;
         if (!r.ucx_req) continue;
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-        while (ucp_request_check_status(r.ucx_req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline)
-            ucp_worker_progress(worker_);
+        drain_request(r.ucx_req);
         ucp_request_free(r.ucx_req);
         r.ucx_req = nullptr;
     }

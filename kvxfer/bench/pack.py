@@ -147,9 +147,7 @@ def run(args) -> int:
                 rows.append(measure(model, num_blocks, args))
             advance()
     backend = "triton" if args.device != "cpu" else "native C++"
-    from rich.console import Console
-
-    out = Console(width=max(report.console().width, 150), highlight=False)
+    out = report.console(min_width=150)
     report.print_table(f"kvxfer pack/unpack ({backend}, {args.layout} pool, bf16, {args.device})", COLUMNS, rows,
                        caption="GB/s = 1e9 B/s, medians; copy = contiguous copy of the same bytes, same run", out=out)
     if args.json:

@@ -14,19 +14,14 @@ A path's bytes are copied by:
 - the agent's ``pack`` path: the C++ tile copy on :func:`kvxfer.kernels.num_threads`
   threads (those with >= 1 MiB each), non-temporal stores from 32 MiB per call.
 
-The vm figures mirror csrc/vm_copy.cpp (``vm_copy_threads``/``vm_split_bytes``)
-because the library does not expose them yet: if either changes there, change
-it here (``tests/test_cli_bench.py::test_vm_resources_follow_the_environment``
-pins the defaults).
+The vm defaults and caps are csrc/vm_copy.h's (:func:`kvxfer.transport.vm_copy_limits`);
+the environment rules (``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``) are those
+:meth:`kvxfer.AgentConfig.from_env` applies before it configures the copy pool.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-VM_DEFAULT_THREADS = 2
-VM_MAX_THREADS = 4
-VM_SPLIT_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -56,12 +51,17 @@ def num_cores() -> int:
 
 def vm_threads() -> int:
     """Copying threads of one split vm batch, the caller included."""
-    want = _env_int("KVXFER_VM_THREADS", min(num_cores(), VM_DEFAULT_THREADS))
-    return min(max(want, 1), VM_MAX_THREADS)
+    from ..transport import vm_copy_limits
+
+    limits = vm_copy_limits()
+    want = _env_int("KVXFER_VM_THREADS", min(num_cores(), limits["default_threads"]))
+    return min(max(want, 1), limits["max_threads"])
 
 
 def vm_split_bytes() -> int:
-    return _env_int("KVXFER_VM_SPLIT_BYTES", VM_SPLIT_BYTES)
+    from ..transport import vm_copy_limits
+
+    return _env_int("KVXFER_VM_SPLIT_BYTES", vm_copy_limits()["split_bytes"])
 
 
 def transport_threads(transport: str, batch_bytes: int) -> int:

@@ -16,16 +16,28 @@ from typing import Iterable, Sequence
 SCHEMA_VERSION = 1
 
 
-def console(stderr: bool = False):
+def _rich(module: str):
+    """``rich.<module>``, or an ImportError naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"rich.{module}")
+    except ImportError as exc:
+        raise ImportError("kvxfer bench and loadgen print with rich: pip install 'kvxfer[bench]'") from exc
+
+
+def console(stderr: bool = False, *, min_width: int | None = None):
     """A rich console; when output is not a terminal (logs, CI, pipes) tables get 200
-    columns instead of rich's 80, so wide benchmark tables are not folded."""
+    columns instead of rich's 80, so wide benchmark tables are not folded;
+    ``min_width`` widens a narrower terminal's console."""
     import sys
 
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else 200
-    return Console(stderr=stderr, highlight=False, width=width)
+    out = _rich("console").Console(stderr=stderr, highlight=False,
+                                   width=None if stream.isatty() else 200)
+    if min_width is not None and out.width < min_width:
+        out.width = min_width
+    return out
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -51,9 +63,7 @@ def human_bytes(nbytes: int) -> str:
 def print_table(title: str, columns: Sequence[tuple[str, str]], rows: Iterable[dict],
                 *, out=None, caption: str | None = None) -> None:
     """Print ``rows`` with ``columns`` given as ``(header, row_key)`` pairs."""
-    from rich.table import Table
-
-    table = Table(title=title, caption=caption, show_lines=False)
+    table = _rich("table").Table(title=title, caption=caption, show_lines=False)
     for header, _ in columns:
         table.add_column(header, justify="right")
     for row in rows:
@@ -71,10 +81,9 @@ def progress(total: int, description: str, *, enabled: bool = True):
     if not enabled:
         yield lambda n=1: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console(stderr=True), transient=True) as bar:
+    rp = _rich("progress")
+    with rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                     rp.TimeElapsedColumn(), console=console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task, n)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .base import Backend, Capabilities, Connection
 
-__all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS"]
+__all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS", "vm_copy_limits"]
 
 BACKENDS = ("auto", "ucx", "vm", "loopback")
 
@@ -45,3 +45,18 @@ def make_backend(name: str | Backend = "auto", listen_host: str | None = None,
     if name == "vm":
         return UcxBackend(require_vm=True, **options)
     return UcxBackend(**options)
+
+
+def vm_copy_limits() -> dict:
+    """The same-host (``vm``) copy pool's built-in numbers, from csrc/vm_copy.h.
+
+    ``{"default_threads": n, "max_threads": n, "split_bytes": n}``: copying threads
+    of one batch by default (``min(cores, default_threads)``), their cap, and the
+    batch size from which a batch is split across them. ``AgentConfig.copy_threads``
+    and ``vm_split_bytes`` override the first and last.
+    """
+    from .._native import load
+
+    C = load()
+    return {"default_threads": C.VM_DEFAULT_THREADS, "max_threads": C.VM_MAX_THREADS,
+            "split_bytes": C.VM_SPLIT_BYTES}

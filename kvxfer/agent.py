@@ -37,6 +37,7 @@ from .control.state import AgentState
 from .errors import KVXferError, RegistrationError
 from .kernels.device import device_for
 from .lease import LeaseTable
+from .timeouts import check_timeout
 from .metrics import Metrics
 from .transport.paths import CostModel
 
@@ -147,6 +148,7 @@ class Agent:
         raises AuthenticationError, LayoutMismatch, ProtocolError, ConnectionRefused (the
         peer is busy with other handshakes or refuses this address for now: retry
         later), PeerDisconnected (unreachable) or TransferTimeout."""
+        timeout = check_timeout(timeout)
         return self._conns.connect(address, self.config.handshake_timeout if timeout is None else timeout)
 
     def peers(self) -> list:

@@ -167,8 +167,9 @@ def test_pack_chunk_naming_another_requests_blocks_is_refused(agents):
 def test_sender_layers_must_cover_the_receivers(agents):
     p, d = agents("zero_copy")
     peer = p.connect(d.address)
-    for req, send_layers, recv_layers in [("sub", [0, 1], None), ("disjoint", [0], [1])]:
-        hr = d.recv(req, [1, 2], layers=recv_layers, timeout=60.0)
+    # a failed recv's blocks stay leased until P confirmed it stopped: the second uses others
+    for req, ids, send_layers, recv_layers in [("sub", [1, 2], [0, 1], None), ("disjoint", [7, 8], [0], [1])]:
+        hr = d.recv(req, ids, layers=recv_layers, timeout=60.0)
         hs = p.send(peer, req, [3, 4], layers=send_layers)
         with pytest.raises(InvalidDescriptor):
             hs.wait(T)

@@ -287,6 +287,22 @@ class Receiver:
             if (op.req, op.xid) in self.quiet_wait:
                 self._maybe_quiet(op)
 
+    def on_malformed(self, peer, fields: dict, exc) -> None:
+        """A MATCHED or DATA_DONE of ``peer`` that did not decode (I/O thread): free the
+        staging grant it names, fail our recv of the request it names (which tells the
+        senders); nothing else."""
+        if "tag" in fields:
+            grant = self._take_grant(peer, fields["tag"])
+            if grant is not None:
+                self._s.pool.stage_in.free(grant[0])
+                peer.send(encode(Msg.ACK, tag=fields["tag"]))
+        req, xid = fields.get("req"), fields.get("xid")
+        with self._s.lock:
+            op = self.recvs.get(req) if req else None
+        if op is not None and op.xid == xid and peer in op.posted_to:
+            self._end_recv(op, ProtocolError(f"{exc.kind.name} of {req!r} from {peer.name!r} is malformed: {exc}"),
+                           "failed")
+
     def on_sender_cancel(self, peer, f) -> None:
         """CANCEL or FAIL (typed, ``code``) from a sender of one of our recvs."""
         with self._s.lock:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, TransferTimeout
+from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, ProtocolError,
+                      TransferTimeout)
 from ..handle import HandleCompleter
 from .checks import code_of
 from .messages import Msg, encode
@@ -151,6 +152,22 @@ class Sender:
                 if tomb is not None:
                     self.posts.bury(op, tomb[1])
         return op.handle
+
+    def on_malformed_post(self, peer, fields: dict, exc) -> None:
+        """A RECV_POST of ``peer`` that did not decode (I/O thread): fail our send of the
+        request it names, if one waits for it, and D's recv (FAIL); nothing else. One
+        that names no request (its ``req`` or ``xid`` is the bad field) is only counted."""
+        req, xid = fields.get("req"), fields.get("xid")
+        if not req or xid is None:
+            return
+        error = ProtocolError(f"RECV_POST of {req!r} from {peer.name!r} is malformed: {exc}")
+        with self._s.lock:
+            op = self.sends.get((peer.serial, req))
+            if op is not None and op.post is None and op.ended is None:
+                op.post = Post(req, xid, (), (), (0, 0))
+                self.fail(op, error, "failed")  # tells D
+                return
+        peer.send(encode(Msg.FAIL, req=req, xid=xid, to_sender=False, code="protocol", reason=str(error)[:200]))
 
     # ---- internal interface (posts.py, shipping.py; lock held unless said) ---------------
     @staticmethod

@@ -75,7 +75,7 @@ class Sender:
 
     def write(self, peer, local_ids, remote_ids, *, layers=None, notify: bytes | None = None):
         ids = self._s.block_ids(local_ids)
-        remote = self._remote_ids(peer, remote_ids, len(ids))
+        remote = self._remote_ids(peer, remote_ids, len(ids), unique=True)
         lay = tuple(self._s.registered().layout.resolve_layers(layers))
         max_notify = self._s.config.limits.max_notify_bytes
         if notify is not None and len(notify) > max_notify:
@@ -90,7 +90,7 @@ class Sender:
 
     def read(self, peer, local_ids, remote_ids, *, layers=None):
         ids = self._s.block_ids(local_ids, unique=True)
-        remote = self._remote_ids(peer, remote_ids, len(ids))
+        remote = self._remote_ids(peer, remote_ids, len(ids), unique=False)
         lay = tuple(self._s.registered().layout.resolve_layers(layers))
         completer = HandleCompleter("read", "", peer.name, layers=lay)
         with self._s.lock:  # close() fails every read it finds here, so none is left pending
@@ -103,11 +103,12 @@ class Sender:
     def pending_recvs(self) -> list:
         return self.posts.pending_recvs()
 
-    def _remote_ids(self, peer, remote_ids, n: int) -> tuple:
-        """``remote_ids`` of ``peer``'s pool (the one validator), as many as the local ids."""
+    def _remote_ids(self, peer, remote_ids, n: int, *, unique: bool) -> tuple:
+        """``remote_ids`` of ``peer``'s pool (the one validator; ``unique``: they are
+        written), as many as the local ids."""
         if peer.geometry is None:
             raise LayoutMismatch(f"peer {peer.name!r} registered no KV pool")
-        remote = self._s.block_ids(remote_ids, num_blocks=peer.geometry.num_blocks)
+        remote = self._s.block_ids(remote_ids, unique=unique, num_blocks=peer.geometry.num_blocks)
         if len(remote) != n:
             raise ValueError(f"remote_ids has {len(remote)} blocks, local_ids {n}")
         return remote

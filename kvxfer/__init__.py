@@ -14,6 +14,7 @@ import importlib
 from . import errors
 from .errors import (
     AuthenticationError,
+    BlocksBusy,
     ConnectionRefused,
     InvalidDescriptor,
     KVXferError,

@@ -37,6 +37,7 @@ from .control.state import AgentState
 from .errors import KVXferError, RegistrationError
 from .kernels.device import device_for
 from .lease import LeaseTable
+from .timeouts import check_timeout
 from .metrics import Metrics
 from .transport.paths import CostModel
 
@@ -93,7 +94,7 @@ class Agent:
         self._notes = Notifications(s)
         self._driver = BackendDriver(s, self._receiver.busy)
         self._conns = Connections(s, secret, self._handlers(), self._receiver.post_pending,
-                                  self._peer_lost, self._driver)
+                                  self._peer_lost, self._driver, self._malformed_handlers())
         s.loop = IOLoop(lsock, self._conns.on_accept, self.name, spin_s=config.loop_spin_s,
                         spin_if=self._spin_if)
         self._driver.start()
@@ -116,6 +117,11 @@ class Agent:
 
         return {**sender.handlers(), **receiver.handlers(), **self._notes.handlers(),
                 Msg.CANCEL: cancel, Msg.FAIL: cancel}
+
+    def _malformed_handlers(self) -> dict:
+        """Per-request messages whose payload did not decode: each fails the request it names."""
+        piece = self._receiver.on_malformed
+        return {Msg.RECV_POST: self._sender.on_malformed_post, Msg.MATCHED: piece, Msg.DATA_DONE: piece}
 
     def _peer_lost(self, peer: Peer, err) -> None:
         self._sender.peer_lost(peer, err)
@@ -147,6 +153,7 @@ class Agent:
         raises AuthenticationError, LayoutMismatch, ProtocolError, ConnectionRefused (the
         peer is busy with other handshakes or refuses this address for now: retry
         later), PeerDisconnected (unreachable) or TransferTimeout."""
+        timeout = check_timeout(timeout)
         return self._conns.connect(address, self.config.handshake_timeout if timeout is None else timeout)
 
     def peers(self) -> list:

@@ -13,6 +13,7 @@ below the entry point reads the environment: environment variables are only
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -103,8 +104,8 @@ class AgentConfig:
             raise TypeError(f"AgentConfig.limits must be a PeerLimits, got {type(self.limits).__name__}")
         for name in ("lease_timeout", "handshake_timeout", "progress_busy_s", "progress_idle_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"AgentConfig.{name} must be a number > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"AgentConfig.{name} must be a finite number > 0, got {value!r}")
         value = self.loop_spin_s
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SPIN_S:
             raise ValueError(f"AgentConfig.loop_spin_s must be a number in [0, {MAX_SPIN_S}] s, got {value!r}")

@@ -19,6 +19,7 @@ __all__ = [
     "ProtocolError",
     "ConnectionRefused",
     "LimitExceeded",
+    "BlocksBusy",
 ]
 
 
@@ -66,3 +67,10 @@ class ConnectionRefused(KVXferError, ConnectionError):
 class LimitExceeded(KVXferError):
     """A per-peer limit (queued notifications, cached posts, staging requests, ...) was hit;
     only the request or peer that exceeded it fails."""
+
+
+class BlocksBusy(KVXferError):
+    """A ``recv`` or ``send`` names blocks another pending transfer of this agent holds
+    (a recv's blocks are written: no other transfer may name them; a send's are read:
+    other sends may share them, a recv may not). Raised at the call; nothing was
+    posted or leased. Retry once the other transfer's lease ended (``on_release``)."""

@@ -22,6 +22,7 @@ import threading
 import time
 
 from .errors import KVXferError, TransferCancelled, TransferTimeout
+from .timeouts import check_timeout
 
 log = logging.getLogger("kvxfer")
 
@@ -91,7 +92,10 @@ class TransferHandle:
         :class:`TransferTimeout` if ``timeout`` passes first (the transfer itself
         goes on; cancel it if you give up), :class:`TransferCancelled` if
         cancelled, the typed failure (``PeerDisconnected``, ...) if it failed.
+        ``timeout``: seconds, finite and > 0 (ValueError otherwise), or None: no limit
+        (every handle becomes final, at the latest when its agent closes).
         """
+        timeout = check_timeout(timeout)
         if layer is not None and self._layers and layer not in self._layers:
             raise ValueError(f"layer {layer} is not part of this transfer")
 

@@ -19,6 +19,7 @@ COUNTERS = {
     "transfers": "completed transfers by kind and path",
     "failures": "failed transfers by kind and error",
     "notifications": "notifications received",
+    "malformed_messages": "per-request messages of authenticated peers that did not decode (that request failed)",
     "refused_connections": "inbound connections refused before the handshake (busy or rate-limited)",
 }
 HISTOGRAMS = {

@@ -16,48 +16,74 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def normalize_ids(block_ids, num_blocks: int, *, unique: bool) -> np.ndarray:
-    """Validate block ids -> int64 numpy ``[n]`` (an int, sequence, numpy array or int tensor)."""
-    if isinstance(block_ids, bool):
-        raise TypeError("block_ids must be integers, got a bool")
-    if isinstance(block_ids, (int, np.integer)):
-        arr = np.array([int(block_ids)], dtype=np.int64) if abs(int(block_ids)) < 2**63 else None
-        if arr is None:
-            raise ValueError(f"block id {block_ids} out of range [0, {num_blocks})")
-    elif type(block_ids).__module__.startswith("torch"):
+def check_block_ids(block_ids, num_blocks: int, *, unique: bool):
+    """The one validator of block ids (agent calls, pack/unpack, the vLLM connector through
+    the agent): integers only, each in ``[0, num_blocks)``, distinct if ``unique``.
+
+    Takes a Python int, a list/tuple/range of Python ints or numpy integers, an integer
+    numpy array or scalar, or an integer torch tensor (0-d or 1-d). Returns a tuple of
+    Python ints for a sequence or scalar, an int64 numpy ``[n]`` for an array or tensor.
+    TypeError: a float, str, bool (also ``numpy.bool_`` and bool/float dtypes) or any
+    other type; ValueError: an id out of range (however large: never OverflowError), a
+    non-1-d array, duplicates where ``unique``.
+    """
+    t = type(block_ids)
+    if t is list or t is tuple:
+        if block_ids and set(map(type, block_ids)) != {int}:  # the common case skips this
+            for x in block_ids:
+                if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                    raise TypeError(f"block_ids must hold ints, got {type(x).__name__} ({x!r})")
+            block_ids = [int(x) for x in block_ids]
+        ids = tuple(block_ids)
+    elif t is range:
+        ids = tuple(block_ids)
+    elif isinstance(block_ids, (bool, np.bool_)):
+        raise TypeError("block_ids must be ints, got a bool")
+    elif isinstance(block_ids, (int, np.integer)):
+        ids = (int(block_ids),)
+    elif isinstance(block_ids, np.ndarray):
+        return _check_array(block_ids, num_blocks, unique)
+    elif t.__module__.startswith("torch"):
         import torch
 
         if not isinstance(block_ids, torch.Tensor):
-            raise TypeError(f"block_ids must be ints or an integer tensor, got {type(block_ids).__name__}")
-        if block_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"block_ids tensor must have an integer dtype (int64/int32), got {block_ids.dtype}")
-        arr = block_ids.detach().to("cpu", torch.int64).numpy()
-    elif isinstance(block_ids, np.ndarray):
-        if block_ids.dtype.kind not in "iu":
-            raise TypeError(f"block_ids array must have an integer dtype, got {block_ids.dtype}")
-        if block_ids.dtype == np.uint64 and block_ids.size and block_ids.max() >= 2**63:
-            raise ValueError(f"block id {block_ids.max()} out of range [0, {num_blocks})")
-        arr = block_ids.astype(np.int64)
-    elif isinstance(block_ids, (list, tuple, range)):
-        for x in block_ids:
-            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-                raise TypeError(f"block_ids must hold ints, got {type(x).__name__} ({x!r})")
-            if not -(2**63) <= int(x) < 2**63:
-                raise ValueError(f"block id {x} out of range [0, {num_blocks})")
-        arr = np.array(block_ids, dtype=np.int64).reshape(-1)
+            raise TypeError(f"block_ids must be ints or an integer tensor, got {t.__name__}")
+        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
+            raise TypeError(f"a block_ids tensor must have an integer dtype, got {block_ids.dtype}")
+        return _check_array(block_ids.detach().cpu().numpy(), num_blocks, unique)
     else:
-        raise TypeError(f"block_ids must be ints, a sequence, a numpy array or a tensor, got {type(block_ids).__name__}")
-    if arr.ndim != 1:
+        raise TypeError(f"block_ids must be an int, a sequence of ints, an integer array or tensor; "
+                        f"got {t.__name__}")
+    if ids:
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(f"negative block id {lo}" if lo < 0 else
+                             f"block id {hi} out of range [0, {num_blocks})")
+        if unique and len(set(ids)) != len(ids):
+            raise ValueError("block_ids has duplicates; one block would be written twice")
+    return ids
+
+
+def _check_array(arr: np.ndarray, num_blocks: int, unique: bool) -> np.ndarray:
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"a block_ids array must have an integer dtype, got {arr.dtype}")
+    if arr.ndim > 1:
         raise ValueError(f"block_ids must be 1-d, got shape {arr.shape}")
+    arr = arr.reshape(-1)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0:
-            raise ValueError(f"negative block id {lo}")
-        if hi >= num_blocks:
-            raise ValueError(f"block id {hi} out of range [0, {num_blocks})")
+        lo, hi = int(arr.min()), int(arr.max())  # Python ints: a uint64 id cannot wrap
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(f"negative block id {lo}" if lo < 0 else
+                             f"block id {hi} out of range [0, {num_blocks})")
         if unique and np.unique(arr).size != arr.size:
-            raise ValueError("block_ids has duplicates; unpack would write one block twice")
-    return np.ascontiguousarray(arr)
+            raise ValueError("block_ids has duplicates; one block would be written twice")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def normalize_ids(block_ids, num_blocks: int, *, unique: bool) -> np.ndarray:
+    """:func:`check_block_ids` as an int64 numpy ``[n]`` (what the copy paths index with)."""
+    ids = check_block_ids(block_ids, num_blocks, unique=unique)
+    return ids if isinstance(ids, np.ndarray) else np.array(ids, dtype=np.int64).reshape(-1)
 
 
 @dataclass(frozen=True)

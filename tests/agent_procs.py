@@ -59,7 +59,8 @@ def loopback_pair(config=None, dims: str = "2 N B H D"):
 def prefill(address, request_ids, block_ids, out_q, *, dims="2 N B H D", seed=1, tp_rank=0, tp_size=1,
             backend="auto", path="auto", dtype="float16", stream_then_hang=False, shape=None,
             staging_bytes=32 << 20):
-    """P: connect to D, send each request, report ("ok", stats) or ("err", repr)."""
+    """P: connect to D, send each request (from ``block_ids``, or from ``block_ids[request]``
+    if it is a dict), report ("ok", stats) or ("err", repr)."""
     from kvxfer import Agent
 
     try:
@@ -73,7 +74,8 @@ def prefill(address, request_ids, block_ids, out_q, *, dims="2 N B H D", seed=1,
                 h.wait(30.0, layer=0)
                 out_q.put(("streamed", os.getpid()))
                 time.sleep(600)
-            handles = [agent.send(peer, r, block_ids) for r in request_ids]
+            handles = [agent.send(peer, r, block_ids[r] if isinstance(block_ids, dict) else block_ids)
+                       for r in request_ids]
             for h in handles:
                 h.wait(30.0)
             out_q.put(("ok", {"transport": peer.transport, "paths": sorted({h.path for h in handles})}))

@@ -11,6 +11,7 @@ import torch
 
 import kvxfer
 from kvxfer import Agent
+from kvxfer.control.framing import encode_frame
 from kvxfer.control.messages import Msg, encode
 from kvxfer.control.shipping import _GrantWait
 from kvxfer.errors import InvalidDescriptor, ProtocolError
@@ -167,8 +168,9 @@ def test_pack_chunk_naming_another_requests_blocks_is_refused(agents):
 def test_sender_layers_must_cover_the_receivers(agents):
     p, d = agents("zero_copy")
     peer = p.connect(d.address)
-    for req, send_layers, recv_layers in [("sub", [0, 1], None), ("disjoint", [0], [1])]:
-        hr = d.recv(req, [1, 2], layers=recv_layers, timeout=60.0)
+    # a failed recv's blocks stay leased until P confirmed it stopped: the second uses others
+    for req, ids, send_layers, recv_layers in [("sub", [1, 2], [0, 1], None), ("disjoint", [7, 8], [0], [1])]:
+        hr = d.recv(req, ids, layers=recv_layers, timeout=60.0)
         hs = p.send(peer, req, [3, 4], layers=send_layers)
         with pytest.raises(InvalidDescriptor):
             hs.wait(T)
@@ -181,3 +183,64 @@ def test_sender_layers_must_cover_the_receivers(agents):
     hr.wait(T)
     assert torch.equal(kvxfer.pack(p._state.layout, [6], layers=[2], backend="reference"),
                        kvxfer.pack(d._state.layout, [5], layers=[2], backend="reference"))
+
+
+def _raw(msg: Msg, *fields) -> bytes:
+    """A frame of ``msg`` with a binary payload built field by field (``kvxfer.control.wire``
+    layout), so a test can put a value there that no encoder would write."""
+    import struct
+
+    out = b""
+    for kind, v in fields:
+        if kind == "str":
+            raw = v.encode()
+            out += struct.pack("<H", len(raw)) + raw
+        elif kind == "int":
+            out += struct.pack("<Q", v)
+        elif kind == "ints":
+            out += struct.pack("<BI", 4, len(v)) + struct.pack(f"<{len(v)}I", *v)
+        elif kind == "range":
+            out += struct.pack("<II", *v)
+        else:  # "u8": a raw byte (a bool field)
+            out += bytes([v])
+    return encode_frame(int(msg), out)
+
+
+def _post_fields(req, xid, heads=(0, H)):
+    return [("str", req), ("int", xid), ("ints", [1, 2]), ("ints", list(range(L))), ("range", heads), ("int", 0)]
+
+
+@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+def test_malformed_message_fails_its_request_and_keeps_the_connection(agents, path):
+    p, d = agents(path)
+    peer = p.connect(d.address)  # P's view of D
+    d_peer = _peer_of(d)  # D's view of P
+    bystander = d.recv("by", [1, 2], timeout=T)  # pending on the same connection throughout
+    # D -> P: a RECV_POST whose head range is a > b; its request (req, xid) decodes
+    hs = p.send(peer, "bad", [3])
+    d_peer.send(_raw(Msg.RECV_POST, *_post_fields("bad", 77, heads=(5, 2))))
+    with pytest.raises(ProtocolError, match="malformed"):
+        hs.wait(T)
+    # D -> P: a RECV_POST whose request id is over the wire's 256 characters: names no request
+    d_peer.send(_raw(Msg.RECV_POST, *_post_fields("x" * 300, 78)))
+    # P -> D: a DATA_DONE whose bool field is 2, holding a real staging grant
+    hr = d.recv("bad2", [9], timeout=T)
+    xid = d._receiver.recvs["bad2"].xid
+    peer.send(encode(Msg.MATCHED, req="bad2", xid=xid))
+    nbytes = d._state.layout.wire_nbytes(1)
+    off = _grant(p, peer, 904, nbytes)
+    peer.send(_raw(Msg.DATA_DONE, ("str", "bad2"), ("int", xid), ("int", 904), ("u8", 2), ("ints", [9]),
+                   ("ints", list(range(L))), ("range", (0, H)), ("int", off), ("int", nbytes)))
+    with pytest.raises(ProtocolError, match="malformed"):
+        hr.wait(T)
+    _until(lambda: d._state.pool.stage_in.used_bytes == 0 and not d._receiver.grants, "the grant freed")
+    # the connection stayed up: the bystander completes with the right bytes
+    p.send(peer, "by", [5, 6]).wait(T)
+    bystander.wait(T)
+    assert torch.equal(kvxfer.pack(p._state.layout, [5, 6], backend="reference"),
+                       kvxfer.pack(d._state.layout, [1, 2], backend="reference"))
+    _good_transfer(p, d, peer)
+    assert peer.is_connected and d_peer.is_connected
+    assert p.metrics.counter("malformed_messages", kind="RECV_POST") == 2
+    assert d.metrics.counter("malformed_messages", kind="DATA_DONE") == 1
+    _until(lambda: not p.held_blocks() and not d.held_blocks(), "leases released")

@@ -172,11 +172,16 @@ def test_dtypes_and_send_before_recv(dtype):
 def test_64_concurrent_requests_one_peer():
     p, d, pl, dl, peer = pair(path="auto")
     try:
-        recvs = [d.recv(f"q{i}", [i % 32], timeout=T) for i in range(0, 64, 2)]
+        # sends may share source blocks; D's 32 blocks take the even requests, then the odd
+        recvs = [d.recv(f"q{i}", [i // 2], timeout=T) for i in range(0, 64, 2)]
         sends = [p.send(peer, f"q{i}", [(i * 7) % 32]) for i in range(64)]
-        recvs += [d.recv(f"q{i}", [i % 32], timeout=T) for i in range(1, 64, 2)]
+        for h in recvs:
+            h.wait(T)
+        assert all(same(pl, [(i * 7) % 32], dl, [i // 2]) for i in range(0, 64, 2))
+        recvs += [d.recv(f"q{i}", [i // 2], timeout=T) for i in range(1, 64, 2)]
         for h in sends + recvs:
             h.wait(T)
+        assert all(same(pl, [(i * 7) % 32], dl, [i // 2]) for i in range(1, 64, 2))
         assert p.held_blocks() == {} and d.held_blocks() == {}
         assert p.metrics.counter("transfers", kind="send") == 64
     finally:

@@ -12,7 +12,7 @@ import torch
 
 import kvxfer
 from kvxfer import Agent
-from kvxfer.errors import PeerDisconnected
+from kvxfer.errors import BlocksBusy, PeerDisconnected
 
 import agent_procs
 from agent_procs import SECRET, make_pool
@@ -81,6 +81,40 @@ def test_tp2_prefill_processes_feed_one_decode():
             assert torch.equal(kvxfer.pack(src, [10, 11, 12], backend="reference"),
                                kvxfer.pack(d_layout, [3, 1, 4], heads=(2 * rank, 2 * rank + 2),
                                            backend="reference"))
+    finally:
+        d.close()
+        _stop(procs)
+
+
+def test_overlapping_recv_refused_and_no_block_holds_another_requests_bytes():
+    """Issue 25, item 1: ``recv("c2", [6, 7])`` while ``recv("c1", [5, 6])`` is pending
+    used to be accepted, and c1's block 6 then held c2's bytes."""
+    d_layout = make_pool("2 N B H D", None)
+    d = Agent("d", secret=SECRET)
+    procs = []
+    try:
+        d.register_kv(d_layout)
+        c1 = d.recv("c1", [5, 6], timeout=T)
+        try:
+            c2 = d.recv("c2", [6, 7], timeout=T)
+        except BlocksBusy as exc:
+            assert "'c1'" in str(exc)
+            c2 = None
+        refused_held = d.held_blocks()
+        proc, q = _start(d.address, ["c1", "c2"], {"c1": [1, 2], "c2": [3, 4]})
+        procs.append(proc)
+        c1.wait(T)
+        p_layout = make_pool("2 N B H D", 1)
+        got_c1 = kvxfer.pack(d_layout, [5, 6], backend="reference")
+        assert torch.equal(got_c1, kvxfer.pack(p_layout, [1, 2], backend="reference")), "c1's blocks hold other bytes"
+        assert c2 is None and refused_held == {"c1": (5, 6)}, "the overlapping recv was accepted"
+        c2 = d.recv("c2", [6, 7], timeout=T)  # block 6 is free again once c1 is done
+        c2.wait(T)
+        status, info = q.get(timeout=T)
+        assert status == "ok", info
+        assert torch.equal(kvxfer.pack(d_layout, [6, 7], backend="reference"),
+                           kvxfer.pack(p_layout, [3, 4], backend="reference"))
+        assert d.held_blocks() == {}
     finally:
         d.close()
         _stop(procs)

@@ -39,13 +39,18 @@ def listen(address: str) -> tuple[socket.socket, str]:
 class Connections:
     """``handlers``: ``{Msg: fn(peer, fields)}`` after the handshake (built once by the
     agent); ``on_ready(peer)`` runs with the state's lock held once a peer is usable;
-    ``on_lost(peer, error)`` once it disconnected; ``driver``: the backend driver."""
+    ``on_lost(peer, error)`` once it disconnected; ``driver``: the backend driver;
+    ``malformed``: ``{Msg: fn(peer, fields, error)}`` for a per-request message of an
+    authenticated peer whose payload did not decode (``fields``: those before the bad
+    one), which fails that request only; other malformed messages close the connection."""
 
-    def __init__(self, state: AgentState, secret: bytes, handlers: dict, on_ready, on_lost, driver) -> None:
+    def __init__(self, state: AgentState, secret: bytes, handlers: dict, on_ready, on_lost, driver,
+                 malformed: dict | None = None) -> None:
         self._s = state
         self._secret = secret
         self._gate = HandshakeGate()  # pre-auth admission (I/O thread only)
         self._dispatch = dict(handlers)
+        self._malformed = dict(malformed or {})
         self._on_ready = on_ready
         self._on_lost = on_lost
         self._driver = driver
@@ -135,6 +140,13 @@ class Connections:
         if handler is None:
             raise ProtocolError(f"unexpected {kind.name} after the handshake")
         handler(peer, fields)
+
+    def on_malformed(self, peer: Peer, exc) -> None:
+        handler = self._malformed.get(getattr(exc, "kind", None))
+        if handler is None:
+            raise exc
+        self._s.metrics.inc("malformed_messages", kind=exc.kind.name)
+        handler(peer, exc.fields, exc)
 
     def on_closed(self, peer: Peer, exc) -> None:
         with self._s.lock:

@@ -7,7 +7,9 @@ event (or :meth:`IOLoop.kick`), and only while ``spin_if()`` says a transfer is
 outstanding: a reply that follows a request is then read without a thread
 wake-up (tens of µs for both sides on a VM), and an idle agent still blocks. Frames are decoded here and
 handed to the connection's handler; a connection whose bytes do not parse is
-closed alone, the others keep running. Any thread may *send* (``Conn.send``
+closed alone, the others keep running. A whole frame whose per-request payload
+does not decode (:class:`~.wire.MalformedPayload`) goes to the handler's
+``on_malformed``, which may fail just the request it names and keep the connection. Any thread may *send* (``Conn.send``
 queues the frame and writes what the socket takes at once; this thread flushes
 the rest when the socket becomes writable, so no thread ever blocks on a slow
 peer); only this thread reads.
@@ -26,6 +28,7 @@ from .. import _native
 from ..errors import KVXferError, ProtocolError
 from .conn import Conn
 from .messages import decode
+from .wire import MalformedPayload
 
 log = logging.getLogger("kvxfer")
 
@@ -307,7 +310,16 @@ class IOLoop:
             return
         try:
             for msg_type, payload in conn.reader.feed(data):
-                kind, fields = decode(msg_type, payload)
+                try:
+                    kind, fields = decode(msg_type, payload)
+                except MalformedPayload as exc:  # the frame is whole: the handler may fail one request
+                    on_malformed = getattr(conn.handler, "on_malformed", None)
+                    if on_malformed is None:
+                        raise
+                    on_malformed(conn, exc)  # raises to close the connection
+                    if conn.closed:
+                        return
+                    continue
                 conn.handler.on_frame(conn, kind, fields)
                 if conn.closed:
                     return

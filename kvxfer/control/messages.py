@@ -5,7 +5,9 @@ a JSON object, except the three on every request's path (RECV_POST, MATCHED,
 DATA_DONE), which use the binary layout of :mod:`.wire`. :func:`decode` is the
 only way bytes from a peer become a message; anything else -- unknown type,
 invalid UTF-8/JSON/binary, a missing, extra or mistyped field, a negative id --
-raises :class:`~kvxfer.errors.ProtocolError`.
+raises :class:`~kvxfer.errors.ProtocolError`; for the binary ones a
+:class:`~.wire.MalformedPayload` that says which message it was (``kind``) and
+holds the fields before the bad one.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 
 from ..errors import ProtocolError
 from .framing import encode_frame
-from .wire import MAX_LIST, MAX_STR, decode_body, encode_body
+from .wire import MAX_LIST, MAX_STR, MalformedPayload, decode_body, encode_body
 
 
 class Msg(enum.IntEnum):
@@ -185,7 +187,11 @@ def decode(msg_type: int, payload: bytes) -> tuple[Msg, dict]:
     if kind is None:
         raise ProtocolError(f"unknown message type {msg_type}")
     if kind in BINARY:
-        return kind, decode_body(kind.name, _SCHEMA_ITEMS[kind], payload)
+        try:
+            return kind, decode_body(kind.name, _SCHEMA_ITEMS[kind], payload)
+        except MalformedPayload as exc:
+            exc.kind = kind  # which message it was (the connection may fail just its request)
+            raise
     try:
         body = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

@@ -68,6 +68,13 @@ class PeerHandler:
     def on_frame(self, conn, kind, fields) -> None:
         self.conns.on_frame(conn.peer, kind, fields)
 
+    def on_malformed(self, conn, exc) -> None:
+        """A whole frame whose payload did not decode: before authentication it closes
+        the connection (raises), after it the connections decide."""
+        if conn.peer is None:
+            raise exc
+        self.conns.on_malformed(conn.peer, exc)
+
     def on_close(self, conn, exc) -> None:
         self.conns.on_closed(conn.peer, exc)
 

@@ -22,7 +22,8 @@ from .checks import check_chunk_shape, check_piece, code_of, error_from
 from .messages import Msg, encode
 from .ops import RecvOp, stop_timer
 from .shipping import INLINE_BYTES
-from .state import AgentState
+from ..timeouts import check_timeout
+from .state import AgentState, request_id as request_id_of
 from .workers import Worker
 
 
@@ -55,33 +56,34 @@ class Receiver:
     # ---- public API -------------------------------------------------------------------
     def recv(self, request_id: str, block_ids, *, layers=None, timeout: float | None = None,
              skip_blocks: int = 0):
-        """See :meth:`kvxfer.Agent.recv` (the public contract); validates, posts, leases."""
-        ids = self._s.check_ids(block_ids)
-        if len(set(ids)) != len(ids):
-            raise ValueError("recv block_ids must be distinct")
+        """See :meth:`kvxfer.Agent.recv` (the public contract); validates, leases, posts."""
+        req = request_id_of(request_id)
+        ids = self._s.block_ids(block_ids, unique=True)
+        timeout = check_timeout(timeout)
         if type(skip_blocks) is not int or skip_blocks < 0:
             raise ValueError(f"skip_blocks must be an int >= 0, got {skip_blocks!r}")
-        req = str(request_id)
-        lay = tuple(self._s.layout.resolve_layers(layers))
-        heads = self._s.geometry.head_range
+        pool = self._s.registered()
+        lay = tuple(pool.layout.resolve_layers(layers))
+        heads = pool.geometry.head_range
         with self._s.lock:
+            # all of it under the lock: nothing that could end this op (a DATA_DONE, a
+            # cancel, a disconnect, close()) runs before it is registered and its lease exists
+            self._s.check_open()
             if req in self.recvs:
                 raise ValueError(f"request {req!r} is already being received")
             xid = next(self._xids)
-            # the RECV_POST goes out first, so the senders work while the rest is built;
-            # all of it is under the lock: nothing that could end this op (a DATA_DONE, a
-            # cancel, a disconnect) runs before it is registered and its lease exists
             frame = encode(Msg.RECV_POST, req=req, xid=xid, blocks=ids, layers=lay, heads=heads, skip=skip_blocks)
-            posted = [peer for peer in list(self._s.peers.values()) if self._post(peer, frame)]
+            # the lease before any post: BlocksBusy (another transfer holds a block) leaves no trace
+            lease = self._s.leases.acquire(("recv", req, xid), req, ids, timeout, writes=True)
             completer = HandleCompleter("recv", req, None, layers=lay)
             op = RecvOp(req, xid, ids, lay, heads, completer, skip_blocks, post_frame=frame,
-                        bulk=len(lay) * len(ids) * self._s.layout.block_nbytes() > INLINE_BYTES)
-            op.posted_to.update(posted)
+                        bulk=len(lay) * len(ids) * pool.layout.block_nbytes() > INLINE_BYTES)
             self.recvs[req] = op
             completer.set_canceller(lambda h: self._end_recv(op, None, "cancelled"))
-            lease = self._s.leases.acquire(("recv", req, xid), req, ids, timeout)
             op.timer = self._s.loop.call_later(lease.deadline - time.monotonic(), lambda: self._end_recv(
                 op, TransferTimeout(f"recv {req!r} timed out"), "expired"))
+            for peer in list(self._s.peers.values()):
+                self._post_to(peer, op)
         if not op.bulk:  # its reply comes within a poll window (config.loop_spin_s)
             self._s.loop.kick()
         return completer.handle
@@ -284,6 +286,22 @@ class Receiver:
             op.unpacking -= 1
             if (op.req, op.xid) in self.quiet_wait:
                 self._maybe_quiet(op)
+
+    def on_malformed(self, peer, fields: dict, exc) -> None:
+        """A MATCHED or DATA_DONE of ``peer`` that did not decode (I/O thread): free the
+        staging grant it names, fail our recv of the request it names (which tells the
+        senders); nothing else."""
+        if "tag" in fields:
+            grant = self._take_grant(peer, fields["tag"])
+            if grant is not None:
+                self._s.pool.stage_in.free(grant[0])
+                peer.send(encode(Msg.ACK, tag=fields["tag"]))
+        req, xid = fields.get("req"), fields.get("xid")
+        with self._s.lock:
+            op = self.recvs.get(req) if req else None
+        if op is not None and op.xid == xid and peer in op.posted_to:
+            self._end_recv(op, ProtocolError(f"{exc.kind.name} of {req!r} from {peer.name!r} is malformed: {exc}"),
+                           "failed")
 
     def on_sender_cancel(self, peer, f) -> None:
         """CANCEL or FAIL (typed, ``code``) from a sender of one of our recvs."""

@@ -15,14 +15,16 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, TransferTimeout
+from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, PeerDisconnected, ProtocolError,
+                      TransferTimeout)
 from ..handle import HandleCompleter
 from .checks import code_of
 from .messages import Msg, encode
 from .ops import Post, SendOp, stop_timer
 from .posts import PostMatcher
 from .shipping import Shipper
-from .state import AgentState
+from ..timeouts import check_timeout
+from .state import AgentState, request_id as request_id_of
 
 
 class Sender:
@@ -30,6 +32,7 @@ class Sender:
         self._s = state
         self.sends: dict[tuple, SendOp] = {}  # (peer serial | None, request id) -> op
         self._wids = itertools.count(1)
+        self.reads: set = set()  # completers of one-sided reads still running
         self.posts = PostMatcher(state, self)
         self.shipper = Shipper(state, self)
 
@@ -41,64 +44,74 @@ class Sender:
 
     # ---- public API (see Agent) -------------------------------------------------------
     def send(self, peer, request_id: str, block_ids, *, layers=None, lease_timeout=None, after=None):
-        ids = self._s.check_ids(block_ids)
+        req = request_id_of(request_id)
+        ids = self._s.block_ids(block_ids)
+        lease_timeout = check_timeout(lease_timeout, "lease_timeout")
+        ready = None if layers is None else list(self._s.registered().layout.resolve_layers(layers))
         token = self._s.device.capture(after)
-        ready = None if layers is None else list(self._s.layout.resolve_layers(layers))
-        return self._start(peer, str(request_id), ids, ready, False, lease_timeout, token)
+        return self._start(peer, req, ids, ready, False, lease_timeout, token)
 
     def send_layer(self, peer, request_id: str, layer: int, block_ids, *, lease_timeout=None, after=None):
-        ids = self._s.check_ids(block_ids)
+        req = request_id_of(request_id)
+        ids = self._s.block_ids(block_ids)
+        lease_timeout = check_timeout(lease_timeout, "lease_timeout")
+        (layer,) = self._s.registered().layout.resolve_layers(layer)
         token = self._s.device.capture(after)
-        (layer,) = self._s.layout.resolve_layers(layer)
         with self._s.lock:
-            op = self.sends.get((peer.serial, str(request_id)))
+            self._s.check_open()
+            op = self.sends.get((None if peer is None else peer.serial, req))
             if op is not None and op.streaming:
                 if op.ids != ids[op.post.skip if op.post is not None else 0:]:
                     raise ValueError("send_layer: block_ids differ from the stream's first call")
                 if layer in op.shipped or layer in op.ready:
-                    raise ValueError(f"layer {layer} of {request_id!r} was already sent")
+                    raise ValueError(f"layer {layer} of {req!r} was already sent")
                 op.ready.append(layer)
                 if token is not None:
                     op.after.append(token)
                 if op.post is not None and not op.handle.done():
                     self.shipper.ship(op, [layer])
                 return op.handle
-        return self._start(peer, str(request_id), ids, [layer], True, lease_timeout, token)
+            return self._start(peer, req, ids, [layer], True, lease_timeout, token)
 
     def write(self, peer, local_ids, remote_ids, *, layers=None, notify: bytes | None = None):
-        ids = self._s.check_ids(local_ids)
-        remote = tuple(int(b) for b in remote_ids)
-        self._check_remote(peer, remote, len(ids))
-        lay = tuple(self._s.layout.resolve_layers(layers))
+        ids = self._s.block_ids(local_ids)
+        remote = self._remote_ids(peer, remote_ids, len(ids), unique=True)
+        lay = tuple(self._s.registered().layout.resolve_layers(layers))
         max_notify = self._s.config.limits.max_notify_bytes
         if notify is not None and len(notify) > max_notify:
             raise ValueError(f"notify payload of {len(notify)} B exceeds {max_notify} B")
         post = Post("", 0, remote, lay, peer.geometry.head_range)
         key = (peer.serial, f"#write-{next(self._wids)}")
-        op = self._new_op(peer, key, "", ids, list(lay), False, None, "write")
-        op.notify = None if notify is None else bytes(notify)
         with self._s.lock:
+            op = self._new_op(peer, key, "", ids, list(lay), False, None, "write")
+            op.notify = None if notify is None else bytes(notify)
             self.match(op, post, send_matched=False)
         return op.handle
 
     def read(self, peer, local_ids, remote_ids, *, layers=None):
-        ids = self._s.check_ids(local_ids)
-        remote = tuple(int(b) for b in remote_ids)
-        self._check_remote(peer, remote, len(ids))
-        lay = tuple(self._s.layout.resolve_layers(layers))
+        ids = self._s.block_ids(local_ids, unique=True)
+        remote = self._remote_ids(peer, remote_ids, len(ids), unique=False)
+        lay = tuple(self._s.registered().layout.resolve_layers(layers))
         completer = HandleCompleter("read", "", peer.name, layers=lay)
-        self.shipper.read(peer, completer, ids, remote, lay)
+        with self._s.lock:  # close() fails every read it finds here, so none is left pending
+            self._s.check_open()
+            self.reads.add(completer)
+            completer.handle.add_done_callback(lambda h: self.reads.discard(completer))
+            self.shipper.read(peer, completer, ids, remote, lay)
         return completer.handle
 
     def pending_recvs(self) -> list:
         return self.posts.pending_recvs()
 
-    @staticmethod
-    def _check_remote(peer, remote: tuple, n: int) -> None:
+    def _remote_ids(self, peer, remote_ids, n: int, *, unique: bool) -> tuple:
+        """``remote_ids`` of ``peer``'s pool (the one validator; ``unique``: they are
+        written), as many as the local ids."""
         if peer.geometry is None:
             raise LayoutMismatch(f"peer {peer.name!r} registered no KV pool")
-        if len(remote) != n or not all(0 <= b < peer.geometry.num_blocks for b in remote):
-            raise ValueError("remote_ids must be as many as local_ids and inside the peer's pool")
+        remote = self._s.block_ids(remote_ids, unique=unique, num_blocks=peer.geometry.num_blocks)
+        if len(remote) != n:
+            raise ValueError(f"remote_ids has {len(remote)} blocks, local_ids {n}")
+        return remote
 
     # ---- op lifecycle ---------------------------------------------------------------
     def _new_op(self, peer, key, wire_req, ids, ready, streaming, lease_timeout, kind, token=None) -> SendOp:
@@ -111,6 +124,7 @@ class Sender:
             op.after.append(token)
         completer.set_canceller(lambda h: self._cancel(op))
         with self._s.lock:
+            self._s.check_open()  # under the lock: close() fails every op registered before it
             if key in self.sends:
                 raise ValueError(f"request {key[1]!r} is already being sent to {peer.name!r}")
             lease = self._s.leases.acquire(("send",) + key, key[1], ids, lease_timeout)
@@ -119,9 +133,11 @@ class Sender:
         return op
 
     def _start(self, peer, req, ids, ready, streaming, lease_timeout, token=None):
-        op = self._new_op(peer, (None if peer is None else peer.serial, req), req, ids, ready, streaming,
-                          lease_timeout, "send", token)
+        # one hold of the lock from registration to match: close() either comes first (the
+        # op is refused) or fails the op after this returns
         with self._s.lock:
+            op = self._new_op(peer, (None if peer is None else peer.serial, req), req, ids, ready, streaming,
+                              lease_timeout, "send", token)
             if peer is None:  # to whoever posted (or will post) this id
                 key = self.posts.find(req)
                 if key is None:
@@ -137,6 +153,22 @@ class Sender:
                 if tomb is not None:
                     self.posts.bury(op, tomb[1])
         return op.handle
+
+    def on_malformed_post(self, peer, fields: dict, exc) -> None:
+        """A RECV_POST of ``peer`` that did not decode (I/O thread): fail our send of the
+        request it names, if one waits for it, and D's recv (FAIL); nothing else. One
+        that names no request (its ``req`` or ``xid`` is the bad field) is only counted."""
+        req, xid = fields.get("req"), fields.get("xid")
+        if not req or xid is None:
+            return
+        error = ProtocolError(f"RECV_POST of {req!r} from {peer.name!r} is malformed: {exc}")
+        with self._s.lock:
+            op = self.sends.get((peer.serial, req))
+            if op is not None and op.post is None and op.ended is None:
+                op.post = Post(req, xid, (), (), (0, 0))
+                self.fail(op, error, "failed")  # tells D
+                return
+        peer.send(encode(Msg.FAIL, req=req, xid=xid, to_sender=False, code="protocol", reason=str(error)[:200]))
 
     # ---- internal interface (posts.py, shipping.py; lock held unless said) ---------------
     @staticmethod
@@ -270,9 +302,12 @@ class Sender:
     def close(self, err) -> None:
         with self._s.lock:
             ops = list(self.sends.values())
+            reads = list(self.reads)
             self.shipper.abort_waits(err)
         for op in ops:
             self.fail(op, err, "closed")
+        for completer in reads:
+            completer.fail(err)
 
     def stop(self) -> None:
         """End the send worker (after :meth:`close` and the staging rings closed)."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import KVXferError
+from ..runs import check_block_ids
+from .wire import MAX_STR
 
 
 @dataclass(eq=False)
@@ -76,21 +78,41 @@ class AgentState:
         if self.closed:
             raise KVXferError(f"agent {self.name!r} is closed")
 
-    def check_ids(self, block_ids) -> tuple:
-        """``block_ids`` (ints, sequence, array or tensor) as a tuple of in-range ids;
-        KVXferError if closed or unregistered, ValueError if empty or out of range."""
+    def registered(self) -> Pool:
+        """The pool; KVXferError if the agent is closed or :meth:`register_kv` did not run."""
         self.check_open()
         pool = self.pool
         if pool is None:
             raise KVXferError("call register_kv before moving blocks")
-        if type(block_ids) in (list, tuple) and block_ids and set(map(type, block_ids)) == {int}:
-            ids = tuple(block_ids)  # the common case, without a numpy round trip
-        else:
-            ids = tuple(int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1))
+        return pool
+
+    def block_ids(self, block_ids, *, unique: bool = False, num_blocks: int | None = None) -> tuple:
+        """``block_ids`` of this pool (or of a pool of ``num_blocks``: a peer's) as a
+        non-empty tuple of Python ints, through the one validator
+        (:func:`kvxfer.runs.check_block_ids`); KVXferError if closed or unregistered."""
+        pool = self.registered()
+        ids = check_block_ids(block_ids, pool.layout.num_blocks if num_blocks is None else num_blocks,
+                              unique=unique)
+        if isinstance(ids, np.ndarray):
+            ids = tuple(ids.tolist())
         if not ids:
             raise ValueError("block_ids is empty")
-        num_blocks = pool.layout.num_blocks
-        if min(ids) < 0 or max(ids) >= num_blocks:
-            bad = [b for b in ids if not 0 <= b < num_blocks]
-            raise ValueError(f"block id {bad[0]} out of range [0, {num_blocks})")
         return ids
+
+
+def request_id(value) -> str:
+    """A request id as the wire carries it: a non-empty ``str`` of at most ``MAX_STR``
+    characters that UTF-8 can encode. TypeError / ValueError (at the call: a peer's
+    decoder would refuse anything else)."""
+    if not isinstance(value, str):
+        raise TypeError(f"request_id must be a str, got {type(value).__name__}")
+    value = str(value)  # a subclass (numpy.str_) as the plain str the wire carries
+    if not value:
+        raise ValueError("request_id is empty")
+    if len(value) > MAX_STR:
+        raise ValueError(f"request_id has {len(value)} characters; at most {MAX_STR} are allowed")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("request_id is not encodable as UTF-8 (a lone surrogate)") from None
+    return value

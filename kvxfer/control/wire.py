@@ -11,8 +11,10 @@ the per-message time of a 1-block request):
 
 :func:`decode_body` checks all of that and that nothing follows the last field;
 any violation -- truncated, trailing or invalid bytes, a value out of range --
-raises :class:`~kvxfer.errors.ProtocolError`, like a malformed JSON message. What
-the values mean is checked where they are used (:mod:`.checks`).
+raises :class:`MalformedPayload` (a :class:`~kvxfer.errors.ProtocolError`) that
+carries the fields decoded before it, so an authenticated peer's bad message can
+fail the one request it names instead of the connection. What the values mean is
+checked where they are used (:mod:`.checks`).
 """
 from __future__ import annotations
 
@@ -90,8 +92,17 @@ def encode_body(name: str, items: tuple, fields: dict) -> bytes:
     raise ValueError(f"{name}: fields cannot be encoded")
 
 
+class MalformedPayload(ProtocolError):
+    """A payload that does not decode; ``fields``: those before the first bad one (each
+    valid), so the receiver can tell which request the message was about."""
+
+    def __init__(self, message: str, fields: dict) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 def decode_body(name: str, items: tuple, payload: bytes) -> dict:
-    """The fields of message ``name`` from ``payload``, or ProtocolError."""
+    """The fields of message ``name`` from ``payload``, or :class:`MalformedPayload`."""
     out = {}
     pos, end = 0, len(payload)
     try:
@@ -136,8 +147,10 @@ def decode_body(name: str, items: tuple, payload: bytes) -> dict:
                     raise ProtocolError(f"{name}: {k} is not a range")
                 v = (a, b)
             out[k] = v
+    except ProtocolError as exc:
+        raise MalformedPayload(str(exc), out) from None
     except (struct.error, IndexError, UnicodeDecodeError):
-        raise ProtocolError(f"{name}: truncated or invalid payload") from None
+        raise MalformedPayload(f"{name}: truncated or invalid payload", out) from None
     if pos != end:
-        raise ProtocolError(f"{name}: {end - pos} bytes after the last field")
+        raise MalformedPayload(f"{name}: {end - pos} bytes after the last field", out)
     return out

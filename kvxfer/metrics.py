@@ -19,7 +19,8 @@ COUNTERS = {
     "transfers": "completed transfers by kind and path",
     "failures": "failed transfers by kind and error",
     "notifications": "notifications received",
-    "refused_connections": "inbound connections refused before the handshake (busy or rate-limited)",
+    "evicted_handshakes": "pending inbound handshakes closed to admit newer connections (REJECT busy)",
+    "failed_handshakes": "inbound connections closed before they authenticated (bad frame, wrong proof, timeout)",
 }
 HISTOGRAMS = {
     "prepare_seconds": "descriptors (+ pack) per chunk",

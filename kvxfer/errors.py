@@ -60,8 +60,9 @@ class ProtocolError(KVXferError):
 
 
 class ConnectionRefused(KVXferError, ConnectionError):
-    """The peer's agent refused the connection before the handshake (too many pending
-    handshakes, from this address or in all, or too many failed ones): retry later."""
+    """The peer's agent refused the connection before it authenticated: it closed this
+    pending handshake to admit a newer connection (too many pending, from this address
+    or in all), or closed before the handshake began; retry later."""
 
 
 class LimitExceeded(KVXferError):

@@ -20,7 +20,8 @@ COUNTERS = {
     "failures": "failed transfers by kind and error",
     "notifications": "notifications received",
     "malformed_messages": "per-request messages of authenticated peers that did not decode (that request failed)",
-    "refused_connections": "inbound connections refused before the handshake (busy or rate-limited)",
+    "evicted_handshakes": "pending inbound handshakes closed to admit newer connections (REJECT busy)",
+    "failed_handshakes": "inbound connections closed before they authenticated (bad frame, wrong proof, timeout)",
 }
 HISTOGRAMS = {
     "prepare_seconds": "descriptors (+ pack) per chunk",

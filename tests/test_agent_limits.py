@@ -1,6 +1,9 @@
-"""Per-peer bounds (issue 9, items 7 and 14): an authenticated peer that floods
-RECV_POSTs, NOTIFYs or STAGE_REQs, or a client that streams bytes before
-authenticating, is bounded on its own; the other peers keep working."""
+"""Per-peer and per-agent bounds (issue 9, items 7 and 14; issue 25, items 3 and 8):
+an authenticated peer that floods RECV_POSTs, NOTIFYs or STAGE_REQs, or a client
+that streams bytes before authenticating, is bounded on its own; the other peers
+keep working; many peers together stay under the agent's totals; what a peer made
+the agent hold goes when it disconnects. The RSS of a refused-post flood:
+``benchmarks/post_flood.py``."""
 from __future__ import annotations
 
 import socket
@@ -27,8 +30,8 @@ def _until(cond, what: str, limit: float = T) -> None:
         time.sleep(0.005)
 
 
-def _agent(name, seed):
-    a = Agent(name, secret=SECRET, backend="loopback")
+def _agent(name, seed, config=None):
+    a = Agent(name, secret=SECRET, backend="loopback", config=config)
     a.register_kv(make_pool("2 N B H D", seed))
     return a
 
@@ -37,8 +40,8 @@ def _agent(name, seed):
 def agents():
     made = []
 
-    def make(name, seed=None):
-        made.append(_agent(name, seed))
+    def make(name, seed=None, config=None):
+        made.append(_agent(name, seed, config))
         return made[-1]
 
     yield make
@@ -144,3 +147,97 @@ def test_unauthenticated_client_buffers_at_most_a_few_kib():
         assert biggest <= 4096
     finally:
         d.close()
+
+
+def _refused_posts(n, prefix, num_ids=0, req_len=0):
+    """``n`` RECV_POSTs P must refuse: ``num_ids`` block ids (beyond any 32-block pool), or
+    one repeated id; request ids padded to ``req_len`` characters."""
+    blocks = list(range(64, 64 + num_ids)) if num_ids else [1, 1]
+    return b"".join(encode(Msg.RECV_POST, req=f"{prefix}{i}".ljust(req_len, "x"), xid=i + 1, blocks=blocks,
+                           layers=[0, 1, 2, 3], heads=(0, 4), skip=0) for i in range(n))
+
+
+def _plain(value) -> bool:
+    return value is None or type(value) in (int, str) or (type(value) is tuple and all(map(_plain, value)))
+
+
+def test_refused_posts_leave_small_plain_tombstones_that_go_with_the_peer(agents):
+    p = agents("p", 1)
+    flood = agents("flood")
+    flood.connect(p.address)
+    to_p = _peer_named(flood, "p")
+    for i in range(8):  # 8 posts of 100k block ids: before issue 25 each kept its ids and traceback
+        assert to_p.conn.send(_refused_posts(1, f"big{i}-", num_ids=100_000))
+        _until(lambda: len(to_p.conn._out) == 0, "the post to go out")
+    assert to_p.conn.send(_refused_posts(3000, "long-", req_len=250))  # 3000 x 250-char ids
+    _roundtrip(p, _peer_named(p, "flood"), flood, "after-refused")  # behind every refused post
+    book = _peer_named(p, "flood").book
+    lim = p.config.limits
+    assert book.tombstones and all(_plain(t) for t in book.tombstones.values())
+    xid, code, reason = book.unbury("long-2999".ljust(250, "x"))
+    assert code == "invalid" and "distinct" in reason and len(reason) <= 200
+    assert book.tombstone_bytes <= lim.max_tombstone_bytes
+    assert book.tombstone_bytes == sum(t[3] for t in book.tombstones.values())
+    assert len(book.tombstones) < 3000  # the byte bound, not just the count, dropped the oldest
+    books = p._conns.books
+    assert books.tombstone_bytes == book.tombstone_bytes and books.num_tombstones == len(book.tombstones)
+    flood.close()
+    _until(lambda: not p.peers(), "the peer to go")
+    assert not book.tombstones and not book.posts
+    assert books.num_tombstones == books.tombstone_bytes == books.num_posts == books.posted_blocks == 0
+    assert books.books == {}
+
+
+def test_cached_posts_and_tombstones_are_bounded_per_agent(agents):
+    lim = limits.PeerLimits(max_agent_posts=100, max_agent_posted_blocks=150, max_agent_tombstones=120,
+                            max_agent_tombstone_bytes=200 * limits.tombstone_nbytes("t-00", "x" * 64))
+    p = agents("p", 1, config=kvxfer.AgentConfig(limits=lim))
+    floods = [agents(f"flood{k}") for k in range(4)]
+    for k, f in enumerate(floods):
+        f.connect(p.address)
+        to_p = _peer_named(f, "p")
+        blob = b"".join(encode(Msg.RECV_POST, req=f"f{i}", xid=i + 1, blocks=[i % 32], layers=[0, 1, 2, 3],
+                               heads=(0, 4), skip=0) for i in range(60))  # each under every per-peer cap
+        assert to_p.conn.send(blob + _refused_posts(60, "t-"))
+        _roundtrip(p, _peer_named(p, f"flood{k}"), f, f"after-{k}")
+    books = p._conns.books
+    peers = [_peer_named(p, f"flood{k}") for k in range(4)]
+    assert books.num_posts == len(p._sender.posts) == sum(len(q.book.posts) for q in peers) <= 100
+    assert books.posted_blocks <= 150 and books.num_tombstones <= 120
+    assert books.tombstone_bytes <= lim.max_agent_tombstone_bytes
+    # the agent-wide bounds took the oldest entries of whoever held the most: equal shares remain
+    for table in ("posts", "tombstones"):
+        sizes = [len(getattr(q.book, table)) for q in peers]
+        assert max(sizes) - min(sizes) <= 2, (table, sizes)  # the newcomer counts after the eviction
+    assert all(f"f{59 - i}" in q.book.posts for q in peers for i in range(20))
+
+
+def test_undrained_notifications_are_bounded_per_agent(agents):
+    lim = limits.PeerLimits(max_agent_notes=6)
+    d = agents("d", config=kvxfer.AgentConfig(limits=lim))
+    a, b = agents("a", 1), agents("b", 2)
+    peer_a, peer_b = a.connect(d.address), b.connect(d.address)
+    for _ in range(4):
+        peer_a.conn.send(encode(Msg.NOTIFY, data=b"a"))
+    _until(lambda: d._conns.books.notes == 4, "a's notifications")
+    for _ in range(4):
+        peer_b.conn.send(encode(Msg.NOTIFY, data=b"b"))
+    _until(lambda: not peer_b.is_connected, "D to drop the peer past the agent's total")
+    assert d._conns.books.notes == 6 and len(d.notifications()) == 6 and d._conns.books.notes == 0
+    assert peer_a.is_connected
+
+
+def test_staging_requests_are_bounded_per_agent_and_freed_with_their_peer():
+    books = limits.AgentBook(limits.PeerLimits(max_stage_reqs=2, max_agent_stage_reqs=3))
+    a, b = books.open(1), books.open(2)
+    a.add_stage_req()
+    a.add_stage_req()
+    b.add_stage_req()
+    with pytest.raises(kvxfer.LimitExceeded, match="from all peers"):
+        b.add_stage_req()
+    assert (books.stage_reqs, b.stage_reqs) == (3, 1)
+    a.close()  # disconnected: its grants are freed without a STAGE_RELEASE
+    assert books.stage_reqs == 1 and books.books == {2: b}
+    b.add_stage_req()
+    b.end_stage_req()
+    assert books.stage_reqs == 1

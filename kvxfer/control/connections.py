@@ -13,7 +13,8 @@ import socket
 from ..errors import KVXferError, PeerDisconnected, ProtocolError, TransferTimeout
 from .gate import HandshakeGate
 from .handshake import ServerHandshake, client_handshake
-from .messages import Msg, encode
+from .limits import AgentBook
+from .messages import Msg
 from .peers import InboundHandler, Peer, PeerHandler, split_address
 from .registration import local_info, parse_info
 from .state import AgentState
@@ -49,6 +50,7 @@ class Connections:
         self._s = state
         self._secret = secret
         self._gate = HandshakeGate()  # pre-auth admission (I/O thread only)
+        self.books = AgentBook(state.config.limits)  # what all peers make us hold (lock held)
         self._dispatch = dict(handlers)
         self._malformed = dict(malformed or {})
         self._on_ready = on_ready
@@ -91,38 +93,42 @@ class Connections:
 
     # ---- inbound (I/O thread) -------------------------------------------------------
     def on_accept(self, sock, source: str):
-        """A new inbound connection; refused ones get REJECT "busy" (the connecting
-        agent raises ConnectionRefused) and are closed by the loop."""
+        """A new inbound connection: always admitted (None once the agent is closed).
+        Pending connections it evicts get REJECT "busy" (their clients raise
+        ConnectionRefused) and are closed."""
         if self._s.closed:
             return None
-        why = self._gate.admit(source)
-        if why is None:
-            return InboundHandler(self, source)
-        self._s.metrics.inc("refused_connections")
-        try:
-            sock.setblocking(False)
-            sock.send(encode(Msg.REJECT, code="busy", reason=why[:200]))
-            sock.shutdown(socket.SHUT_WR)
-            sock.recv(4096)  # what the client sent already; unread bytes would turn close into a reset
-        except OSError:
-            pass
-        return None
+        handler = InboundHandler(self, source)
+        for old in self._gate.admit(handler):
+            self._s.metrics.inc("evicted_handshakes")
+            where = f" from {source}" if old.source == source else ""
+            old.evict(f"too many pending handshakes{where}; this one was the oldest")
+        return handler
 
     # ---- handler interface (peers.py) -------------------------------------------------
     def server_handshake(self) -> ServerHandshake:
         return ServerHandshake(self._secret, lambda: local_info(self._s), self.parse_info)
 
-    def release_slot(self, source: str, ok: bool) -> None:
-        """An inbound connection's pre-auth slot is free (``ok``: it authenticated)."""
-        self._gate.release(source, ok)
+    def release_slot(self, handler, ok: bool) -> None:
+        """An inbound connection's pre-auth slot is free (``ok``: it authenticated or was
+        evicted; else it failed or closed before authenticating)."""
+        if self._gate.release(handler) and not ok:
+            self._s.metrics.inc("failed_handshakes")
 
     def parse_info(self, fields: dict) -> dict:
         return parse_info(self._s, fields)
 
     def make_peer(self, fields: dict, address: str | None) -> Peer:
         """The authenticated peer of a handshake's INFO ``fields``, with its backend connection."""
-        peer = Peer(fields["name"], fields["agent_id"], address, self.parse_info(fields), self._s.config.limits)
-        peer.bconn = self._s.backend.connect(fields["backend"])
+        info = self.parse_info(fields)
+        with self._s.lock:  # its book joins the agent's
+            peer = Peer(fields["name"], fields["agent_id"], address, info, self.books)
+        try:
+            peer.bconn = self._s.backend.connect(fields["backend"])
+        except BaseException:
+            with self._s.lock:
+                peer.book.close()
+            raise
         self._s.metrics.info[f"transport:{peer.name}"] = peer.transport
         self._driver.peer_connected(peer.bconn)
         return peer
@@ -155,6 +161,8 @@ class Connections:
             peer.is_connected = False
             self._s.peers.pop(peer.serial, None)
         self._on_lost(peer, PeerDisconnected(f"peer {peer.name!r} disconnected: {exc}"))
+        with self._s.lock:
+            peer.book.close()  # its cached posts and tombstones go
         try:
             self._s.backend.disconnect(peer.bconn)
         except KVXferError:

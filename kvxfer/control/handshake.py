@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from ..errors import AuthenticationError, ConnectionRefused, LayoutMismatch, ProtocolError
+from ..errors import AuthenticationError, ConnectionRefused, KVXferError, LayoutMismatch, ProtocolError
 from . import auth
 from .framing import recv_frame
 from .messages import Msg, decode, encode
@@ -19,10 +19,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def _expect(sock, timeout: float, *kinds: Msg) -> tuple[Msg, dict]:
-    try:
-        kind, fields = decode(*recv_frame(sock, timeout))
-    except (ConnectionError, socket.timeout, OSError) as exc:
-        raise exc
+    """The next frame, one of ``kinds``; a REJECT raises its typed error. A closed or
+    reset connection raises the builtin ConnectionError (never a KVXferError)."""
+    kind, fields = decode(*recv_frame(sock, timeout))
     if kind == Msg.REJECT:
         if fields["code"] == "busy":
             raise ConnectionRefused(f"peer refused the connection: {fields['reason']}")
@@ -46,12 +45,16 @@ def client_handshake(sock: socket.socket, secret: bytes, info: dict, check_info,
     try:
         sock.sendall(encode(Msg.HELLO, nonce=nonce_c))
         _, fields = _expect(sock, timeout, Msg.CHALLENGE)
+    except KVXferError:  # a REJECT: its own error (ConnectionRefused is a ConnectionError too)
+        raise
     except ConnectionError as exc:  # closed before it said anything: it took no handshake
         raise ConnectionRefused(f"peer closed the connection before the handshake: {exc}") from None
     nonce_s = fields["nonce"]
-    sock.sendall(encode(Msg.AUTH, mac=auth.client_mac(secret, nonce_s, nonce_c)))
     try:
+        sock.sendall(encode(Msg.AUTH, mac=auth.client_mac(secret, nonce_s, nonce_c)))
         kind, fields = _expect(sock, timeout, Msg.AUTH_OK, Msg.AUTH_FAIL)
+    except KVXferError:  # e.g. REJECT busy: evicted while it waited for our proof
+        raise
     except ConnectionError:
         raise AuthenticationError("peer closed the connection during authentication") from None
     if kind == Msg.AUTH_FAIL:

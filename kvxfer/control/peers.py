@@ -10,12 +10,13 @@ interface only).
 from __future__ import annotations
 
 import itertools
+import socket
 
-from ..errors import KVXferError, TransferTimeout
+from ..errors import ConnectionRefused, KVXferError, TransferTimeout
 from .framing import MAX_PAYLOAD
 from .gate import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME
-from .limits import PeerBook, PeerLimits
-from .messages import Msg
+from .limits import AgentBook
+from .messages import Msg, encode
 
 
 class Peer:
@@ -24,7 +25,7 @@ class Peer:
     _serials = itertools.count(1)
 
     def __init__(self, name: str, agent_id: str, address: str | None, info: dict,
-                 limits: PeerLimits = PeerLimits()) -> None:
+                 books: AgentBook | None = None) -> None:
         self.serial = next(Peer._serials)
         self.name = name
         self.agent_id = agent_id
@@ -37,7 +38,8 @@ class Peer:
         self.conn = None  # control connection
         self.bconn = None  # backend connection
         self.is_connected = True
-        self.book = PeerBook(limits)  # what this peer makes us hold, bounded (limits.py)
+        # what this peer makes us hold, bounded per peer and in the agent's total (limits.py)
+        self.book = (books if books is not None else AgentBook()).open(self.serial)
 
     @property
     def transport(self) -> str:
@@ -81,15 +83,23 @@ class PeerHandler:
 
 class InboundHandler(PeerHandler):
     """Runs the server handshake, then behaves as :class:`PeerHandler`. Holds one of the
-    agent's pre-auth slots (:mod:`kvxfer.control.gate`) until the peer is ready or gone."""
+    agent's pre-auth slots (:mod:`kvxfer.control.gate`) from its accept until it
+    authenticates, fails, is evicted or closes."""
 
     def __init__(self, conns, source: str) -> None:
         super().__init__(conns)
         self.hs = conns.server_handshake()
         self.source = source
-        self.counted = True
+        self.conn = None
+        self.evicted = False
+
+    @property
+    def said_hello(self) -> bool:
+        """Its HELLO arrived (the gate evicts connections that said nothing yet first)."""
+        return self.hs.state != Msg.HELLO
 
     def on_open(self, conn) -> None:
+        self.conn = conn
         conn.reader.max_payload = PREAUTH_MAX_FRAME
 
         def expire(what: str, still) -> None:
@@ -99,33 +109,45 @@ class InboundHandler(PeerHandler):
         conn.loop.call_later(HELLO_DEADLINE_S, lambda: expire("waiting for HELLO", lambda: self.hs.state == Msg.HELLO))
         conn.loop.call_later(self.conns.handshake_timeout, lambda: expire("handshake", lambda: True))
 
-    def _uncount(self, ok: bool) -> None:
-        if self.counted:
-            self.counted = False
-            self.conns.release_slot(self.source, ok)
+    def evict(self, why: str) -> None:
+        """The gate gave this connection's slot to a newer one (I/O thread): REJECT
+        ``busy`` and close; frames that still arrive are ignored."""
+        self.evicted = True
+        conn = self.conn
+        if conn is None or conn.closed:
+            return
+        conn.send(encode(Msg.REJECT, code="busy", reason=why[:200]))
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+            conn.sock.recv(4096)  # unread bytes would turn the close into a reset that may overtake the REJECT
+        except OSError:
+            pass
+        conn.loop.close_conn(conn, ConnectionRefused(why))
 
     def on_frame(self, conn, kind, fields) -> None:
         if conn.peer is not None:
             return super().on_frame(conn, kind, fields)
+        if self.evicted:
+            return
         try:
             frames, ready = self.hs.on_frame(kind, fields)
         except KVXferError:
             if self.hs.reply_on_error is not None:
                 conn.send(self.hs.reply_on_error)
             raise
-        if self.hs.state == Msg.INFO:  # authenticated: its INFO may be large
+        if self.hs.state in (Msg.INFO, Msg.REJECT):  # authenticated: no longer pre-auth, its INFO may be large
+            self.conns.release_slot(self, True)
             conn.reader.max_payload = MAX_PAYLOAD
         if ready:
             peer = self.conns.make_peer(self.hs.peer_info, None)
             peer.conn = conn
             conn.peer = peer
-            self._uncount(True)
         for frame in frames:
             conn.send(frame)
         if ready:
             self.conns.peer_ready(conn.peer)
 
     def on_close(self, conn, exc) -> None:
-        self._uncount(False)
+        self.conns.release_slot(self, self.evicted)  # not evicted: closed before authenticating
         if conn.peer is not None:
             super().on_close(conn, exc)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from ..errors import InvalidDescriptor, KVXferError, TransferCancelled
-from .checks import check_post, code_of, error_from
+from ..errors import InvalidDescriptor, KVXferError, ProtocolError, TransferCancelled
+from .checks import CODES, check_post, code_of, error_from
 from .messages import Msg, encode
 from .ops import Post, SendOp
 from .state import AgentState
@@ -54,6 +54,16 @@ class PostMatcher:
         for key in [k for k in self._posts if k[0] == peer.serial]:
             del self._posts[key]
 
+    @staticmethod
+    def unbury(peer, req: str) -> KVXferError | None:
+        """Remove the tombstone of ``req`` from ``peer``'s book; the error a send of that id
+        fails with, or None if there was none (lock held)."""
+        tomb = peer.book.unbury(req)
+        if tomb is None:
+            return None
+        _, code, reason = tomb
+        return TransferCancelled(reason) if code is None else CODES.get(code, ProtocolError)(reason)
+
     def bury(self, op: SendOp, error: KVXferError) -> None:
         """D ended this request id before we matched it (lock held). The send may be a
         late one for that recv -- or the first of a new recv reusing the id, whose post
@@ -74,10 +84,11 @@ class PostMatcher:
             check_post(peer.geometry, layout.num_layers if layout is not None
                        else peer.geometry.num_layers if peer.geometry is not None else 0, f)
         except InvalidDescriptor as exc:
-            return self._refuse(peer, key, post, exc)
+            # without its traceback: its frames hold the decoded message (up to 2**20 block ids)
+            return self._refuse(peer, key, post, exc.with_traceback(None))
         sends = self._sender.sends
         with self._s.lock:
-            peer.book.tombstones.pop(post.req, None)
+            peer.book.unbury(post.req)
             op = sends.get(key)
             if op is not None and op.post is None and op.ended is None:
                 self._sender.match(op, post)
@@ -87,8 +98,8 @@ class PostMatcher:
                 self._sender.bind(op, peer)
                 self._sender.match(op, post)
                 return
-            for old in peer.book.add_post(post.req, len(post.blocks)):  # bounded per peer: oldest go
-                del self._posts[(peer.serial, old)]
+            for old in peer.book.add_post(post.req, len(post.blocks)):  # bounded: the oldest go
+                self._posts.pop(old, None)
             self._posts[key] = post
 
     def _refuse(self, peer, key, post: Post, exc: KVXferError) -> None:
@@ -99,7 +110,7 @@ class PostMatcher:
                 op.post = post
                 self._sender.fail(op, exc, "failed")  # tells D
                 return
-            peer.book.bury(post.req, post.xid, exc)  # a send that comes later fails the same way
+            peer.book.bury(post.req, post.xid, code_of(exc), str(exc))  # a later send fails the same way
         peer.send(encode(Msg.FAIL, req=post.req, xid=post.xid, to_sender=False, code=code_of(exc) or "protocol",
                          reason=str(exc)[:200]))
 
@@ -121,8 +132,8 @@ class PostMatcher:
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
                 if op is not None:
                     self.bury(op, error)  # unless a new post for this id comes first
-                elif peer.book.tombstones.get(f["req"], (None,))[0] != f["xid"]:  # keep a refused post's error
-                    peer.book.bury(f["req"], f["xid"], error)
+                elif peer.book.buried_xid(f["req"]) != f["xid"]:  # keep a refused post's error
+                    peer.book.bury(f["req"], f["xid"], code_of(error), str(error))
                 return
             if op.post.xid != f["xid"]:
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))

@@ -149,9 +149,9 @@ class Sender:
             if post is not None:
                 self.match(op, post)
             else:
-                tomb = peer.book.tombstones.pop(req, None)
-                if tomb is not None:
-                    self.posts.bury(op, tomb[1])
+                error = self.posts.unbury(peer, req)
+                if error is not None:
+                    self.posts.bury(op, error)
         return op.handle
 
     def on_malformed_post(self, peer, fields: dict, exc) -> None:

@@ -61,9 +61,6 @@ NEUTRAL: dict[str, tuple] = {
     "store": (False,),
     "service_tier": ("auto", "default"),
 }
-COMPLETION_ONLY = ("echo", "suffix", "best_of")
-CHAT_ONLY = tuple(k for k in NEUTRAL if k not in COMPLETION_ONLY
-                  and k not in ("frequency_penalty", "presence_penalty", "logit_bias"))
 
 
 class Unsupported(ValueError):

@@ -35,8 +35,9 @@ def _base_protocol() -> type:
         return H11Protocol
 
 
-def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with a header deadline of ``header_timeout_s``.
+def protocol_class(header_timeout_s: float, base: type | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (``base``; default: the one ``http="auto"`` picks) with a
+    header deadline of ``header_timeout_s``.
 
     The deadline is armed when the connection opens and again when a response
     ends (the next request's headers are due then); it is spent once the
@@ -45,7 +46,7 @@ def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
     """
     if not header_timeout_s > 0 or header_timeout_s == float("inf"):
         raise ValueError(f"header_timeout_s must be finite and > 0, got {header_timeout_s!r}")
-    base = _base_protocol()
+    base = base if base is not None else _base_protocol()
 
     class HeaderDeadlineProtocol(base):
         _header_timer: asyncio.TimerHandle | None = None

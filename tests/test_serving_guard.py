@@ -257,6 +257,11 @@ def test_too_many_choices_are_refused(app):
     assert_openai_error(r, 400)
     assert r.json()["error"]["param"] == "n"
     assert_openai_error(call(app, "POST", "/v1/completions", json={"prompt": []}), 400)
+    r = call(app, "POST", "/v1/completions", json={"prompt": ["a"] * 65})
+    assert_openai_error(r, 400)
+    assert r.json()["error"]["param"] == "prompt"
+    # a long token-id prompt is one prompt, not 100 (503: it reached dispatch)
+    assert call(app, "POST", "/v1/completions", json={"prompt": [1] * 100}).status_code == 503
 
 
 def test_a_stalled_body_gets_408_and_the_connection_closed():

@@ -191,7 +191,7 @@ class CompletionRequest(_SamplingFields):
         if isinstance(value, list):
             if not value:
                 raise ValueError("prompt: an empty list")
-            if len(value) > MAX_CHOICES:
+            if not isinstance(value[0], int) and len(value) > MAX_CHOICES:
                 raise ValueError(f"prompt: at most {MAX_CHOICES} prompts in one request")
         if isinstance(value, str):
             return check_text(value, "prompt")

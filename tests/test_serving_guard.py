@@ -161,3 +161,139 @@ def test_tokenization_does_not_block_the_event_loop(app):
         gated.release.set()
     assert health.status_code == 503 and answered_during_encode
     assert done.status_code == 503  # no started workers
+
+
+# Strict types, as the OpenAI API: a bool is not an int, a string not a bool, 1.0 not an int.
+STRICT_TYPES = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "x", "temperature": "0"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "seed": False}, "seed"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, True]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "true"}, "ignore_eos"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+     "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1.0},
+     "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", STRICT_TYPES)
+def test_types_are_strict(app, path, body, param):
+    r = call(app, "POST", path, json=body)
+    assert_openai_error(r, 400)
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+CHAT_X = [{"role": "user", "content": "x"}]
+# Accepted OpenAI parameters this server does not implement: a 400 naming them, never ignored.
+REFUSED = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"store": True}, "store"),
+    ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"top_k": 5}, "top_k"),  # vLLM's, not implemented: unknown
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 17}, "n"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"response_format": {"type": "text"}}, "response_format"),  # chat only
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", REFUSED)
+def test_unimplemented_parameters_are_refused_by_name(app, path, extra, param):
+    base = {"messages": CHAT_X} if "chat" in path else {"prompt": "x"}
+    r = call(app, "POST", path, json={**base, "max_tokens": 1, **extra})
+    assert_openai_error(r, 400)
+    err = r.json()["error"]
+    assert err["param"] == param and param.split(".")[0] in err["message"], err
+
+
+def test_neutral_values_of_unimplemented_parameters_pass(app):
+    """What changes nothing is accepted: the request reaches dispatch (503: no workers here)."""
+    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+               "modalities": ["text"], "store": False, "service_tier": "auto", "user": "me",
+               "metadata": {"k": "v"}, "parallel_tool_calls": True, "seed": 1,
+               "model": "SmolLM2-135M-Instruct", "max_completion_tokens": 1}
+    r = call(app, "POST", "/v1/chat/completions", json={"messages": CHAT_X, **neutral})
+    assert r.status_code == 503, r.text
+    r = call(app, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1, "echo": False,
+                                                  "best_of": 2, "n": 2, "suffix": None})
+    assert r.status_code == 503, r.text
+
+
+def test_unknown_model_is_a_404(app):
+    r = call(app, "POST", "/v1/completions", json={"prompt": "x", "model": "nope"})
+    assert_openai_error(r, 404)
+    assert r.json()["error"]["param"] == "model" and "nope" in r.json()["error"]["message"]
+    r = call(app, "POST", "/v1/chat/completions", json={"messages": CHAT_X, "model": "gpt-4o"})
+    assert_openai_error(r, 404)
+
+
+def test_too_many_choices_are_refused(app):
+    r = call(app, "POST", "/v1/completions", json={"prompt": ["a"] * 8, "n": 9})
+    assert_openai_error(r, 400)
+    assert r.json()["error"]["param"] == "n"
+    assert_openai_error(call(app, "POST", "/v1/completions", json={"prompt": []}), 400)
+    r = call(app, "POST", "/v1/completions", json={"prompt": ["a"] * 65})
+    assert_openai_error(r, 400)
+    assert r.json()["error"]["param"] == "prompt"
+    # a long token-id prompt is one prompt, not 100 (503: it reached dispatch)
+    assert call(app, "POST", "/v1/completions", json={"prompt": [1] * 100}).status_code == 503
+
+
+def test_a_stalled_body_gets_408_and_the_connection_closed():
+    """HTTPGuard alone, over ASGI: part of the body, then nothing."""
+    from kvxfer.serving.server.guard import HTTPGuard
+
+    called = []
+
+    async def app_(scope, receive, send):
+        called.append(scope["path"])
+
+    guard = HTTPGuard(app_, api_key=None, body_timeout_s=0.2)
+
+    async def main():
+        parts = [{"type": "http.request", "body": b'{"prompt"', "more_body": True}]
+        sent = []
+
+        async def receive():
+            if parts:
+                return parts.pop()
+            await asyncio.sleep(60)  # the rest never comes
+
+        async def send(msg):
+            sent.append(msg)
+
+        scope = {"type": "http", "path": "/v1/completions", "headers": []}
+        await asyncio.wait_for(guard(scope, receive, send), 30)
+        return sent
+
+    sent = asyncio.run(main())
+    assert not called and sent[0]["status"] == 408
+    assert (b"connection", b"close") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["code"] == 408
+    with pytest.raises(ValueError):
+        HTTPGuard(app_, api_key=None, body_timeout_s=float("inf"))

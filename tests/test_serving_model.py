@@ -368,3 +368,32 @@ def test_pools_of_different_matmul_dtypes_do_not_exchange_blocks(engine):
     assert fp32.kv_cache.kv_layout().compatible_with(fp32.kv_cache.kv_layout())
     with pytest.raises(LayoutMismatch, match="format"):
         bf16.kv_cache.kv_layout().check_compatible(fp32.kv_cache.kv_layout())
+
+
+def test_logprobs_are_the_models_log_softmax(engine, spare):
+    """Each token's reported logprob and top alternatives are ``log_softmax`` of the
+    model's logits at that position (not the temperature-scaled sampler's)."""
+    from kvxfer.serving.engine.sampling import token_logprobs
+
+    ids = engine.tokenizer.encode("The capital of France is")
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=4, logprobs=3)
+    events = list(engine.stream(ids, params))
+    tokens = [e.token_id for e in events]
+    table = (3, 7)
+    rows = [spare.forward([Chunk(ids, 0, table)])[0]]
+    for i, tok in enumerate(tokens[:-1]):
+        rows.append(spare.forward([Chunk([tok], len(ids) + i, table)])[0])
+    for ev, logits in zip(events, rows):
+        want = torch.log_softmax(logits.float(), -1)
+        got = ev.logprobs
+        assert got["logprob"] == pytest.approx(float(want[ev.token_id]), abs=1e-4)
+        top_ids = [t for t, _ in got["top"]]
+        assert top_ids == torch.topk(want, 3).indices.tolist()
+        assert [lp for _, lp in got["top"]] == pytest.approx(torch.topk(want, 3).values.tolist(),
+                                                              abs=1e-4)
+    assert SamplingParams(max_tokens=1).logprobs is None
+    assert all(e.logprobs is None for e in engine.stream(ids, SamplingParams(max_tokens=2)))
+    assert token_logprobs(torch.tensor([0.0, 0.0]), 1, 0) == {"logprob": pytest.approx(-0.6931, abs=1e-4), "top": []}
+    for bad in (-1, 21, True, 1.0):
+        with pytest.raises((ValueError, TypeError)):
+            SamplingParams(logprobs=bad)

@@ -103,6 +103,31 @@ def test_serve_cli_passes_schedule_and_local_prefill_flags():
             config.prefill_nice) == ("separate", 32, 3, 7)
 
 
+def test_serve_cli_passes_the_connection_limits_to_uvicorn():
+    import argparse
+
+    from kvxfer.cli import serve
+    from kvxfer.serving.server.http_limits import uvicorn_options
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    config = serve.config_from_args(parser.parse_args(
+        ["serve", "--header-timeout", "3", "--body-timeout", "4.5", "--keep-alive-timeout", "2",
+         "--limit-concurrency", "64"]))
+    opts = uvicorn_options(config)
+    assert (opts["timeout_keep_alive"], opts["limit_concurrency"]) == (2.0, 64)
+    assert opts["http"].__name__.startswith("HeaderDeadline")
+    assert (config.header_timeout_s, config.body_timeout_s) == (3.0, 4.5)
+    defaults = uvicorn_options(ServeConfig())
+    assert (defaults["timeout_keep_alive"], defaults["limit_concurrency"]) == (5.0, 512)
+    for bad in (dict(header_timeout_s=0), dict(body_timeout_s=float("inf")),
+                dict(keep_alive_timeout_s=float("nan")), dict(header_timeout_s=True),
+                dict(limit_concurrency=0), dict(limit_concurrency=1.5)):
+        with pytest.raises(ValueError):
+            ServeConfig(**bad)
+
+
 def test_sse_event_format():
     assert event({"a": 1}) == 'data: {"a":1}\n\n'
     assert DONE == "data: [DONE]\n\n"
@@ -116,6 +141,13 @@ def test_request_schema_defaults_and_limits():
 
     req = CompletionRequest(prompt="hi")
     assert req.stop == [] and req.sampling([2])["stop_token_ids"] == [2]
+    assert req.sampling([])["logprobs"] is None and req.prompts() == ["hi"]
+    seeded = CompletionRequest(prompt=[[1, 2], [3]], n=2, seed=7, logprobs=0)
+    assert [seeded.sampling([], i)["seed"] for i in range(2)] == [7, 8]
+    assert seeded.prompts() == [[1, 2], [3]] and seeded.sampling([])["logprobs"] == 0
+    assert ChatRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "text", "text": "b"}]}],
+                       logprobs=True).messages[0].content == "ab"
     assert CompletionRequest(prompt="hi", stop="x").stop == ["x"]
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="hi", top_p=0)

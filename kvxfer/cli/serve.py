@@ -76,6 +76,17 @@ def add_parser(sub) -> None:
                         f"(default: ${API_KEY_ENV}; prefer the variable: a command line is visible in ps)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="larger request bodies get HTTP 413 (default 1 MiB)")
+    h = p.add_argument_group("HTTP connection limits (docs/serving.md)")
+    h.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers are not complete S seconds "
+                        "after it opened or its previous response ended")
+    h.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 and close when a request body is not complete S seconds "
+                        "after its headers")
+    h.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close a keep-alive connection idle for S seconds")
+    h.add_argument("--limit-concurrency", type=int, default=512, metavar="N",
+                   help="answer 503 while N connections are open or N requests in flight")
     p.add_argument("--discovery", default=None, metavar="URL",
                    help="etcd://HOST:PORT[/prefix] or static://HOST:PORT,...: route to workers "
                         "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
@@ -108,6 +119,8 @@ def config_from_args(args: argparse.Namespace):
         transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes, retries=args.retries,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout, limit_concurrency=args.limit_concurrency,
         adaptive=_adaptive_policy(args) if args.adaptive else None,
         adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None)
 
@@ -138,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from kvxfer.serving.server.http_limits import uvicorn_options
     from kvxfer.serving.server.router import create_app
 
     try:
@@ -150,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         # uvicorn's SIGTERM/SIGINT handling stops accepting, lets in-flight
         # responses finish (bounded), then runs the lifespan exit: workers drain.
+        # Connection limits: kvxfer.serving.server.http_limits.
         uvicorn.run(create_app(config), host=config.host, port=config.port,
-                    log_level=args.log_level, timeout_graceful_shutdown=int(config.drain_timeout_s))
+                    log_level=args.log_level, **uvicorn_options(config))
     finally:
         if local is not None:
             local.stop(config.drain_timeout_s)

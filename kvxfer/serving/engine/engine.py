@@ -32,6 +32,8 @@ class TokenEvent:
     text: str
     finished: bool
     finish_reason: str | None = None  # "stop" (eos/stop string/stop id) or "length"
+    # SamplingParams.logprobs set: sampling.token_logprobs() of this position
+    logprobs: dict | None = None
 
 
 class Engine:
@@ -130,9 +132,10 @@ class Engine:
         kind = "prefill" if step.is_prefill else "decode"
         self.stats[f"{kind}_s"] += time.perf_counter() - began
         self.stats[f"{kind}_tokens"] += step.num_tokens
-        return [self._append_token(seq, tok) for seq, tok in step.produced]
+        return [self._append_token(seq, tok, lp)
+                for (seq, tok), lp in zip(step.produced, step.logprobs)]
 
-    def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent:
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None) -> TokenEvent:
         seq.token_ids.append(token_id)
         params = seq.params
         reason = None
@@ -151,7 +154,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._seqs.pop(seq.request_id, None)
-        return TokenEvent(seq.request_id, token_id, text, reason is not None, reason)
+        return TokenEvent(seq.request_id, token_id, text, reason is not None, reason, logprobs)
 
     # ---- convenience ------------------------------------------------------
     def stream(self, prompt: str | Seq[int] | None = None, params: SamplingParams | None = None,

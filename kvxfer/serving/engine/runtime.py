@@ -15,7 +15,7 @@ from ..model.attention import Chunk
 from ..model.model import LlamaModel
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .sampling import SamplingParams, sample_row
+from .sampling import SamplingParams, sample_row, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -26,7 +26,8 @@ def sampling_params(raw: dict) -> SamplingParams:
                           top_p=float(raw.get("top_p", 1.0)),
                           max_tokens=int(raw.get("max_tokens", 16)),
                           stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids", ())),
-                          seed=raw.get("seed"), ignore_eos=bool(raw.get("ignore_eos", False)))
+                          seed=raw.get("seed"), ignore_eos=bool(raw.get("ignore_eos", False)),
+                          logprobs=raw.get("logprobs"))
 
 
 def finish_reason(seq: Sequence, token: int) -> str | None:
@@ -44,6 +45,8 @@ class Step(NamedTuple):
     produced: list[tuple[Sequence, int]]  # (sequence, sampled token) per finished chunk
     is_prefill: bool
     num_tokens: int  # tokens run through the model
+    # per produced entry: token_logprobs() when its params ask for logprobs, else None
+    logprobs: list[dict | None] = []
 
 
 class Runtime:
@@ -67,7 +70,8 @@ class Runtime:
         return self.config.block_size
 
     def step(self) -> Step:
-        """Run the scheduler's next step: ``Step([(seq, sampled_token), ...], is_prefill, n)``.
+        """Run the scheduler's next step: ``Step([(seq, sampled_token), ...], is_prefill, n,
+        logprobs)``.
 
         A sequence appears only when its chunk reached its last token (prefill
         complete, or a decode token); the caller appends the token and decides
@@ -80,15 +84,19 @@ class Runtime:
         logits = self.model.forward(
             [Chunk(tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
                    tuple(c.seq.block_table)) for c in chunks])
-        produced = []
+        produced, logprobs = [], []
         for row, c in enumerate(chunks):
             seq = c.seq
             seq.num_computed_tokens = c.start + c.num_tokens
             self.blocks.cache_full_blocks(seq)
             if c.completes_prefill:
                 seq.status = SequenceStatus.DECODING
-                produced.append((seq, sample_row(logits[row], seq.params, seq.generator)))
-        return Step(produced, is_prefill, sum(c.num_tokens for c in chunks))
+                token = sample_row(logits[row], seq.params, seq.generator)
+                produced.append((seq, token))
+                num_top = seq.params.logprobs
+                logprobs.append(None if num_top is None
+                                else token_logprobs(logits[row], token, num_top))
+        return Step(produced, is_prefill, sum(c.num_tokens for c in chunks), logprobs)
 
     def release(self, seq: Sequence, reason: str = "abort") -> None:
         """Free ``seq``'s blocks, wherever it is (scheduler queues or held by the worker)."""

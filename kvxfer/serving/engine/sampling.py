@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,7 +17,9 @@ class SamplingParams:
     sampling reproducible (its own ``torch.Generator``). Generation stops at
     ``max_tokens``, at EOS (unless ``ignore_eos``), at a token in
     ``stop_token_ids``, or when the text contains a ``stop`` string (which is
-    cut from the output).
+    cut from the output). ``logprobs``: None, or report each sampled token's
+    log-probability and the ``logprobs`` most likely alternatives
+    (:func:`token_logprobs`).
     """
 
     temperature: float = 1.0
@@ -25,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +48,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty str")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -73,3 +83,20 @@ def sample_row(logits: torch.Tensor, params: SamplingParams,
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 
+
+
+def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> dict:
+    """The log-probability of ``token`` and of the ``num_top`` most likely tokens.
+
+    ``logits`` ``[vocab]``: the model's raw output for one position. The values
+    are ``log_softmax(logits)`` in fp32, before temperature or top-p (as
+    vLLM's default ``raw_logprobs``), so they describe the model, not the
+    sampler. Returns ``{"logprob": float, "top": [[token_id, logprob], ...]}``
+    (most likely first; JSON-ready, as the worker messages carry it).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if num_top:
+        values, ids = torch.topk(logp, num_top)
+        top = [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())]
+    return {"logprob": float(logp[token]), "top": top}

@@ -18,6 +18,23 @@ _CONTROL = 3
 _SPLIT_DIGITS = {"smollm", "llama3", "llama-bpe", "qwen2", "deepseek-llm"}
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 class Tokenizer:
     """Example::
 
@@ -47,6 +64,7 @@ class Tokenizer:
         specials = [t for t, kind in zip(tokens, token_types) if kind == _CONTROL]
         self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         self.special_ids = frozenset(vocab[t] for t in specials)
+        self._tokens = list(tokens)
         self.vocab_size = len(tokens)
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -91,6 +109,20 @@ class Tokenizer:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a control token: its literal text in UTF-8).
+
+        A token may hold part of a multi-byte character; :meth:`decode` of the
+        whole output is the text, this is what the model chose at one position.
+        """
+        if not 0 <= int(token_id) < self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size}): {token_id}")
+        token = self._tokens[int(token_id)]
+        if int(token_id) in self.special_ids:
+            return token.encode("utf-8")
+        alphabet = _BYTE_LEVEL
+        return bytes(alphabet[c] for c in token if c in alphabet)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True) -> str:

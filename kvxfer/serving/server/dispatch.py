@@ -79,7 +79,7 @@ class Dispatcher:
         self.m_kv_bytes = r.counter("kvxfer_kv_transfer_bytes_total", "KV bytes moved prefill -> decode.")
         self.m_kv_failures = r.counter("kvxfer_kv_transfer_failures_total", "KV transfers that failed.")
         self.m_recomputes = r.counter("kvxfer_kv_recomputes_total", "Prompts recomputed on the decode worker after a failed transfer.")
-        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests by outcome.", ("outcome",))
+        self.m_requests = r.counter("kvxfer_requests_total", "Finished requests (one per choice) by outcome: ok, error, aborted (the client went away), timeout.", ("outcome",))
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
         self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.", ("reason",))
         self.m_retries = r.counter("kvxfer_request_retries_total", "Requests placed again after their worker died or failed, by role.", ("role",))
@@ -119,11 +119,14 @@ class Dispatcher:
         decode.send({"op": "admit", "rid": rid, "prompt_ids": prompt_ids, "params": params,
                      "mode": mode, "local_below": self.config.local_prefill_tokens})
 
-    def abort(self, rid: str) -> None:
-        """Client went away or a stop string matched: release the workers' share."""
+    def abort(self, rid: str, outcome: str = "aborted") -> None:
+        """Release the workers' share of a live request and count it under ``outcome``
+        (``aborted``: the client went away; ``ok``: a stop string matched; ``timeout``:
+        no answer in time). A request that already ended is left as it was counted."""
         st = self._by_public.get(rid)
-        if st is not None:
+        if st is not None and not st.is_finished and self.requests.get(st.rid) is st:
             self._release(st)
+            self.m_requests.inc(outcome=outcome)
 
     def _release(self, st: RequestState) -> None:
         if self.requests.get(st.rid) is not st:
@@ -179,7 +182,7 @@ class Dispatcher:
                 st.first_token = int(msg["token"])
                 self._send(st, st.decode, {"op": "first_token", "rid": rid, "token": st.first_token})
             st.token_times.append(now)
-            st.events.put_nowait(("token", int(msg["token"])))
+            st.events.put_nowait(("token", int(msg["token"]), msg.get("logprobs")))
         elif ev == "sent":  # send posted -> data visible at the decode worker
             worker.inflight.discard(rid)
             st.kv_transfer_ms = float(msg.get("transfer_ms", 0.0))

@@ -23,7 +23,8 @@ request-scoped message carries ``rid``):
                         block, then serve as ``role`` (adaptive rebalancing)
 ``ev: ready``           worker is up (``agent_address``, ``num_blocks``, ...)
 ``ev: admitted``        decode: blocks reserved, ``cached_blocks`` reused
-``ev: token``           a generated token id
+``ev: token``           a generated token id (``token``), and its ``logprobs``
+                        when the request asked for them
 ``ev: sent``            prefill: KV delivered (``kv_bytes``, ``transfer_ms``)
 ``ev: send_failed``     prefill: KV not delivered (``error``)
 ``ev: kv``              decode: KV landed or was recomputed (``recomputed``)

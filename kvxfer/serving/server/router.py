@@ -7,8 +7,12 @@ the workers only see token ids.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``
 true: SSE ``data: {...}`` chunks then ``data: [DONE]``), ``GET /health``,
-``GET /metrics`` (Prometheus text), ``GET /v1/models``. Bearer-token check,
-body limit and error bodies: :mod:`kvxfer.serving.server.guard`. Tokenization runs on
+``GET /metrics`` (Prometheus text), ``GET /v1/models``. What a request may ask
+(and what is refused with a 400 naming the parameter): :mod:`kvxfer.serving.server.api`.
+A request with ``n`` choices or a list of prompts becomes one dispatcher
+request per choice, streamed interleaved (each chunk carries its ``index``).
+Bearer-token check, body limit and deadline, error bodies:
+:mod:`kvxfer.serving.server.guard`. Tokenization runs on
 a small thread pool (the tokenizer releases the GIL), never on the event loop,
 so a large prompt does not hold up ``/health`` or other requests.
 """
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -37,9 +42,27 @@ TOKENIZER_THREADS = 2
 
 
 class RequestFailed(Exception):
-    def __init__(self, message: str, kind: str, status: int = 500):
+    def __init__(self, message: str, kind: str, status: int = 500, param: str | None = None):
         super().__init__(message)
-        self.kind, self.status = kind, status
+        self.kind, self.status, self.param = kind, status, param
+
+
+@dataclass
+class Choice:
+    """One generated answer of a request: choice ``index`` of prompt ``prompt_ids``."""
+
+    index: int
+    rid: str  # the dispatcher's request id of this choice
+    prompt_ids: list[int]
+    params: dict
+    state: RequestState | None = None
+
+
+class _Batch:
+    """What the choices of one HTTP request share: how a choice closed early counts."""
+
+    def __init__(self) -> None:
+        self.abort_outcome = "aborted"  # the client went away, unless a sibling failed
 
 
 class Router:
@@ -53,6 +76,7 @@ class Router:
         self.dispatcher = Dispatcher(config, self.registry)
         self.codec = TextCodec.load(config.model_path)
         self.model_name = self.codec.model_name
+        self.logprobs = api.LogprobFormatter(self.codec.tokenizer)
         self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
         self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.", ("worker",))
         self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).", ("worker",))
@@ -78,23 +102,53 @@ class Router:
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, prompt_ids: list[int], req: api._SamplingFields,
-                       rid: str) -> AsyncIterator[tuple]:
-        """Yield ``("delta", text)`` ... then ``("final", reason, usage, summary, token_ids)``.
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve (None: the served one)."""
+        if model is not None and model != self.model_name:
+            raise RequestFailed(f"The model `{model}` does not exist (this server serves "
+                                f"`{self.model_name}`)", "invalid_request_error", 404, "model")
+
+    def choices(self, rid: str, prompts: list[list[int]], req: api._SamplingFields) -> list[Choice]:
+        """``req.n`` choices per prompt (index ``prompt * n + i``, as vLLM numbers them),
+        each checked against the context length and the KV pool; nothing is submitted."""
+        if len(prompts) * req.n > api.MAX_CHOICES:
+            raise RequestFailed(f"{len(prompts)} prompts x n={req.n} exceeds {api.MAX_CHOICES} "
+                                "choices per request", "invalid_request_error", 400, "n")
+        out = []
+        for p, prompt_ids in enumerate(prompts):
+            self._check_length(prompt_ids, req.num_tokens)
+            for i in range(req.n):
+                index = p * req.n + i
+                choice_rid = rid if len(prompts) * req.n == 1 else f"{rid}.{index}"
+                out.append(Choice(index, choice_rid, prompt_ids,
+                                  req.sampling(self.codec.stop_token_ids, i)))
+        return out
+
+    def submit(self, choices: list[Choice]) -> None:
+        """Hand every choice to the workers; 503 (and nothing left running) when one cannot be."""
+        for c in choices:
+            try:
+                c.state = self.dispatcher.submit(c.rid, c.prompt_ids, c.params)
+            except NoWorkerAvailable as exc:
+                for done in choices:
+                    if done.state is not None:
+                        self.dispatcher.abort(done.rid, outcome="error")
+                raise RequestFailed(str(exc), "unavailable", 503) from None
+
+    async def generate(self, choice: Choice, stop: list[str], batch: _Batch) -> AsyncIterator[tuple]:
+        """Yield ``("delta", text, tokens)`` ... then ``("final", reason, usage, summary, token_ids,
+        tokens)`` for a submitted choice; ``tokens``: ``[(token_id, logprobs report)]`` of the
+        tokens since the previous item, when the request asked for logprobs.
 
         Raises :class:`RequestFailed`; aborts the workers' share if the caller
-        stops iterating early (client disconnected).
+        stops iterating early (client disconnected, or a sibling choice failed).
         """
-        self._check_length(prompt_ids, req.max_tokens)
-        params = req.sampling(self.codec.stop_token_ids)
-        try:
-            st = self.dispatcher.submit(rid, prompt_ids, params)
-        except NoWorkerAvailable as exc:
-            raise RequestFailed(str(exc), "unavailable", 503) from None
         from ..model.detokenize import IncrementalDetokenizer
 
-        detok = IncrementalDetokenizer(self.codec.tokenizer, req.stop)
+        rid, st = choice.rid, choice.state
+        detok = IncrementalDetokenizer(self.codec.tokenizer, stop)
         token_ids: list[int] = []
+        pending: list[tuple[int, dict]] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s
         finished = False
@@ -103,36 +157,40 @@ class Router:
                 try:
                     item = await asyncio.wait_for(st.events.get(), deadline - loop.time())
                 except asyncio.TimeoutError:
-                    raise RequestFailed(f"no answer within {self.config.request_timeout_s:.0f}s",
-                                        "timeout", 504) from None
+                    self.dispatcher.abort(rid, outcome="timeout")
+                    raise RequestFailed(f"request {rid}: no answer within "
+                                        f"{self.config.request_timeout_s:.0f} s", "timeout", 504) from None
                 if item[0] == "error":
-                    raise RequestFailed(item[1], item[2], 500)
+                    raise RequestFailed(f"request {rid}: {item[1]}", item[2], 500)
                 if item[0] == "token":
                     token_ids.append(item[1])
+                    if item[2] is not None:
+                        pending.append((item[1], item[2]))
                     delta = detok.update(token_ids)
                     if delta:
-                        yield ("delta", delta)
+                        yield ("delta", delta, pending)
+                        pending = []
                     if detok.stopped:  # a stop string: the workers' share is dropped
-                        self.dispatcher.abort(rid)
-                        self.dispatcher.m_requests.inc(outcome="ok")
+                        self.dispatcher.abort(rid, outcome="ok")
                         reason = "stop"
                         break
                 else:  # ("done", reason)
                     reason = item[1]
                     tail = detok.update(token_ids, final=True)
                     if tail:
-                        yield ("delta", tail)
+                        yield ("delta", tail, pending)
+                        pending = []
                     break
             finished = True
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(st.transfer_settled.wait(), SETTLE_TIMEOUT_S)
             self.dispatcher.record(st, len(token_ids))
-            usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
-                     "total_tokens": len(prompt_ids) + len(token_ids)}
-            yield ("final", reason, usage, st.summary(), token_ids)
+            usage = {"prompt_tokens": len(choice.prompt_ids), "completion_tokens": len(token_ids),
+                     "total_tokens": len(choice.prompt_ids) + len(token_ids)}
+            yield ("final", reason, usage, st.summary(), token_ids, pending)
         finally:
             if not finished:
-                self.dispatcher.abort(rid)
+                self.dispatcher.abort(rid, outcome=batch.abort_outcome)
 
     def _check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
         if not prompt_ids:
@@ -171,57 +229,168 @@ class Router:
 
 
 def _error_response(exc: RequestFailed) -> JSONResponse:
-    return JSONResponse(api.error_body(str(exc), exc.kind, exc.status), status_code=exc.status)
+    return JSONResponse(api.error_body(str(exc), exc.kind, exc.status, exc.param),
+                        status_code=exc.status)
 
 
-async def _respond(router: Router, req: api._SamplingFields, prompt_ids: list[int], is_chat: bool):
-    rid = router.dispatcher.new_rid("chatcmpl" if is_chat else "cmpl")
-    created, model = api.now(), router.model_name
-    gen = router.generate(prompt_ids, req, rid)
-    if not req.stream:
-        parts = []
+async def _merged(router: Router, choices: list[Choice], stop: list[str]) -> AsyncIterator[tuple]:
+    """``(choice, item)`` of every choice's :meth:`Router.generate` as they come.
+
+    The first :class:`RequestFailed` of any choice is raised after the others
+    were aborted (counted as errors, not client aborts); closing this
+    generator early aborts every choice still running.
+    """
+    batch = _Batch()
+    gens = [router.generate(c, stop, batch) for c in choices]
+    if len(gens) == 1:  # no tasks for the common case
+        try:
+            async for item in gens[0]:
+                yield choices[0], item
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice, gen) -> None:
         try:
             async for item in gen:
+                await queue.put((choice, item))
+        except RequestFailed as exc:
+            await queue.put((choice, exc))
+        finally:
+            await queue.put((choice, None))
+
+    tasks = [asyncio.create_task(pump(c, g)) for c, g in zip(choices, gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            choice, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, RequestFailed):
+                batch.abort_outcome = "error"
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()
+
+
+async def _respond(router: Router, req: api._SamplingFields, prompts: list[list[int]],
+                   is_chat: bool):
+    rid = router.dispatcher.new_rid("chatcmpl" if is_chat else "cmpl")
+    created, model = api.now(), router.model_name
+    try:
+        choices = router.choices(rid, prompts, req)
+        router.submit(choices)
+    except RequestFailed as exc:
+        return _error_response(exc)
+    want_logprobs = req.num_logprobs is not None
+    offsets = {c.index: 0 for c in choices}  # completions: text_offset of the next token
+
+    def logprobs(choice: Choice, tokens: list) -> dict | None:
+        if not want_logprobs:
+            return None
+        if is_chat:
+            return router.logprobs.chat(tokens)
+        body, offsets[choice.index] = router.logprobs.completion(tokens, offsets[choice.index])
+        return body
+
+    def total_usage(usages: list[dict]) -> dict:
+        prompt = sum(len(p) for p in prompts)  # each prompt counted once, as vLLM does
+        completion = sum(u["completion_tokens"] for u in usages)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    events = _merged(router, choices, req.stop)
+    if not req.stream:
+        texts = {c.index: [] for c in choices}
+        tokens = {c.index: [] for c in choices}
+        finals = {}
+        try:
+            async for choice, item in events:
                 if item[0] == "delta":
-                    parts.append(item[1])
+                    texts[choice.index].append(item[1])
+                    tokens[choice.index] += item[2]
                 else:
-                    _, reason, usage, summary, token_ids = item
+                    finals[choice.index] = item
+                    tokens[choice.index] += item[5]
         except RequestFailed as exc:
             return _error_response(exc)
-        summary["token_ids"] = token_ids  # non-streaming only: lets clients check equality
-        build = api.chat_body if is_chat else api.completion_body
-        return JSONResponse(build(rid, model, created, "".join(parts), reason, usage, summary))
+        body_choices, summaries, usages = [], [], []
+        for c in choices:
+            _, reason, usage, summary, token_ids, _ = finals[c.index]
+            summary["token_ids"] = token_ids  # non-streaming only: lets clients check equality
+            text, lp = "".join(texts[c.index]), logprobs(c, tokens[c.index])
+            if is_chat:
+                body_choices.append(api.chat_choice(c.index, reason, lp, message={
+                    "role": "assistant", "content": text}))
+            else:
+                body_choices.append(api.completion_choice(c.index, text, reason, lp))
+            summaries.append(summary)
+            usages.append(usage)
+        extra = dict(summaries[0])
+        if len(summaries) > 1:
+            extra["choices"] = summaries
+        body = {**api.envelope(rid, "chat.completion" if is_chat else "text_completion",
+                               model, created),
+                "choices": body_choices, "usage": total_usage(usages), "kvxfer": extra}
+        return JSONResponse(body)
 
     # Validate and submit before the 200 goes out, so early failures keep their status.
     try:
-        first = await gen.__anext__()
+        first = await events.__anext__()
     except RequestFailed as exc:
+        await events.aclose()
         return _error_response(exc)
+    except StopAsyncIteration:  # cannot happen: every choice ends with a final item
+        return _error_response(RequestFailed("no output", "server_error", 500))
+    kind = "chat.completion.chunk" if is_chat else "text_completion"
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-    def chunk(delta: str | None, reason: str | None) -> dict:
+    def chunk(choice: Choice, delta: str | None, reason: str | None, tokens: list) -> dict:
+        lp = logprobs(choice, tokens) if tokens or reason is not None else None
         if is_chat:
-            return api.chat_chunk(rid, model, created, {} if delta is None else {"content": delta}, reason)
-        return api.completion_chunk(rid, model, created, delta or "", reason)
+            c = api.chat_choice(choice.index, reason, lp,
+                                delta={} if delta is None else {"content": delta})
+        else:
+            c = api.completion_choice(choice.index, delta or "", reason, lp)
+        return {**api.envelope(rid, kind, model, created), "choices": [c]}
 
     async def body() -> AsyncIterator[str]:
         if is_chat:
-            yield event(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            for c in choices:
+                start = api.chat_choice(c.index, None, None, delta={"role": "assistant",
+                                                                    "content": ""})
+                yield event({**api.envelope(rid, kind, model, created), "choices": [start]})
+        usages = []
         item = first
         try:
             while True:
-                if item[0] == "delta":
-                    yield event(chunk(item[1], None))
+                choice, ev = item
+                if ev[0] == "delta":
+                    yield event(chunk(choice, ev[1], None, ev[2]))
                 else:
-                    _, reason, usage, summary, _ = item
-                    final = chunk(None, reason)
+                    _, reason, usage, summary, _, tokens = ev
+                    final = chunk(choice, None, reason, tokens)
                     final["usage"], final["kvxfer"] = usage, summary
+                    usages.append(usage)
                     yield event(final)
+                try:
+                    item = await events.__anext__()
+                except StopAsyncIteration:
                     break
-                item = await gen.__anext__()
+            if include_usage:
+                yield event({**api.envelope(rid, kind, model, created), "choices": [],
+                             "usage": total_usage(usages)})
         except RequestFailed as exc:
-            yield event(api.error_body(str(exc), exc.kind, exc.status))
+            yield event(api.error_body(str(exc), exc.kind, exc.status, exc.param))
         finally:
-            await gen.aclose()
+            await events.aclose()
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream",
@@ -252,22 +421,30 @@ def create_app(config: ServeConfig) -> FastAPI:
     app = FastAPI(title="kvxfer reference server", lifespan=lifespan)
     app.state.router_state = state  # tests may install a Router without the lifespan
     install_error_handlers(app)
-    app.add_middleware(HTTPGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(HTTPGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout_s=config.body_timeout_s)
+
+    def admit(router: Router, req: api._SamplingFields) -> None:
+        router.check_model(req.model)
+        try:
+            req.check_supported()
+        except api.Unsupported as exc:
+            raise RequestFailed(str(exc), "invalid_request_error", 400, exc.param) from None
 
     @app.post("/v1/completions")
     async def completions(req: api.CompletionRequest):
         router: Router = state["router"]
-        if isinstance(req.prompt, list):
-            prompt_ids = [int(t) for t in req.prompt]
-        else:
-            prompt_ids = await router.encode(req.prompt)
-        return await _respond(router, req, prompt_ids, is_chat=False)
+        admit(router, req)
+        prompts = [list(p) if isinstance(p, list) else await router.encode(p)
+                   for p in req.prompts()]
+        return await _respond(router, req, prompts, is_chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: api.ChatRequest):
         router: Router = state["router"]
-        messages = [m.model_dump() for m in req.messages]
-        return await _respond(router, req, await router.encode(messages=messages), is_chat=True)
+        admit(router, req)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        return await _respond(router, req, [await router.encode(messages=messages)], is_chat=True)
 
     @app.get("/health")
     async def health():

@@ -79,6 +79,11 @@ class ServeConfig:
     log_level: str = "info"
     api_key: str | None = field(default=None, repr=False)  # bearer token for /v1/* and /metrics
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # HTTP connection limits (kvxfer.serving.server.http_limits)
+    header_timeout_s: float = 10.0  # headers not complete by then: connection closed
+    body_timeout_s: float = 30.0  # body not complete this long after the headers: 408
+    keep_alive_timeout_s: float = 5.0  # idle keep-alive connections are closed
+    limit_concurrency: int = 512  # open connections or in-flight requests beyond this: 503
     discovery: str | None = None  # etcd://... or static://...: workers found, not spawned
     secret_file: str | None = None  # discovery mode: else KVXFER_SECRET
     restart_workers: bool = True  # supervise: start a dead worker again (launcher.py)
@@ -115,6 +120,13 @@ class ServeConfig:
             raise ValueError("api_key must not be empty")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if type(self.limit_concurrency) is not int or self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be an int >= 1, got {self.limit_concurrency!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         num_workers = self.num_colocated or self.num_prefill + self.num_decode

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ...errors import KVXferError
 from ..engine.sequence import Sequence, SequenceStatus
-from .loop import WorkerLoop
+from .loop import WorkerLoop, token_event
 from ..engine.runtime import finish_reason, sampling_params
 
 log = logging.getLogger("kvxfer.worker")
@@ -211,12 +211,12 @@ class DecodeWorker(WorkerLoop):
     def tick(self) -> None:
         self._try_admit_remote()
         self._poll_transfers()
-        produced = self.runtime.step().produced
-        for seq, token in produced:
+        step = self.runtime.step()
+        for (seq, token), logprobs in zip(step.produced, step.logprobs):
             if seq.request_id not in self.seqs:
                 continue
             seq.token_ids.append(token)
-            self.send({"ev": "token", "rid": seq.request_id, "token": token})
+            self.send(token_event(seq.request_id, token, logprobs))
             reason = finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)

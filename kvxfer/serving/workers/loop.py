@@ -139,6 +139,15 @@ class WorkerLoop:
         return stats
 
 
+def token_event(rid: str, token: int, logprobs: dict | None) -> dict:
+    """The ``ev: token`` message; ``logprobs`` (when the request asked for them) is
+    :func:`kvxfer.serving.engine.sampling.token_logprobs` of the sampled position."""
+    msg = {"ev": "token", "rid": rid, "token": token}
+    if logprobs is not None:
+        msg["logprobs"] = logprobs
+    return msg
+
+
 def agent_counters(agent) -> dict:
     """The agent's counters summed over labels, as ``agent_<name>`` numbers."""
     metrics = getattr(agent, "metrics", None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ...errors import KVXferError, PeerDisconnected
 from ..engine.sequence import Sequence
-from .loop import WorkerLoop
+from .loop import WorkerLoop, token_event
 from ..engine.runtime import sampling_params
 
 log = logging.getLogger("kvxfer.worker")
@@ -63,8 +63,8 @@ class PrefillWorker(WorkerLoop):
 
     def tick(self) -> None:
         self._poll_sends()
-        produced = self.runtime.step().produced
-        for seq, token in produced:
+        step = self.runtime.step()
+        for (seq, token), logprobs in zip(step.produced, step.logprobs):
             rid = seq.request_id
             # Prefill is all this worker does: the sequence leaves the batch
             # but keeps its blocks until the send settles.
@@ -74,7 +74,7 @@ class PrefillWorker(WorkerLoop):
                 self.seqs.pop(rid, None)
                 self.runtime.release(seq)
                 continue
-            self.send({"ev": "token", "rid": rid, "token": token})
+            self.send(token_event(rid, token, logprobs))
             self._post_send(seq, msg)
 
     def _peer(self, address: str):

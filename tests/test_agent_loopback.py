@@ -412,3 +412,28 @@ def test_disconnect_fails_pending_sends_and_refuses_new_ones():
     finally:
         p.close()
         d.close()
+
+
+class _NeverCompletes(LoopbackBackend):
+    """A backend whose posted writes never complete, so every wait times out."""
+
+    def test(self, request_id: int) -> bool:
+        return False
+
+
+def test_backend_timeout_names_the_request_id():
+    p_layout, d_layout = make_pool("2 N B H D", 1), make_pool("2 N B H D", None)
+    p = Agent("p", secret=SECRET, backend=_NeverCompletes(), path="zero_copy")
+    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy")
+    try:
+        p.register_kv(p_layout)
+        d.register_kv(d_layout)
+        peer = p.connect(d.address)
+        hr = d.recv("req-named-in-errors", [1, 2], timeout=T)
+        hs = p.send(peer, "req-named-in-errors", [3, 4], lease_timeout=1.0)
+        with pytest.raises(TransferTimeout, match="'req-named-in-errors': write to 'd'"):
+            hs.wait(T)
+        hr.cancel()
+    finally:
+        p.close()
+        d.close()

@@ -137,8 +137,15 @@ class Shipper:
         if self._s.pool.parts or op.peer.parts:
             descs = split_descs(descs, self._s.pool.parts, op.peer.parts)
         req = self._s.backend.post(op.peer.bconn, kind, descs)
-        self._s.backend.wait(req, self._remaining(op))
+        self._wait(req, self._remaining(op), op.key[1], f"{kind} to {op.peer.name!r}")
         self._s.metrics.observe("post_seconds", time.perf_counter() - t0)
+
+    def _wait(self, req: int, timeout: float, request_id: str, what: str) -> None:
+        """``backend.wait``, its timeout named by the agent's request id, not the backend's."""
+        try:
+            self._s.backend.wait(req, timeout)
+        except TransferTimeout:
+            raise TransferTimeout(f"{request_id!r}: {what} not complete within {timeout:.3g} s") from None
 
     def _ship_zero_copy(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int, after: tuple = ()) -> None:
         t0 = time.perf_counter()
@@ -227,7 +234,7 @@ class Shipper:
                 descs = split_descs(descs, self._s.pool.parts, peer.parts)
             self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
             req = self._s.backend.post(peer.bconn, "read", descs)
-            self._s.backend.wait(req, self._s.leases.default_ttl_s)
+            self._wait(req, self._s.leases.default_ttl_s, handle.request_id, f"read from {peer.name!r}")
             handle.path, handle.nbytes = "zero_copy", int(descs[:, 4].sum())
             self._s.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
             if not handle.done():

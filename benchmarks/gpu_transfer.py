@@ -64,9 +64,10 @@ def receiver(args) -> int:
         agent.register_kv(dst)
         print(json.dumps({"address": agent.address}), flush=True)
         for phase in args.phases.split(","):
-            handles = [agent.recv(f"{phase}-{i}", dst_ids, timeout=120.0) for i in range(args.reps + 2)]
-            for h in handles:
-                h.wait(120.0)
+            handles = []
+            for i in range(args.reps + 2):  # one at a time: a pending recv holds dst_ids (BlocksBusy)
+                handles.append(agent.recv(f"{phase}-{i}", dst_ids, timeout=120.0))
+                handles[-1].wait(120.0)
             if dst.device.type == "cuda":
                 torch.cuda.synchronize(dst.device)
             ok = torch.equal(kvxfer.pack(dst, dst_ids, backend="reference"), want)

@@ -37,8 +37,8 @@ from .control.state import AgentState
 from .errors import KVXferError, RegistrationError
 from .kernels.device import device_for
 from .lease import LeaseTable
-from .timeouts import check_timeout
 from .metrics import Metrics
+from .timeouts import check_timeout
 from .transport.paths import CostModel
 
 __all__ = ["Agent", "AgentConfig", "Peer"]
@@ -180,7 +180,12 @@ class Agent:
         ``after``: the producer of these blocks' KV on a CUDA pool, a ``torch.cuda.Event``
         or ``torch.cuda.Stream`` (an event is recorded on it now): nothing reads the pool
         before it completed (zero-copy: the host waits for it before posting; pack:
-        kvxfer's stream waits for it on the GPU). None: the KV must already be written."""
+        kvxfer's stream waits for it on the GPU). None: the KV must already be written.
+
+        Raises at the call, having posted and leased nothing: ValueError/TypeError for
+        bad arguments (block ids, request id, ``lease_timeout``: docs/api.md,
+        "Arguments"), :class:`~kvxfer.errors.BlocksBusy` if a pending recv of this agent
+        holds one of ``block_ids`` (other sends may share them), KVXferError once closed."""
         return self._sender.send(peer, request_id, block_ids, layers=layers, lease_timeout=lease_timeout,
                                  after=after)
 
@@ -222,6 +227,12 @@ class Agent:
         ``l`` is. ``timeout`` (default: the lease timeout) fails the handle with
         :class:`TransferTimeout`; the blocks are released (``on_release``) only
         once no peer can still write into them.
+
+        Raises at the call, having posted and leased nothing: ValueError/TypeError for
+        bad arguments (block ids must be distinct integers, a request id of at most 256
+        characters, a finite ``timeout`` > 0: docs/api.md, "Arguments"),
+        :class:`~kvxfer.errors.BlocksBusy` if another pending transfer of this agent
+        holds one of ``block_ids``, KVXferError once closed.
         """
         return self._receiver.recv(request_id, block_ids, layers=layers, timeout=timeout,
                                    skip_blocks=skip_blocks)
@@ -246,7 +257,8 @@ class Agent:
 
         Every step runs even when an earlier one fails; the first failure is raised after
         the last step (a :class:`KVXferError`; later ones are attached as notes). A second
-        call returns at once.
+        call returns at once. Once it returned, every handle this agent gave out is final
+        (also one from a send/recv that raced it) and every later call raises KVXferError.
         """
         s = self._state
         with s.lock:

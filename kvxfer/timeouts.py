@@ -17,7 +17,8 @@ def check_timeout(value, name: str = "timeout") -> float | None:
     ValueError unless ``0 < value < inf``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    t = type(value)
+    if t is not float and t is not int and (t is bool or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a number of seconds or None, got {type(value).__name__}")
     seconds = float(value)
     if not (math.isfinite(seconds) and seconds > 0):

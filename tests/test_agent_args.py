@@ -15,7 +15,7 @@ import kvxfer
 from kvxfer import Agent, AgentConfig
 from kvxfer.runs import check_block_ids
 
-from agent_procs import SECRET, loopback_pair, make_pool
+from agent_procs import SECRET, loopback_pair
 
 T = 20.0
 N = 32  # agent_procs.SHAPE

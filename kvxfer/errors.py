@@ -19,6 +19,7 @@ __all__ = [
     "ProtocolError",
     "ConnectionRefused",
     "LimitExceeded",
+    "StoreMiss",
 ]
 
 
@@ -66,3 +67,12 @@ class ConnectionRefused(KVXferError, ConnectionError):
 class LimitExceeded(KVXferError):
     """A per-peer limit (queued notifications, cached posts, staging requests, ...) was hit;
     only the request or peer that exceeded it fails."""
+
+
+class StoreMiss(KVXferError):
+    """A :meth:`kvxfer.KVStore.get` found some key absent (never put, evicted, its node
+    down) or its bytes failed the checksum; ``loaded`` leading blocks hold their KV."""
+
+    def __init__(self, message: str, *, loaded: int = 0) -> None:
+        super().__init__(message)
+        self.loaded = loaded

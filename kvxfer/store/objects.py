@@ -48,7 +48,8 @@ class ObjectFormat:
         self.layout = layout
         self.heads = (0, layout.num_global_heads)
         self.full = tuple(layout.head_range) == self.heads
-        self.nbytes = layout.wire_nbytes(1, None, self.heads)
+        self.nbytes = (layout.num_layers * layout.num_kv * layout.block_size * self.heads[1] * layout.head_dim
+                       * layout.itemsize)
         self.fmt = hashlib.blake2b(layout.fingerprint().encode(), digest_size=16).hexdigest()
 
     def check_put(self) -> None:

@@ -32,7 +32,7 @@ import time
 import uuid
 
 from ..control import auth
-from ..errors import KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
+from ..errors import AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
 from ..handle import HandleCompleter
 from . import index as ix
 from .conn import NodeConn
@@ -142,6 +142,10 @@ class KVStore:
         return c
 
     def _mark_down(self, address: str, exc: BaseException) -> None:
+        """Take ``address`` out of placement for ``retry_s``; a wrong secret is no node
+        failure but this client's misconfiguration, so it is raised instead."""
+        if isinstance(exc, AuthenticationError):
+            raise exc
         log.warning("store node %s is down for %.1f s: %s", address, self.retry_s, exc)
         with self._lock:
             self._down[address] = time.monotonic() + self.retry_s

@@ -89,6 +89,10 @@ class SlotIndex:
         """Committed (readable) now; does not touch recency."""
         return key in self._objects
 
+    def peek(self, key: bytes) -> Obj | None:
+        """The committed object of ``key`` (or None); does not touch recency or counters."""
+        return self._objects.get(key)
+
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
                 "bad_objects": self.bad, "objects": len(self._objects), "pending": len(self._pending),

@@ -49,7 +49,7 @@ _TICK_S = 0.2
 
 
 class _Client:
-    __slots__ = ("sock", "addr", "owner", "hs", "frames", "reader", "out", "deadline", "events")
+    __slots__ = ("sock", "addr", "owner", "hs", "frames", "reader", "out", "deadline", "events", "backlog")
 
     def __init__(self, sock, addr, owner: int, hs: ServerHandshake) -> None:
         self.sock, self.addr, self.owner, self.hs = sock, addr, owner, hs
@@ -58,6 +58,7 @@ class _Client:
         self.out = bytearray()
         self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         self.events = selectors.EVENT_READ
+        self.backlog: list = []  # frames read but not served yet (replies queued past the limit)
 
 
 class StoreNode:
@@ -72,7 +73,7 @@ class StoreNode:
 
     def __init__(self, listen: str, capacity_bytes: int, *, secret, slot_bytes: int = 2 << 20,
                  high_watermark: float = 0.98, lease_s: float = 30.0, backend: str = "auto",
-                 name: str | None = None) -> None:
+                 name: str | None = None, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         import kvxfer
         from ..transport import make_backend
 
@@ -85,6 +86,8 @@ class StoreNode:
         num_slots = capacity_bytes // slot_bytes
         self.index = ix.SlotIndex(num_slots, slot_bytes, high_watermark=high_watermark)
         self.lease_s = float(lease_s)
+        self.max_queued_bytes = int(max_queued_bytes)
+        self.queued_peak = 0  # the most reply bytes ever queued for one client
         self.node_id = uuid.uuid4().hex
         host, port = split_address(listen)
         self.buffer = kvxfer.shared_empty(num_slots * slot_bytes)  # [num_slots * slot_bytes] uint8
@@ -136,6 +139,7 @@ class StoreNode:
         return {**self.index.stats(), "name": self.name, "address": self.address,
                 "clients": sum(1 for c in self._clients.values() if c.reader is not None),
                 "requests": self.num_requests, "bad_requests": self.num_bad_requests,
+                "queued_peak_bytes": self.queued_peak,
                 "auth_failures": self.num_auth_failures}
 
     # ---- the I/O thread --------------------------------------------------------------
@@ -251,13 +255,22 @@ class StoreNode:
             log.info("store node %s: closing %s: %s", self.name, c.addr, exc)
             self._drop(c)
             return
+        c.backlog.extend(frames)
+        self._serve_backlog(c)
+        self._flush(c)
+
+    def _serve_backlog(self, c: _Client) -> None:
         now = time.monotonic()
-        for msg_type, payload in frames:
+        served = 0
+        while served < len(c.backlog) and len(c.out) < self.max_queued_bytes:
+            msg_type, payload = c.backlog[served]
+            served += 1
             self.num_requests += 1
             reply = self._serve(c, msg_type, payload, now)
             if reply is not None:
                 c.out += encode(REPLY, reply)
-        self._flush(c)
+        del c.backlog[:served]
+        self.queued_peak = max(self.queued_peak, len(c.out))
 
     def _serve(self, c: _Client, msg_type: int, payload, now: float) -> dict | None:
         """One request -> its reply (None: RELEASE, which has none)."""
@@ -313,8 +326,12 @@ class StoreNode:
             except OSError:
                 self._drop(c)
                 return
-        # bounded per-client queue: while replies pile up unread, read no more requests
-        reading = len(c.out) < MAX_QUEUED_BYTES
+        if c.backlog and len(c.out) < self.max_queued_bytes:
+            self._serve_backlog(c)
+            if c.out:
+                return self._flush(c)
+        # bounded per-client queue: while replies pile up unread, read (and serve) no more
+        reading = len(c.out) < self.max_queued_bytes and not c.backlog
         events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if c.out else 0)
         if events != c.events:
             self._sel.modify(c.sock, events, c)

@@ -18,17 +18,19 @@ DTYPE = torch.float16
 
 # dims -> the per-layer tensor shape for num_blocks n and h heads
 SHAPES = {
-    "2 N B H D": lambda n, h: (2, n, B, h, D),
-    "N 2 H B D": lambda n, h: (n, 2, h, B, D),
-    "N 2 B H D": lambda n, h: (n, 2, B, h, D),
+    "2 N B H D": lambda n, h, d: (2, n, B, h, d),
+    "N 2 H B D": lambda n, h, d: (n, 2, h, B, d),
+    "N 2 B H D": lambda n, h, d: (n, 2, B, h, d),
 }
 
 
-def make_layout(dims: str, num_blocks: int, *, tp_rank: int = 0, tp_size: int = 1, seed: int | None = None):
+def make_layout(dims: str, num_blocks: int, *, tp_rank: int = 0, tp_size: int = 1, seed: int | None = None,
+                head_dim: int = D):
     """A host pool of ``L`` per-layer tensors in ``dims``, holding this rank's ``H // tp_size``
-    heads; random bits (NaN patterns included) if ``seed`` is given, else zeros."""
+    heads; random bits (NaN patterns included) if ``seed`` is given, else zeros. With
+    ``head_dim=128`` an NHD block's (layer, K/V) tile is 4 KiB: the store's zero-copy path."""
     h = H // tp_size
-    shape = SHAPES[dims](num_blocks, h)
+    shape = SHAPES[dims](num_blocks, h, head_dim)
     if seed is None:
         tensors = [torch.zeros(shape, dtype=DTYPE) for _ in range(L)]
     else:

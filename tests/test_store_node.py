@@ -36,27 +36,33 @@ def _store(node, **kw):
     return kvxfer.KVStore(nodes=[node.address], secret=SECRET, **kw)
 
 
-def test_flipped_byte_in_a_slot_is_a_miss(node):
-    src = make_layout("2 N B H D", 6, seed=11)
+@pytest.mark.parametrize("head_dim", [8, 128])  # through staging / zero-copy
+def test_flipped_byte_in_a_slot_is_a_miss(head_dim):
+    slot = 32 << 10
+    node = StoreNode("127.0.0.1:0", 8 * slot, secret=SECRET, slot_bytes=slot)
+    src = make_layout("2 N B H D", 6, seed=11, head_dim=head_dim)
     keys = kvxfer.block_keys(range(24), 4, salt=b"flip")
-    with _store(node) as st:
-        st.put(keys, src, range(6)).wait(timeout=60)
-        obj = node.index.peek(keys[3])
-        node.buffer[obj.slot * SLOT + 100] ^= 0x10  # one bit of the fourth object
-        dst = make_layout("N 2 H B D", 6)
-        before = block_bits(dst, 3)
-        h = st.get(keys, dst, range(6))
-        with pytest.raises(kvxfer.StoreMiss) as err:
-            h.wait(timeout=60)
-        assert err.value.loaded == 3
-        assert torch.equal(block_bits(dst, 3), before)  # the bad object was not unpacked
-        for i in (0, 1, 2, 4, 5):
-            assert torch.equal(block_bits(src, i), block_bits(dst, i))
-        s = st.stats()
-        assert s["client"]["checksum_failures"] == 1 and s["bad_objects"] == 1
-        assert st.lookup(keys) == 3  # the node dropped it
-        st.put(keys, src, range(6)).wait(timeout=60)  # and takes a good copy again
-        assert st.lookup(keys) == 6
+    try:
+        with _store(node) as st:
+            st.put(keys, src, range(6)).wait(timeout=60)
+            obj = node.index.peek(keys[3])
+            node.buffer[obj.slot * slot + 100] ^= 0x10  # one bit of the fourth object
+            dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
+            h = st.get(keys, dst, range(6))
+            with pytest.raises(kvxfer.StoreMiss) as err:
+                h.wait(timeout=60)
+            assert err.value.loaded == 3
+            for i in (0, 1, 2, 4, 5):
+                assert torch.equal(block_bits(src, i), block_bits(dst, i))
+            s = st.stats()
+            assert s["client"]["checksum_failures"] == 1 and s["bad_objects"] == 1
+            assert st.lookup(keys) == 3  # the node dropped it
+            st.put(keys, src, range(6)).wait(timeout=60)  # and takes a good copy again
+            assert st.lookup(keys) == 6
+            st.get(keys, dst, range(6)).wait(timeout=60)
+            assert torch.equal(block_bits(src, 3), block_bits(dst, 3))
+    finally:
+        node.close()
 
 
 def test_eviction_never_frees_a_pinned_slot(node):

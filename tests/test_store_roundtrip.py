@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import kvxfer
+from kvxfer.store.objects import ObjectFormat
 from store_cases import SECRET, block_bits, make_layout, start_node, stop_node
 
 
 @pytest.fixture(scope="module")
 def node():
-    proc, addr = start_node()
+    proc, addr = start_node(slot="128K")
     yield addr
     assert stop_node(proc, signal.SIGTERM) == 0  # SIGTERM: a clean exit
 
@@ -23,9 +24,13 @@ def store(node):
         yield s
 
 
-def test_nhd_tp1_to_hnd_tp1_and_tp2(store):
-    src = make_layout("2 N B H D", 12, seed=1)
-    keys = kvxfer.block_keys(range(7 * 4), 4, salt=b"roundtrip-1")
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_nhd_tp1_to_hnd_tp1_and_tp2(store, head_dim):
+    """head_dim 8: every object through staging; 128: NHD pools move tiles straight
+    between blocks and slots (zero-copy), HND and TP ranks through staging."""
+    src = make_layout("2 N B H D", 12, seed=1, head_dim=head_dim)
+    assert ObjectFormat(src).zero_copy == (head_dim == 128)
+    keys = kvxfer.block_keys(range(7 * 4), 4, salt=b"roundtrip-1-%d" % head_dim)
     src_ids = [3, 0, 11, 5, 6, 2, 9]
     assert store.lookup(keys) == 0
     h = store.put(keys, src, src_ids)
@@ -33,14 +38,19 @@ def test_nhd_tp1_to_hnd_tp1_and_tp2(store):
     assert h.nbytes == 7 * src.wire_nbytes(1)
     assert store.lookup(keys) == 7 and store.lookup(keys[:3]) == 3
     # another layout, other block ids
-    dst = make_layout("N 2 H B D", 9)
+    dst = make_layout("N 2 H B D", 9, head_dim=head_dim)
     dst_ids = [8, 1, 2, 0, 4, 7, 3]
     store.get(keys, dst, dst_ids).wait(timeout=60)
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(block_bits(src, s), block_bits(dst, d))
     # a TP group of two ranks: each loads its own heads of the same objects
+    # a blocks-first NHD pool (zero-copy with head_dim 128)
+    other = make_layout("N 2 B H D", 8, head_dim=head_dim)
+    store.get(keys, other, [1, 2, 3, 4, 5, 6, 7]).wait(timeout=60)
+    for s, d in zip(src_ids, [1, 2, 3, 4, 5, 6, 7]):
+        assert torch.equal(block_bits(src, s), block_bits(other, d))
     for rank in range(2):
-        part = make_layout("N 2 B H D", 8, tp_rank=rank, tp_size=2)
+        part = make_layout("N 2 B H D", 8, tp_rank=rank, tp_size=2, head_dim=head_dim)
         ids = [7, 6, 5, 4, 3, 2, 1]
         store.get(keys, part, ids).wait(timeout=60)
         lo, hi = part.head_range

@@ -38,8 +38,8 @@ from . import index as ix
 from .conn import NodeConn
 from .keys import MAX_KEY_BYTES
 from .objects import ObjectFormat, checksum
-from .placement import owners
-from .protocol import MAX_KEYS, Req
+from .placement import Placement
+from .protocol import MAX_KEYS, NO_CRC, Req
 
 log = logging.getLogger("kvxfer.store")
 
@@ -57,10 +57,13 @@ class KVStore:
     one batch before it is marked down. ``retry_s``: how long a node stays down.
     ``staging_bytes``: the registered buffer objects pass through (a put or get moves at
     most this much per batch; one object must fit). ``backend``: as for the Agent.
+    ``checksum=False`` skips the CRC-32 at put and its check at get (to measure what it
+    costs; objects put so carry no checksum, and no client can verify them).
     """
 
     def __init__(self, nodes=None, discovery=None, *, secret, replicas: int = 1, timeout: float = 2.0,
-                 retry_s: float = 2.0, staging_bytes: int = 64 << 20, backend: str = "auto") -> None:
+                 retry_s: float = 2.0, staging_bytes: int = 64 << 20, backend: str = "auto",
+                 checksum: bool = True) -> None:
         import kvxfer
         from ..transport import make_backend
 
@@ -70,10 +73,14 @@ class KVStore:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         self._secret = auth.normalize_secret(secret)
         self.replicas, self.timeout, self.retry_s = replicas, float(timeout), float(retry_s)
+        self.checksum = bool(checksum)
         self._lock = threading.Lock()
         self._members: list[str] = []
         self._conns: dict[str, NodeConn] = {}
         self._down: dict[str, float] = {}  # address -> monotonic time it may be tried again
+        self._placements: dict[int, Placement] = {}
+        self._pools: dict[int, tuple] = {}  # id(layout) -> (layout, backend region ids)
+        self._formats: dict[int, ObjectFormat] = {}
         self._watch = self._discovery = None
         if nodes is not None:
             if isinstance(nodes, str):
@@ -126,6 +133,14 @@ class KVStore:
         with self._lock:
             return [a for a in self._members if self._down.get(a, 0) <= now]
 
+    def _placement(self, replicas: int) -> Placement:
+        """Placement over the live nodes now (memoized per membership and replica count)."""
+        live = tuple(sorted(self._live()))
+        cached = self._placements.get(replicas)
+        if cached is None or cached.nodes != live:
+            cached = self._placements[replicas] = Placement(live, replicas)
+        return cached
+
     def _conn(self, address: str) -> NodeConn:
         with self._lock:
             c = self._conns.get(address)
@@ -156,10 +171,10 @@ class KVStore:
 
     def _route(self, keys) -> dict:
         """``{address: [positions]}``: each key's first live owner."""
-        live = self._live()
+        place = self._placement(1)
         out: dict = {}
         for i, k in enumerate(keys):
-            own = owners(live, k, 1)
+            own = place.owners(k)
             if own:
                 out.setdefault(own[0], []).append(i)
         return out
@@ -228,7 +243,7 @@ class KVStore:
 
     def _args(self, keys, layout, block_ids):
         keys = _check_keys(keys)
-        fmt = ObjectFormat(layout)
+        fmt = self._format(layout)
         if fmt.nbytes > self._staging.numel():
             raise ValueError(f"an object of {fmt.nbytes} B does not fit the {self._staging.numel()}-byte staging buffer")
         ids = [int(b) for b in block_ids]
@@ -266,6 +281,27 @@ class KVStore:
                 err.__cause__ = exc
                 done.fail(err)
 
+    def _format(self, layout) -> ObjectFormat:
+        """``ObjectFormat(layout)``, made once per layout (it memoizes block runs)."""
+        with self._lock:
+            got = self._formats.get(id(layout))
+        if got is None or got.layout is not layout:
+            got = ObjectFormat(layout)
+            with self._lock:
+                if len(self._formats) >= 64:
+                    self._formats.clear()
+                self._formats[id(layout)] = got
+        return got
+
+    def _pool_regions(self, fmt) -> list:
+        """The backend region ids of ``fmt.layout``'s pool, registered on first use (the
+        registration lasts until :meth:`close`; the pool must outlive this client)."""
+        key = id(fmt.layout)
+        got = self._pools.get(key)
+        if got is None or got[0] is not fmt.layout:
+            got = self._pools[key] = (fmt.layout, [self._backend.register(a, n) for a, n in fmt.layout.regions()])
+        return got[1]
+
     def _batches(self, positions, fmt):
         per = max(1, self._staging.numel() // fmt.nbytes)
         for s in range(0, len(positions), min(per, MAX_KEYS)):
@@ -273,10 +309,10 @@ class KVStore:
 
     def _do_put(self, keys, ids, fmt, done) -> None:
         self.counters["puts"] += 1
-        live = self._live()
+        place = self._placement(self.replicas)
         targets: dict = {}
         for i, k in enumerate(keys):
-            for addr in owners(live, k, self.replicas):
+            for addr in place.owners(k):
                 targets.setdefault(addr, []).append(i)
         size = fmt.nbytes
         for addr, pos in targets.items():
@@ -305,15 +341,26 @@ class KVStore:
         self.counters["put_skipped"] += sum(1 for code, _, _ in r if code not in (ix.PRESENT, ix.RESERVED))
         if not got:
             return
-        descs = np.empty((len(got), 5), np.int64)
         crcs = []
-        for n, (j, off, _) in enumerate(got):
+        if fmt.zero_copy:  # straight from the blocks into the slots
+            regions = self._pool_regions(fmt)
+            rows = []
+            for j, off, _ in got:
+                runs = fmt.runs(ids[j])
+                rows.append(np.stack([np.array(regions, np.int64)[runs[:, 0]], runs[:, 1],
+                                      np.full(len(runs), c.region, np.int64), off + runs[:, 2], runs[:, 3]], axis=1))
+                crcs.append(fmt.checksum_runs(runs) if self.checksum else NO_CRC)
+            descs = np.concatenate(rows)
+        else:
+            descs = np.empty((len(got), 5), np.int64)
+            for n, (j, off, _) in enumerate(got):
+                part = self._staging[n * size:(n + 1) * size]
+                fmt.pack_one(ids[j], part)
+                crcs.append(checksum(self._stage_np[n * size:(n + 1) * size]) if self.checksum else NO_CRC)
+                descs[n] = (self._stage_region, n * size, c.region, off, size)
+        for j, off, _ in got:
             if not 0 <= off <= c.region_bytes - size:
                 raise KVXferError(f"store node {c.address} reserved a slot outside its region")
-            part = self._staging[n * size:(n + 1) * size]
-            fmt.pack_one(ids[j], part)
-            crcs.append(checksum(self._stage_np[n * size:(n + 1) * size]))
-            descs[n] = (self._stage_region, n * size, c.region, off, size)
         try:
             c.move("write", descs, self.timeout)
         except KVXferError:
@@ -328,8 +375,6 @@ class KVStore:
         self.counters["put_skipped"] += sum(1 for x in ok if not x)
 
     def _do_get(self, keys, ids, fmt, done) -> None:
-        import numpy as np
-
         self.counters["gets"] += 1
         good = [False] * len(keys)
         failure: BaseException | None = None
@@ -350,22 +395,13 @@ class KVStore:
                         bad = []
                         try:
                             if hits:
-                                descs = np.empty((len(hits), 5), np.int64)
-                                for n, (i, off, nb, _, _) in enumerate(hits):
+                                for i, off, nb, _, _ in hits:
                                     if nb != size or not 0 <= off <= c.region_bytes - size:
                                         raise KVXferError(f"store node {c.address} named a bad slot")
-                                    descs[n] = (self._stage_region, n * size, c.region, off, size)
-                                c.move("read", descs, self.timeout)
-                                ok = []
-                                for n, (i, _, _, crc, pin) in enumerate(hits):
-                                    if checksum(self._stage_np[n * size:(n + 1) * size]) == crc:
-                                        ok.append((n, i))
-                                    else:
-                                        bad.append(pin)
-                                self._unpack_runs(fmt, ok, ids)
-                                self._moved += len(hits) * size
-                                for _, i in ok:
+                                ok = self._read_hits(c, fmt, hits, ids, bad)
+                                for i in ok:
                                     good[i] = True
+                                self._moved += len(hits) * size
                         finally:
                             if hits and not c.closed:
                                 c.send(Req.RELEASE, {"pins": [h[4] for h in hits], "bad": bad}, reply=False)
@@ -389,6 +425,39 @@ class KVStore:
             return
         done.fail(StoreMiss(f"{len(keys) - loaded} of {len(keys)} keys not loaded from the pool "
                             f"(first at position {loaded})", loaded=loaded))
+
+    def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
+        """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
+        their blocks; return the positions whose bytes passed the checksum (the pins of
+        the others go to ``bad``)."""
+        import numpy as np
+
+        size, ok = fmt.nbytes, []
+        if fmt.zero_copy:  # straight from the slots into the blocks
+            regions = np.array(self._pool_regions(fmt), np.int64)
+            runs = [fmt.runs(ids[i]) for i, *_ in hits]
+            descs = np.concatenate([np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64),
+                                              off + r[:, 2], r[:, 3]], axis=1)
+                                    for r, (_, off, *_) in zip(runs, hits)])
+            c.move("read", descs, self.timeout)
+            for r, (i, _, _, crc, pin) in zip(runs, hits):
+                if crc == NO_CRC or not self.checksum or fmt.checksum_runs(r) == crc:
+                    ok.append(i)
+                else:
+                    bad.append(pin)
+            return ok
+        descs = np.empty((len(hits), 5), np.int64)
+        for n, (i, off, _, _, _) in enumerate(hits):
+            descs[n] = (self._stage_region, n * size, c.region, off, size)
+        c.move("read", descs, self.timeout)
+        good = []
+        for n, (i, _, _, crc, pin) in enumerate(hits):
+            if crc == NO_CRC or not self.checksum or checksum(self._stage_np[n * size:(n + 1) * size]) == crc:
+                good.append((n, i))
+            else:
+                bad.append(pin)
+        self._unpack_runs(fmt, good, ids)
+        return [i for _, i in good]
 
     def _unpack_runs(self, fmt, ok, ids) -> None:
         """Unpack the verified objects ``ok`` (``[(staging slot n, key position i)]``):

@@ -9,8 +9,10 @@ which is exactly ``kvxfer.pack(layout, [block_id], heads=(0, num_global_heads))`
 format depends on the model (fingerprint) and nothing else, so engines with other
 layouts (NHD, HND, blocks-first, cross-layer) or TP degrees share objects:
 
-* a rank that holds every head (``tp_size == 1``, or MLA) puts and gets with one
-  ``pack``/``unpack`` per block;
+* a rank that holds every head (``tp_size == 1``, or MLA) moves each object straight
+  between its blocks and the slot, one descriptor per contiguous run (an NHD pool: one
+  per layer and K/V), when the runs are long (:data:`ZERO_COPY_MIN_RUN`); else through
+  staging, with one ``pack``/``unpack`` per block;
 * a rank of a TP group holds ``head_range`` only; its get reads whole objects and
   keeps its heads (the staging bytes are described as a ``"N L 2 B H D"`` pool and
   copied with ``pack(heads=...)`` -> ``unpack(heads=...)``). Its put is refused
@@ -19,10 +21,15 @@ layouts (NHD, HND, blocks-first, cross-layer) or TP degrees share objects:
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import zlib
 
 __all__ = ["ObjectFormat", "checksum"]
+
+# From this mean run length an object moves straight between the engine's blocks and the
+# slot (one descriptor per run) rather than through staging (one more copy).
+ZERO_COPY_MIN_RUN = 4096
 
 
 def checksum(buf) -> int:
@@ -51,6 +58,24 @@ class ObjectFormat:
         self.nbytes = (layout.num_layers * layout.num_kv * layout.block_size * self.heads[1] * layout.head_dim
                        * layout.itemsize)
         self.fmt = hashlib.blake2b(layout.fingerprint().encode(), digest_size=16).hexdigest()
+        self.bases = [a for a, _ in layout.regions()]
+        self._runs: dict = {}
+        self.zero_copy = self.full and self.nbytes // len(self.runs(0)) >= ZERO_COPY_MIN_RUN
+
+    def runs(self, block_id: int):
+        """int64 ``[num_runs, 4]`` of block ``block_id``: pool region index, offset in it,
+        offset in the object, length (see :meth:`KVLayout.block_runs`); computed once per block."""
+        got = self._runs.get(block_id)
+        if got is None:
+            got = self._runs[block_id] = self.layout.block_runs([block_id], heads=self.heads)
+        return got
+
+    def checksum_runs(self, runs) -> int:
+        """CRC-32 of one object lying in the engine's pool (``runs`` of :meth:`runs`)."""
+        crc = 0
+        for region, off, _, length in runs.tolist():
+            crc = zlib.crc32((ctypes.c_char * length).from_address(self.bases[region] + off), crc)
+        return crc
 
     def check_put(self) -> None:
         """``ValueError`` unless this rank holds every head (only then may it put)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["rank_nodes", "owners"]
+__all__ = ["rank_nodes", "owners", "Placement"]
 
 
 def _score(node: str, key: bytes) -> bytes:
@@ -33,3 +33,23 @@ def owners(nodes, key: bytes, replicas: int = 1) -> list[str]:
                 best, best_score = n, s
         return [] if best is None else [best]
     return rank_nodes(nodes, key)[:replicas]
+
+
+class Placement:
+    """``owners`` over one fixed set of ``nodes``, memoized: an engine looks a chain up,
+    then gets or puts the same keys, so each key is ranked once per membership. At most
+    ``max_cached`` keys are kept (the memo starts over when full)."""
+
+    def __init__(self, nodes, replicas: int = 1, max_cached: int = 1 << 20) -> None:
+        self.nodes = tuple(sorted(nodes))
+        self.replicas = replicas
+        self._max = max_cached
+        self._memo: dict[bytes, list] = {}
+
+    def owners(self, key: bytes) -> list[str]:
+        got = self._memo.get(key)
+        if got is None:
+            if len(self._memo) >= self._max:
+                self._memo.clear()
+            got = self._memo[key] = owners(self.nodes, key, self.replicas)
+        return got

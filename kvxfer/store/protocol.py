@@ -30,11 +30,12 @@ from ..control.framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
 from ..errors import ProtocolError
 from .keys import MAX_KEY_BYTES
 
-__all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_REQUEST_BYTES", "RequestReader", "encode", "parse_request"]
+__all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request"]
 
 MAX_KEYS = 4096  # keys (or pins) one request may name
 MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes in hex fit with room to spare
 MAX_FMT = 64
+NO_CRC = 2**32  # the crc of an object put without a checksum (KVStore(checksum=False))
 
 
 class Req(enum.IntEnum):
@@ -49,7 +50,6 @@ class Req(enum.IntEnum):
 
 REPLY = 80
 
-_U32 = 2**32
 _SCHEMAS = {
     Req.LOOKUP: {"keys": "keys"},
     Req.RESERVE: {"keys": "keys", "nbytes": "size", "fmt": "fmt"},
@@ -88,7 +88,7 @@ def _check(name: str, kind: str, value):
                 raise bad("a key is not hex") from None
         return out
     if kind in ("ints", "crcs"):
-        top = _U32 if kind == "crcs" else 2**63
+        top = NO_CRC + 1 if kind == "crcs" else 2**63
         for v in value:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < top:
                 raise bad("items must be non-negative ints in range")

@@ -57,7 +57,7 @@ class KVStore:
     one batch before it is marked down. ``retry_s``: how long a node stays down.
     ``staging_bytes``: the registered buffer objects pass through (a put or get moves at
     most this much per batch; one object must fit). ``backend``: as for the Agent.
-    ``checksum=False`` skips the CRC-32 at put and its check at get (to measure what it
+    ``checksum=False`` skips the XXH64 checksum at put and its check at get (to measure what it
     costs; objects put so carry no checksum, and no client can verify them).
     """
 
@@ -92,7 +92,7 @@ class KVStore:
                          "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0}
         self._backend = make_backend(backend)
         self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
-        self._stage_np = self._staging.numpy()
+        self._stage_ptr = self._staging.data_ptr()
         self._stage_region = self._backend.register_tensor(self._staging)
         self._ops: queue.Queue = queue.Queue(MAX_QUEUED_OPS)
         self._closed = False
@@ -356,7 +356,7 @@ class KVStore:
             for n, (j, off, _) in enumerate(got):
                 part = self._staging[n * size:(n + 1) * size]
                 fmt.pack_one(ids[j], part)
-                crcs.append(checksum(self._stage_np[n * size:(n + 1) * size]) if self.checksum else NO_CRC)
+                crcs.append(checksum([self._stage_ptr + n * size], [size]) if self.checksum else NO_CRC)
                 descs[n] = (self._stage_region, n * size, c.region, off, size)
         for j, off, _ in got:
             if not 0 <= off <= c.region_bytes - size:
@@ -452,7 +452,7 @@ class KVStore:
         c.move("read", descs, self.timeout)
         good = []
         for n, (i, _, _, crc, pin) in enumerate(hits):
-            if crc == NO_CRC or not self.checksum or checksum(self._stage_np[n * size:(n + 1) * size]) == crc:
+            if crc == NO_CRC or not self.checksum or checksum([self._stage_ptr + n * size], [size]) == crc:
                 good.append((n, i))
             else:
                 bad.append(pin)

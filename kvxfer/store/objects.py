@@ -21,9 +21,7 @@ layouts (NHD, HND, blocks-first, cross-layer) or TP degrees share objects:
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import zlib
 
 __all__ = ["ObjectFormat", "checksum"]
 
@@ -32,9 +30,15 @@ __all__ = ["ObjectFormat", "checksum"]
 ZERO_COPY_MIN_RUN = 4096
 
 
-def checksum(buf) -> int:
-    """CRC-32 of a contiguous buffer (a numpy array or bytes); releases the GIL."""
-    return zlib.crc32(buf)
+def checksum(addrs, lengths) -> int:
+    """XXH64 of the bytes of the runs ``[addrs[i], addrs[i] + lengths[i])`` taken in order
+    (host memory; the same value however the bytes are split into runs). Never
+    :data:`~kvxfer.store.protocol.NO_CRC`. Native, GIL released."""
+    from .._native import load
+    from .protocol import NO_CRC
+
+    h = load().checksum_runs(addrs, lengths)
+    return h - 1 if h == NO_CRC else h
 
 
 class ObjectFormat:
@@ -71,11 +75,10 @@ class ObjectFormat:
         return got
 
     def checksum_runs(self, runs) -> int:
-        """CRC-32 of one object lying in the engine's pool (``runs`` of :meth:`runs`)."""
-        crc = 0
-        for region, off, _, length in runs.tolist():
-            crc = zlib.crc32((ctypes.c_char * length).from_address(self.bases[region] + off), crc)
-        return crc
+        """:func:`checksum` of one object lying in the engine's pool (``runs`` of :meth:`runs`)."""
+        import numpy as np
+
+        return checksum(np.asarray(self.bases, np.int64)[runs[:, 0]] + runs[:, 1], runs[:, 3])
 
     def check_put(self) -> None:
         """``ValueError`` unless this rank holds every head (only then may it put)."""

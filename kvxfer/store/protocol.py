@@ -35,7 +35,7 @@ __all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestRe
 MAX_KEYS = 4096  # keys (or pins) one request may name
 MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes in hex fit with room to spare
 MAX_FMT = 64
-NO_CRC = 2**32  # the crc of an object put without a checksum (KVStore(checksum=False))
+NO_CRC = 2**64 - 1  # the checksum of an object put without one (KVStore(checksum=False))
 
 
 class Req(enum.IntEnum):
@@ -88,7 +88,7 @@ def _check(name: str, kind: str, value):
                 raise bad("a key is not hex") from None
         return out
     if kind in ("ints", "crcs"):
-        top = NO_CRC + 1 if kind == "crcs" else 2**63
+        top = 2**64 if kind == "crcs" else 2**63
         for v in value:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < top:
                 raise bad("items must be non-negative ints in range")

@@ -46,6 +46,12 @@ log = logging.getLogger("kvxfer.store")
 __all__ = ["KVStore"]
 
 MAX_QUEUED_OPS = 1024
+READ_PIECES = 4  # a get's reads per node batch, pipelined with the checksums of the previous one
+
+
+def _checksums(sums) -> list:
+    """:func:`checksum` of each ``(addrs, lengths)`` (the hasher thread runs this)."""
+    return [checksum(a, n) for a, n in sums]
 
 
 class KVStore:
@@ -97,6 +103,9 @@ class KVStore:
         self._ops: queue.Queue = queue.Queue(MAX_QUEUED_OPS)
         self._closed = False
         self._moved = 0  # bytes the running operation moved (worker thread only)
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-store-checksum")
         self._worker = threading.Thread(target=self._work, name="kvxfer-store-client", daemon=True)
         self._worker.start()
         if discovery is not None:
@@ -341,29 +350,35 @@ class KVStore:
         self.counters["put_skipped"] += sum(1 for code, _, _ in r if code not in (ix.PRESENT, ix.RESERVED))
         if not got:
             return
-        crcs = []
+        # per object: its descriptors and the runs its checksum reads (the same bytes)
         if fmt.zero_copy:  # straight from the blocks into the slots
-            regions = self._pool_regions(fmt)
-            rows = []
+            regions = np.array(self._pool_regions(fmt), np.int64)
+            rows, sums = [], []
             for j, off, _ in got:
                 runs = fmt.runs(ids[j])
-                rows.append(np.stack([np.array(regions, np.int64)[runs[:, 0]], runs[:, 1],
-                                      np.full(len(runs), c.region, np.int64), off + runs[:, 2], runs[:, 3]], axis=1))
-                crcs.append(fmt.checksum_runs(runs) if self.checksum else NO_CRC)
+                addrs = regions[runs[:, 0]]
+                rows.append(np.stack([addrs, runs[:, 1], np.full(len(runs), c.region, np.int64), off + runs[:, 2],
+                                      runs[:, 3]], axis=1))
+                sums.append((fmt.run_addrs(runs), runs[:, 3]))
             descs = np.concatenate(rows)
         else:
             descs = np.empty((len(got), 5), np.int64)
+            sums = []
             for n, (j, off, _) in enumerate(got):
-                part = self._staging[n * size:(n + 1) * size]
-                fmt.pack_one(ids[j], part)
-                crcs.append(checksum([self._stage_ptr + n * size], [size]) if self.checksum else NO_CRC)
+                fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
                 descs[n] = (self._stage_region, n * size, c.region, off, size)
+                sums.append(([self._stage_ptr + n * size], [size]))
         for j, off, _ in got:
             if not 0 <= off <= c.region_bytes - size:
                 raise KVXferError(f"store node {c.address} reserved a slot outside its region")
+        # the checksums read the source while the copy does (both native, GIL released)
+        hashing = self._hasher.submit(_checksums, sums) if self.checksum else None
         try:
             c.move("write", descs, self.timeout)
+            crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
         except KVXferError:
+            if hashing is not None:
+                hashing.result()
             if not c.closed:
                 c.request(Req.ABORT, {"keys": [keys[j] for j, _, _ in got],
                                       "tokens": [t for _, _, t in got]}, self.timeout)
@@ -429,35 +444,48 @@ class KVStore:
     def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
         """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
         their blocks; return the positions whose bytes passed the checksum (the pins of
-        the others go to ``bad``)."""
+        the others go to ``bad``). Reads go in up to :data:`READ_PIECES` pieces, each
+        piece's checksums computed while the next piece moves."""
         import numpy as np
 
-        size, ok = fmt.nbytes, []
+        size = fmt.nbytes
         if fmt.zero_copy:  # straight from the slots into the blocks
             regions = np.array(self._pool_regions(fmt), np.int64)
             runs = [fmt.runs(ids[i]) for i, *_ in hits]
-            descs = np.concatenate([np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64),
-                                              off + r[:, 2], r[:, 3]], axis=1)
-                                    for r, (_, off, *_) in zip(runs, hits)])
-            c.move("read", descs, self.timeout)
-            for r, (i, _, _, crc, pin) in zip(runs, hits):
-                if crc == NO_CRC or not self.checksum or fmt.checksum_runs(r) == crc:
-                    ok.append(i)
-                else:
-                    bad.append(pin)
-            return ok
-        descs = np.empty((len(hits), 5), np.int64)
-        for n, (i, off, _, _, _) in enumerate(hits):
-            descs[n] = (self._stage_region, n * size, c.region, off, size)
-        c.move("read", descs, self.timeout)
+            descs = [np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64), off + r[:, 2], r[:, 3]],
+                              axis=1) for r, (_, off, *_) in zip(runs, hits)]
+            sums = [(fmt.run_addrs(r), r[:, 3]) for r in runs]
+        else:
+            descs = [np.array([(self._stage_region, n * size, c.region, off, size)], np.int64)
+                     for n, (_, off, *_) in enumerate(hits)]
+            sums = [([self._stage_ptr + n * size], [size]) for n in range(len(hits))]
+        verdict = [True] * len(hits)
+        step = max(1, -(-len(hits) // READ_PIECES))
+        pending = None  # (first, future) of the piece being checked
+        for first in range(0, len(hits), step):
+            c.move("read", np.concatenate(descs[first:first + step]), self.timeout)
+            if pending is not None:
+                self._collect(pending, hits, verdict)
+            if self.checksum:
+                pending = (first, self._hasher.submit(_checksums, sums[first:first + step]))
+        if pending is not None:
+            self._collect(pending, hits, verdict)
         good = []
-        for n, (i, _, _, crc, pin) in enumerate(hits):
-            if crc == NO_CRC or not self.checksum or checksum([self._stage_ptr + n * size], [size]) == crc:
+        for n, ((i, *_, pin), fine) in enumerate(zip(hits, verdict)):
+            if fine:
                 good.append((n, i))
             else:
                 bad.append(pin)
-        self._unpack_runs(fmt, good, ids)
+        if not fmt.zero_copy:
+            self._unpack_runs(fmt, good, ids)
         return [i for _, i in good]
+
+    @staticmethod
+    def _collect(pending, hits, verdict) -> None:
+        first, fut = pending
+        for k, h in enumerate(fut.result()):
+            crc = hits[first + k][3]
+            verdict[first + k] = crc == NO_CRC or h == crc
 
     def _unpack_runs(self, fmt, ok, ids) -> None:
         """Unpack the verified objects ``ok`` (``[(staging slot n, key position i)]``):
@@ -513,6 +541,7 @@ class KVStore:
                 item[1].fail(KVXferError("KVStore closed"))
         self._ops.put(None)
         self._worker.join(self.timeout * 4 + 5)
+        self._hasher.shutdown(wait=True)
         if self._watch is not None:
             self._watch.stop()
         if self._discovery is not None:

@@ -74,11 +74,15 @@ class ObjectFormat:
             got = self._runs[block_id] = self.layout.block_runs([block_id], heads=self.heads)
         return got
 
-    def checksum_runs(self, runs) -> int:
-        """:func:`checksum` of one object lying in the engine's pool (``runs`` of :meth:`runs`)."""
+    def run_addrs(self, runs):
+        """int64 ``[num_runs]``: the address of each run of :meth:`runs` in the pool."""
         import numpy as np
 
-        return checksum(np.asarray(self.bases, np.int64)[runs[:, 0]] + runs[:, 1], runs[:, 3])
+        return np.asarray(self.bases, np.int64)[runs[:, 0]] + runs[:, 1]
+
+    def checksum_runs(self, runs) -> int:
+        """:func:`checksum` of one object lying in the engine's pool (``runs`` of :meth:`runs`)."""
+        return checksum(self.run_addrs(runs), runs[:, 3])
 
     def check_put(self) -> None:
         """``ValueError`` unless this rank holds every head (only then may it put)."""

@@ -128,3 +128,22 @@ def test_nodes_found_through_etcd_and_withdrawn_on_sigterm(etcd):
     finally:
         for p, _ in procs:
             stop_node(p, signal.SIGKILL)
+
+
+def test_replicas_survive_a_dead_node(two_nodes):
+    (pa, a), (pb, b) = two_nodes
+    src = make_layout("2 N B H D", 16, seed=31)
+    keys = kvxfer.block_keys(range(64), 4, salt=b"replicas")
+    with kvxfer.KVStore(nodes=[a, b], secret=SECRET, replicas=2, timeout=5.0, retry_s=60.0) as st:
+        st.put(keys, src, range(16)).wait(timeout=60)
+        per_node = st.stats()["per_node"]
+        assert per_node[a]["objects"] == per_node[b]["objects"] == 16  # every object on both
+        os.killpg(pa.pid, signal.SIGKILL)
+        pa.wait(timeout=30)
+        first = st.lookup(keys)  # may meet the dead node once, then it is down
+        assert first in (16, *[i for i, k in enumerate(keys) if owners([a, b], k)[0] == a][:1])
+        assert st.lookup(keys) == 16
+        dst = make_layout("N 2 H B D", 16)
+        st.get(keys, dst, range(16)).wait(timeout=60)
+        for i in range(16):
+            assert torch.equal(block_bits(src, i), block_bits(dst, i))

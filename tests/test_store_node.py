@@ -217,3 +217,21 @@ def test_a_client_that_never_reads_is_bounded(node):
     finally:
         c.close()
         backend.close()
+
+
+def test_a_chain_longer_than_one_request():
+    """More keys on one node than one request may name: several requests, one lock hold."""
+    n = MAX_KEYS + 10
+    node = StoreNode("127.0.0.1:0", (n + 64) * 64, secret=SECRET, slot_bytes=64, high_watermark=1.0)
+    tiny = kvxfer.KVLayout.from_tensors([torch.zeros(2, n, 1, 1, 4, dtype=torch.float16)], "2 N B H D")
+    keys = kvxfer.block_keys(range(n), 1, salt=b"long")
+    got = []
+    try:
+        with _store(node) as st:
+            st.put(keys, tiny, range(n)).wait(timeout=120)
+            t = threading.Thread(target=lambda: got.append(st.lookup(keys)), daemon=True)
+            t.start()
+            t.join(60)
+            assert got == [n]
+    finally:
+        node.close()

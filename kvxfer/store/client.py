@@ -197,31 +197,35 @@ class KVStore:
         if not keys:
             return 0
         present = [False] * len(keys)
-        sent = []
-        for addr, pos in self._route(keys).items():
-            for start in range(0, len(pos), MAX_KEYS):
-                part = pos[start:start + MAX_KEYS]
+        sent = []  # (address, connection (locked), [(request id, positions)])
+        try:
+            for addr, pos in self._route(keys).items():
                 try:
                     c = self._conn(addr)
-                    c.lock.acquire()
                 except KVXferError as exc:
                     self._mark_down(addr, exc)
+                    continue
+                c.lock.acquire()
+                reqs: list = []
+                sent.append((addr, c, reqs))
+                try:
+                    for start in range(0, len(pos), MAX_KEYS):
+                        part = pos[start:start + MAX_KEYS]
+                        reqs.append((c.send(Req.LOOKUP, {"keys": [keys[i] for i in part]}), part))
+                except KVXferError as exc:
+                    self._mark_down(addr, exc)
+            for addr, c, reqs in sent:  # every request is out: now the replies
+                if c.closed:
                     continue
                 try:
-                    rid = c.send(Req.LOOKUP, {"keys": [keys[i] for i in part]})
+                    for rid, part in reqs:
+                        bits = c.recv(rid, self.timeout)["present"]
+                        for i, b in zip(part, bits):
+                            present[i] = b == "1"
                 except KVXferError as exc:
-                    c.lock.release()
                     self._mark_down(addr, exc)
-                    continue
-                sent.append((addr, c, rid, part))
-        for addr, c, rid, part in sent:
-            try:
-                bits = c.recv(rid, self.timeout)["present"]
-                for i, b in zip(part, bits):
-                    present[i] = b == "1"
-            except KVXferError as exc:
-                self._mark_down(addr, exc)
-            finally:
+        finally:
+            for _, c, _ in sent:
                 c.lock.release()
         n = 0
         while n < len(keys) and present[n]:
@@ -577,6 +581,8 @@ def _check_keys(keys) -> list:
     if isinstance(keys, (bytes, str)):
         raise TypeError("keys must be a sequence of bytes (e.g. kvxfer.block_keys(...))")
     out = list(keys)
+    if all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in out):  # the common case
+        return out
     for k in out:
         if not isinstance(k, (bytes, bytearray)):
             raise TypeError(f"keys must be bytes, got {type(k).__name__}")

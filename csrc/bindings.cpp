@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include "checksum.h"
 #include "copy.h"
 #include "errors.h"      // registration and transfer engine
 #include "shared_mem.h"
@@ -60,6 +61,24 @@ PYBIND11_MODULE(_C, m) {
         m.attr("VM_MAX_THREADS") = kvxfer::kVmMaxThreads;
         m.attr("VM_SPLIT_BYTES") = kvxfer::kVmSplitBytes;
         m.attr("STREAM_BYTES") = kvxfer::kStreamBytes;
+    }
+
+    // ---- object checksums of the KV store (checksum.h) ----
+    {
+        using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+        m.def(
+            "checksum_runs",
+            [](I64 addr, I64 len) {
+                if (addr.ndim() != 1 || len.ndim() != 1 || addr.size() != len.size())
+                    throw py::value_error("checksum_runs: addr and len must be 1-d of one length");
+                for (py::ssize_t i = 0; i < len.size(); ++i)
+                    if (len.data()[i] < 0 || (len.data()[i] > 0 && addr.data()[i] <= 0))
+                        throw py::value_error("checksum_runs: bad run");
+                py::gil_scoped_release release;
+                return kvxfer::checksum_runs(addr.data(), len.data(), addr.size());
+            },
+            py::arg("addr"), py::arg("len"),
+            "XXH64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

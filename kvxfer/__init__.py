@@ -23,6 +23,7 @@ from .errors import (
     PeerDisconnected,
     ProtocolError,
     RegistrationError,
+    StoreMiss,
     TransferCancelled,
     TransferTimeout,
 )
@@ -41,6 +42,8 @@ _LAZY = {
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
     "shared_empty": "kvxfer.shared_memory",
+    "KVStore": "kvxfer.store",
+    "block_keys": "kvxfer.store",
 }
 
 __all__ = [*errors.__all__, *_LAZY]

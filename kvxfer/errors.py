@@ -20,6 +20,7 @@ __all__ = [
     "ConnectionRefused",
     "LimitExceeded",
     "BlocksBusy",
+    "StoreMiss",
 ]
 
 
@@ -75,3 +76,12 @@ class BlocksBusy(KVXferError):
     (a recv's blocks are written: no other transfer may name them; a send's are read:
     other sends may share them, a recv may not). Raised at the call; nothing was
     posted or leased. Retry once the other transfer's lease ended (``on_release``)."""
+
+
+class StoreMiss(KVXferError):
+    """A :meth:`kvxfer.KVStore.get` found some key absent (never put, evicted, its node
+    down) or its bytes failed the checksum; ``loaded`` leading blocks hold their KV."""
+
+    def __init__(self, message: str, *, loaded: int = 0) -> None:
+        super().__init__(message)
+        self.loaded = loaded

@@ -1,6 +1,6 @@
 """The package's import graph, read with ``ast`` (nothing is imported to check it):
 
-- the library core never imports serving, bench, loadgen, cli, integrations or report;
+- the library core never imports serving, bench, loadgen, cli, integrations, report or store;
 - report (shared by bench and loadgen) imports no other kvxfer module, and loadgen
   and report never import bench;
 - bench and loadgen reach the library only through its public surface: the names in
@@ -20,7 +20,7 @@ import kvxfer
 
 ROOT = Path(kvxfer.__file__).parent
 CORE = ["*.py", "control/*.py", "transport/*.py", "kernels/*.py"]
-OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report")
+OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report", "store")
 PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport")
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 log = logging.getLogger("kvxfer.discovery")
 
-ROLES = ("prefill", "decode", "colocated")
+ROLES = ("prefill", "decode", "colocated", "store")
 DEFAULT_TTL_S = 5.0
 DEFAULT_POLL_S = 0.5
 

@@ -1,0 +1,29 @@
+"""The KV store: a pool of KV blocks shared across requests, engines and hosts.
+
+- :mod:`.keys`: ``block_keys`` (chained content keys of a prompt's full blocks);
+- :mod:`.objects`: what an object holds (one block, every layer and head, wire format);
+- :mod:`.index`: a node's slots, key -> object, LRU eviction, pins;
+- :mod:`.protocol`: the requests a node answers;
+- :mod:`.node`: ``StoreNode``, one node (``kvxfer store``);
+- :mod:`.placement`: rendezvous hashing of keys over live nodes;
+- :mod:`.conn` / :mod:`.client`: ``KVStore``, an engine's client.
+
+See docs/store.md. Importing this package loads neither torch nor UCX.
+"""
+from __future__ import annotations
+
+from .keys import block_keys
+
+__all__ = ["KVStore", "StoreNode", "block_keys"]
+
+
+def __getattr__(name: str):
+    if name == "KVStore":
+        from .client import KVStore
+
+        return KVStore
+    if name == "StoreNode":
+        from .node import StoreNode
+
+        return StoreNode
+    raise AttributeError(f"module 'kvxfer.store' has no attribute {name!r}")

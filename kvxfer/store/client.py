@@ -1,0 +1,591 @@
+"""``kvxfer.KVStore``: an engine's client of the KV pool.
+
+::
+
+    store = kvxfer.KVStore(nodes=["10.0.0.5:7600", "10.0.0.6:7600"], secret=secret)
+    # or KVStore(discovery="etcd://10.0.0.2:2379", secret=secret)
+    keys = kvxfer.block_keys(prompt_ids, block_size, salt=model_identity)
+    n = store.lookup(keys)                          # leading keys in the pool
+    store.get(keys[:n], layout, block_ids[:n]).wait(timeout=10)
+    store.put(keys[n:], layout, block_ids[n:])      # async: a TransferHandle
+    store.stats(); store.close()
+
+Placement (:mod:`kvxfer.store.placement`): each key goes to its highest-ranked live
+node(s) by rendezvous hashing; no master is asked. A node that fails a request (dropped
+connection, no answer within ``timeout``) is marked down: its keys are misses (lookups
+stop at them, gets fail on them, puts place them on the next node) until ``retry_s``
+later, when the client tries it again.
+
+Data moves one-sided between a registered staging buffer of this client and the node's
+slots (no byte of KV through a socket): a put packs each block into staging
+(:mod:`kvxfer.store.objects`), writes it into the slot the node reserved, then commits
+with its checksum; a get reads pinned slots into staging, checks every object's checksum
+and unpacks the good ones. A put or get runs on the client's worker thread; the handle is
+done when the objects are committed (put) or the blocks hold the KV (get).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from ..control import auth
+from ..errors import AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
+from ..handle import HandleCompleter
+from . import index as ix
+from .conn import NodeConn
+from .keys import MAX_KEY_BYTES
+from .objects import ObjectFormat, checksum
+from .placement import Placement
+from .protocol import MAX_KEYS, NO_CRC, Req
+
+log = logging.getLogger("kvxfer.store")
+
+__all__ = ["KVStore"]
+
+MAX_QUEUED_OPS = 1024
+READ_PIECES = 4  # a get's reads per node batch, pipelined with the checksums of the previous one
+
+
+def _checksums(sums) -> list:
+    """:func:`checksum` of each ``(addrs, lengths)`` (the hasher thread runs this)."""
+    return [checksum(a, n) for a, n in sums]
+
+
+class KVStore:
+    """``KVStore(nodes=["HOST:PORT", ...] | discovery="etcd://...", secret=..., ...)``.
+
+    ``secret``: the deployment's shared secret (bytes or str, >= 16 bytes).
+    ``replicas``: nodes each object is put on (gets and lookups ask the first live one
+    that holds it). ``timeout``: seconds a node may take to answer one request or move
+    one batch before it is marked down. ``retry_s``: how long a node stays down.
+    ``staging_bytes``: the registered buffer objects pass through (a put or get moves at
+    most this much per batch; one object must fit). ``backend``: as for the Agent.
+    ``checksum=False`` skips the XXH64 checksum at put and its check at get (to measure what it
+    costs; objects put so carry no checksum, and no client can verify them).
+    """
+
+    def __init__(self, nodes=None, discovery=None, *, secret, replicas: int = 1, timeout: float = 2.0,
+                 retry_s: float = 2.0, staging_bytes: int = 64 << 20, backend: str = "auto",
+                 checksum: bool = True) -> None:
+        import kvxfer
+        from ..transport import make_backend
+
+        if (nodes is None) == (discovery is None):
+            raise ValueError("give exactly one of nodes=[...] or discovery='etcd://...'")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        self._secret = auth.normalize_secret(secret)
+        self.replicas, self.timeout, self.retry_s = replicas, float(timeout), float(retry_s)
+        self.checksum = bool(checksum)
+        self._lock = threading.Lock()
+        self._members: list[str] = []
+        self._conns: dict[str, NodeConn] = {}
+        self._down: dict[str, float] = {}  # address -> monotonic time it may be tried again
+        self._placements: dict[int, Placement] = {}
+        self._pools: dict[int, tuple] = {}  # id(layout) -> (layout, backend region ids)
+        self._formats: dict[int, ObjectFormat] = {}
+        self._watch = self._discovery = None
+        if nodes is not None:
+            if isinstance(nodes, str):
+                nodes = [nodes]
+            self._members = sorted({_check_address(a) for a in nodes})
+            if not self._members:
+                raise ValueError("nodes must name at least one HOST:PORT")
+        self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "gets": 0,
+                         "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0}
+        self._backend = make_backend(backend)
+        self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
+        self._stage_ptr = self._staging.data_ptr()
+        self._stage_region = self._backend.register_tensor(self._staging)
+        self._ops: queue.Queue = queue.Queue(MAX_QUEUED_OPS)
+        self._closed = False
+        self._moved = 0  # bytes the running operation moved (worker thread only)
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-store-checksum")
+        self._worker = threading.Thread(target=self._work, name="kvxfer-store-client", daemon=True)
+        self._worker.start()
+        if discovery is not None:
+            self._start_discovery(discovery)
+
+    # ---- membership ------------------------------------------------------------------
+    def _start_discovery(self, discovery) -> None:
+        from ..discovery import Discovery
+        from .members import open_store_discovery, store_addresses
+
+        disc = open_store_discovery(discovery) if isinstance(discovery, str) else discovery
+        if not isinstance(disc, Discovery):
+            raise TypeError("discovery must be a URL or a kvxfer.discovery.Discovery")
+        self._discovery = disc
+        first = threading.Event()
+
+        def on_change(members: dict) -> None:
+            addrs = store_addresses(members)
+            with self._lock:
+                self._members = addrs
+            first.set()
+
+        self._watch = disc.watch(on_change)
+        first.wait(self.timeout + 3.0)  # the first view (or none, if etcd is unreachable: no nodes yet)
+
+    def nodes(self) -> dict:
+        """``{address: "up" | "down"}`` for every known node."""
+        now = time.monotonic()
+        with self._lock:
+            return {a: ("down" if self._down.get(a, 0) > now else "up") for a in self._members}
+
+    def _live(self) -> list:
+        now = time.monotonic()
+        with self._lock:
+            return [a for a in self._members if self._down.get(a, 0) <= now]
+
+    def _placement(self, replicas: int) -> Placement:
+        """Placement over the live nodes now (memoized per membership and replica count)."""
+        live = tuple(sorted(self._live()))
+        cached = self._placements.get(replicas)
+        if cached is None or cached.nodes != live:
+            cached = self._placements[replicas] = Placement(live, replicas)
+        return cached
+
+    def _conn(self, address: str) -> NodeConn:
+        with self._lock:
+            c = self._conns.get(address)
+        if c is not None and not c.closed:
+            return c
+        c = NodeConn.open(address, self._secret, self._backend, self.timeout)
+        with self._lock:
+            old = self._conns.get(address)
+            if old is not None and not old.closed:
+                c.close()
+                return old
+            self._conns[address] = c
+            self._down.pop(address, None)
+        return c
+
+    def _mark_down(self, address: str, exc: BaseException) -> None:
+        """Take ``address`` out of placement for ``retry_s``; a wrong secret is no node
+        failure but this client's misconfiguration, so it is raised instead."""
+        if isinstance(exc, AuthenticationError):
+            raise exc
+        log.warning("store node %s is down for %.1f s: %s", address, self.retry_s, exc)
+        with self._lock:
+            self._down[address] = time.monotonic() + self.retry_s
+            c = self._conns.pop(address, None)
+            self.counters["node_failures"] += 1
+        if c is not None:
+            c.close()
+
+    def _route(self, keys) -> dict:
+        """``{address: [positions]}``: each key's first live owner."""
+        place = self._placement(1)
+        out: dict = {}
+        for i, k in enumerate(keys):
+            own = place.owners(k)
+            if own:
+                out.setdefault(own[0], []).append(i)
+        return out
+
+    # ---- lookup ----------------------------------------------------------------------
+    def lookup(self, keys) -> int:
+        """How many leading ``keys`` (bytes, 1..64 each) are in the pool now: one request to
+        each node that owns one of them, all in flight at once. A node that fails counts its
+        keys as absent (and is marked down)."""
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        present = [False] * len(keys)
+        sent = []  # (address, connection (locked), [(request id, positions)])
+        try:
+            for addr, pos in self._route(keys).items():
+                try:
+                    c = self._conn(addr)
+                except KVXferError as exc:
+                    self._mark_down(addr, exc)
+                    continue
+                c.lock.acquire()
+                reqs: list = []
+                sent.append((addr, c, reqs))
+                try:
+                    for start in range(0, len(pos), MAX_KEYS):
+                        part = pos[start:start + MAX_KEYS]
+                        reqs.append((c.send(Req.LOOKUP, {"keys": [keys[i] for i in part]}), part))
+                except KVXferError as exc:
+                    self._mark_down(addr, exc)
+            for addr, c, reqs in sent:  # every request is out: now the replies
+                if c.closed:
+                    continue
+                try:
+                    for rid, part in reqs:
+                        bits = c.recv(rid, self.timeout)["present"]
+                        for i, b in zip(part, bits):
+                            present[i] = b == "1"
+                except KVXferError as exc:
+                    self._mark_down(addr, exc)
+        finally:
+            for _, c, _ in sent:
+                c.lock.release()
+        n = 0
+        while n < len(keys) and present[n]:
+            n += 1
+        return n
+
+    # ---- put / get -------------------------------------------------------------------
+    def put(self, keys, layout, block_ids):
+        """Put block ``block_ids[i]`` of ``layout`` (a host :class:`~kvxfer.KVLayout` holding
+        every kv head) under ``keys[i]``; returns a :class:`~kvxfer.TransferHandle`, done
+        once every object is committed (readable by any client) or was present already (a
+        no-op that refreshes its recency). The blocks must not change until then. A key
+        whose node is down, full, or being written by another client is skipped (counted
+        in ``stats()["client"]["put_skipped"]``); a node that fails mid-put fails the handle."""
+        keys, ids, fmt = self._args(keys, layout, block_ids)
+        fmt.check_put()
+        return self._submit("store_put", lambda done: self._do_put(keys, ids, fmt, done))
+
+    def get(self, keys, layout, block_ids):
+        """Load ``keys[i]`` into block ``block_ids[i]`` of ``layout`` (this rank's heads);
+        returns a :class:`~kvxfer.TransferHandle`, done when every block holds its KV.
+        If some key is missing, or its bytes fail the checksum (a miss, never wrong KV), or
+        its node fails, the handle fails with :class:`~kvxfer.StoreMiss` (``.loaded``: the
+        leading blocks that hold their KV; the rest are unspecified) or with the node's
+        error (:class:`~kvxfer.PeerDisconnected`, :class:`~kvxfer.TransferTimeout`)."""
+        keys, ids, fmt = self._args(keys, layout, block_ids)
+        return self._submit("store_get", lambda done: self._do_get(keys, ids, fmt, done))
+
+    def _args(self, keys, layout, block_ids):
+        keys = _check_keys(keys)
+        fmt = self._format(layout)
+        if fmt.nbytes > self._staging.numel():
+            raise ValueError(f"an object of {fmt.nbytes} B does not fit the {self._staging.numel()}-byte staging buffer")
+        ids = [int(b) for b in block_ids]
+        if len(ids) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(ids)} block ids")
+        if any(not 0 <= b < layout.num_blocks for b in ids):
+            raise ValueError(f"block ids must be in [0, {layout.num_blocks})")
+        return keys, ids, fmt
+
+    def _submit(self, kind: str, fn):
+        if self._closed:
+            raise KVXferError("this KVStore is closed")
+        done = HandleCompleter(kind, uuid.uuid4().hex[:12], None)
+        try:
+            self._ops.put_nowait((fn, done))
+        except queue.Full:
+            raise LimitExceeded(f"{MAX_QUEUED_OPS} store operations are queued already") from None
+        return done.handle
+
+    def _work(self) -> None:
+        while True:
+            item = self._ops.get()
+            if item is None:
+                return
+            fn, done = item
+            if done.handle.done():  # cancelled while queued
+                continue
+            self._moved = 0
+            try:
+                fn(done)
+            except KVXferError as exc:
+                done.fail(exc)
+            except Exception as exc:  # noqa: BLE001 - the caller sees it on its handle
+                err = KVXferError(f"{done.handle.kind} failed: {exc!r}")
+                err.__cause__ = exc
+                done.fail(err)
+
+    def _format(self, layout) -> ObjectFormat:
+        """``ObjectFormat(layout)``, made once per layout (it memoizes block runs)."""
+        with self._lock:
+            got = self._formats.get(id(layout))
+        if got is None or got.layout is not layout:
+            got = ObjectFormat(layout)
+            with self._lock:
+                if len(self._formats) >= 64:
+                    self._formats.clear()
+                self._formats[id(layout)] = got
+        return got
+
+    def _pool_regions(self, fmt) -> list:
+        """The backend region ids of ``fmt.layout``'s pool, registered on first use (the
+        registration lasts until :meth:`close`; the pool must outlive this client)."""
+        key = id(fmt.layout)
+        got = self._pools.get(key)
+        if got is None or got[0] is not fmt.layout:
+            got = self._pools[key] = (fmt.layout, [self._backend.register(a, n) for a, n in fmt.layout.regions()])
+        return got[1]
+
+    def _batches(self, positions, fmt):
+        per = max(1, self._staging.numel() // fmt.nbytes)
+        for s in range(0, len(positions), min(per, MAX_KEYS)):
+            yield positions[s:s + min(per, MAX_KEYS)]
+
+    def _do_put(self, keys, ids, fmt, done) -> None:
+        self.counters["puts"] += 1
+        place = self._placement(self.replicas)
+        targets: dict = {}
+        for i, k in enumerate(keys):
+            for addr in place.owners(k):
+                targets.setdefault(addr, []).append(i)
+        size = fmt.nbytes
+        for addr, pos in targets.items():
+            try:
+                c = self._conn(addr)
+            except KVXferError as exc:
+                self._mark_down(addr, exc)
+                self.counters["put_skipped"] += len(pos)
+                continue
+            for batch in self._batches(pos, fmt):
+                try:
+                    with c.lock:
+                        self._put_batch(c, [keys[i] for i in batch], [ids[i] for i in batch], fmt, size)
+                except (PeerDisconnected, TransferTimeout) as exc:
+                    self._mark_down(addr, exc)
+                    raise
+        done.handle.nbytes = self._moved
+        done.succeed()
+
+    def _put_batch(self, c: NodeConn, keys, ids, fmt, size) -> None:
+        import numpy as np
+
+        r = c.request(Req.RESERVE, {"keys": keys, "nbytes": size, "fmt": fmt.fmt}, self.timeout)["r"]
+        got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == ix.RESERVED]
+        self.counters["put_present"] += sum(1 for code, _, _ in r if code == ix.PRESENT)
+        self.counters["put_skipped"] += sum(1 for code, _, _ in r if code not in (ix.PRESENT, ix.RESERVED))
+        if not got:
+            return
+        # per object: its descriptors and the runs its checksum reads (the same bytes)
+        if fmt.zero_copy:  # straight from the blocks into the slots
+            regions = np.array(self._pool_regions(fmt), np.int64)
+            rows, sums = [], []
+            for j, off, _ in got:
+                runs = fmt.runs(ids[j])
+                addrs = regions[runs[:, 0]]
+                rows.append(np.stack([addrs, runs[:, 1], np.full(len(runs), c.region, np.int64), off + runs[:, 2],
+                                      runs[:, 3]], axis=1))
+                sums.append((fmt.run_addrs(runs), runs[:, 3]))
+            descs = np.concatenate(rows)
+        else:
+            descs = np.empty((len(got), 5), np.int64)
+            sums = []
+            for n, (j, off, _) in enumerate(got):
+                fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
+                descs[n] = (self._stage_region, n * size, c.region, off, size)
+                sums.append(([self._stage_ptr + n * size], [size]))
+        for j, off, _ in got:
+            if not 0 <= off <= c.region_bytes - size:
+                raise KVXferError(f"store node {c.address} reserved a slot outside its region")
+        # the checksums read the source while the copy does (both native, GIL released)
+        hashing = self._hasher.submit(_checksums, sums) if self.checksum else None
+        try:
+            c.move("write", descs, self.timeout)
+            crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
+        except KVXferError:
+            if hashing is not None:
+                hashing.result()
+            if not c.closed:
+                c.request(Req.ABORT, {"keys": [keys[j] for j, _, _ in got],
+                                      "tokens": [t for _, _, t in got]}, self.timeout)
+            raise
+        ok = c.request(Req.COMMIT, {"keys": [keys[j] for j, _, _ in got], "tokens": [t for _, _, t in got],
+                                    "crcs": crcs}, self.timeout)["ok"]
+        self.counters["put_objects"] += sum(1 for x in ok if x)
+        self._moved += len(got) * size
+        self.counters["put_skipped"] += sum(1 for x in ok if not x)
+
+    def _do_get(self, keys, ids, fmt, done) -> None:
+        self.counters["gets"] += 1
+        good = [False] * len(keys)
+        failure: BaseException | None = None
+        size = fmt.nbytes
+        for addr, pos in self._route(keys).items():
+            try:
+                c = self._conn(addr)
+            except KVXferError as exc:
+                self._mark_down(addr, exc)
+                failure = failure or exc
+                continue
+            for batch in self._batches(pos, fmt):
+                try:
+                    with c.lock:
+                        r = c.request(Req.GET, {"keys": [keys[i] for i in batch], "fmt": fmt.fmt},
+                                      self.timeout)["r"]
+                        hits = [(i, off, nb, crc, pin) for i, (off, nb, crc, pin) in zip(batch, r) if pin > 0]
+                        bad = []
+                        try:
+                            if hits:
+                                for i, off, nb, _, _ in hits:
+                                    if nb != size or not 0 <= off <= c.region_bytes - size:
+                                        raise KVXferError(f"store node {c.address} named a bad slot")
+                                ok = self._read_hits(c, fmt, hits, ids, bad)
+                                for i in ok:
+                                    good[i] = True
+                                self._moved += len(hits) * size
+                        finally:
+                            if hits and not c.closed:
+                                c.send(Req.RELEASE, {"pins": [h[4] for h in hits], "bad": bad}, reply=False)
+                        self.counters["checksum_failures"] += len(bad)
+                except (PeerDisconnected, TransferTimeout) as exc:
+                    self._mark_down(addr, exc)
+                    failure = failure or exc
+                    break
+        loaded = 0
+        while loaded < len(keys) and good[loaded]:
+            loaded += 1
+        self.counters["get_objects"] += sum(good)
+        self.counters["get_misses"] += len(keys) - sum(good)
+        done.handle.nbytes = self._moved
+        if loaded == len(keys):
+            done.succeed()
+            return
+        if failure is not None and not isinstance(failure, StoreMiss):
+            failure.loaded = loaded
+            done.fail(failure)
+            return
+        done.fail(StoreMiss(f"{len(keys) - loaded} of {len(keys)} keys not loaded from the pool "
+                            f"(first at position {loaded})", loaded=loaded))
+
+    def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
+        """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
+        their blocks; return the positions whose bytes passed the checksum (the pins of
+        the others go to ``bad``). Reads go in up to :data:`READ_PIECES` pieces, each
+        piece's checksums computed while the next piece moves."""
+        import numpy as np
+
+        size = fmt.nbytes
+        if fmt.zero_copy:  # straight from the slots into the blocks
+            regions = np.array(self._pool_regions(fmt), np.int64)
+            runs = [fmt.runs(ids[i]) for i, *_ in hits]
+            descs = [np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64), off + r[:, 2], r[:, 3]],
+                              axis=1) for r, (_, off, *_) in zip(runs, hits)]
+            sums = [(fmt.run_addrs(r), r[:, 3]) for r in runs]
+        else:
+            descs = [np.array([(self._stage_region, n * size, c.region, off, size)], np.int64)
+                     for n, (_, off, *_) in enumerate(hits)]
+            sums = [([self._stage_ptr + n * size], [size]) for n in range(len(hits))]
+        verdict = [True] * len(hits)
+        step = max(1, -(-len(hits) // READ_PIECES))
+        pending = None  # (first, future) of the piece being checked
+        for first in range(0, len(hits), step):
+            c.move("read", np.concatenate(descs[first:first + step]), self.timeout)
+            if pending is not None:
+                self._collect(pending, hits, verdict)
+            if self.checksum:
+                pending = (first, self._hasher.submit(_checksums, sums[first:first + step]))
+        if pending is not None:
+            self._collect(pending, hits, verdict)
+        good = []
+        for n, ((i, *_, pin), fine) in enumerate(zip(hits, verdict)):
+            if fine:
+                good.append((n, i))
+            else:
+                bad.append(pin)
+        if not fmt.zero_copy:
+            self._unpack_runs(fmt, good, ids)
+        return [i for _, i in good]
+
+    @staticmethod
+    def _collect(pending, hits, verdict) -> None:
+        first, fut = pending
+        for k, h in enumerate(fut.result()):
+            crc = hits[first + k][3]
+            verdict[first + k] = crc == NO_CRC or h == crc
+
+    def _unpack_runs(self, fmt, ok, ids) -> None:
+        """Unpack the verified objects ``ok`` (``[(staging slot n, key position i)]``):
+        consecutive staging slots in one call."""
+        size = fmt.nbytes
+        s = 0
+        while s < len(ok):
+            e = s + 1
+            while e < len(ok) and ok[e][0] == ok[e - 1][0] + 1:
+                e += 1
+            n0 = ok[s][0]
+            fmt.unpack_many(self._staging[n0 * size:], [ids[i] for _, i in ok[s:e]])
+            s = e
+
+    # ---- stats / lifecycle -------------------------------------------------------------
+    def stats(self) -> dict:
+        """The pool's counters summed over the live nodes (``hits``, ``misses``,
+        ``evictions``, ``bytes_used``, ``capacity_bytes``, ``objects``, ...), ``nodes``
+        (reachable now), ``nodes_down``, ``per_node`` (each node's own), and ``client``
+        (this client's: puts, objects put/present/skipped, gets, misses, checksum failures)."""
+        total = {k: 0 for k in ("hits", "misses", "evictions", "bytes_used", "capacity_bytes", "objects",
+                                "pending", "pins", "bad_objects")}
+        per_node = {}
+        for addr in self._live():
+            try:
+                c = self._conn(addr)
+                with c.lock:
+                    s = c.request(Req.STATS, {}, self.timeout)
+            except KVXferError as exc:
+                self._mark_down(addr, exc)
+                continue
+            s.pop("id", None)
+            per_node[addr] = s
+            for k in total:
+                total[k] += int(s.get(k, 0))
+        with self._lock:
+            known = len(self._members)
+        return {**total, "nodes": len(per_node), "nodes_down": known - len(per_node), "per_node": per_node,
+                "client": dict(self.counters)}
+
+    def close(self) -> None:
+        """Fail queued operations, stop the worker, disconnect every node, release the staging
+        buffer; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        while True:
+            try:
+                item = self._ops.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].fail(KVXferError("KVStore closed"))
+        self._ops.put(None)
+        self._worker.join(self.timeout * 4 + 5)
+        self._hasher.shutdown(wait=True)
+        if self._watch is not None:
+            self._watch.stop()
+        if self._discovery is not None:
+            self._discovery.close()
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for c in conns:
+            c.close()
+        self._backend.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        nodes = self.nodes()
+        up = sum(1 for v in nodes.values() if v == "up")
+        return f"<KVStore {up}/{len(nodes)} nodes up replicas={self.replicas}{' closed' if self._closed else ''}>"
+
+
+def _check_address(a) -> str:
+    from ..control.peers import split_address
+
+    if not isinstance(a, str):
+        raise TypeError(f"node addresses must be 'HOST:PORT' strings, got {type(a).__name__}")
+    split_address(a)
+    return a
+
+
+def _check_keys(keys) -> list:
+    if isinstance(keys, (bytes, str)):
+        raise TypeError("keys must be a sequence of bytes (e.g. kvxfer.block_keys(...))")
+    out = list(keys)
+    if all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in out):  # the common case
+        return out
+    for k in out:
+        if not isinstance(k, (bytes, bytearray)):
+            raise TypeError(f"keys must be bytes, got {type(k).__name__}")
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key must be 1..{MAX_KEY_BYTES} bytes, got {len(k)}")
+    return [bytes(k) for k in out]

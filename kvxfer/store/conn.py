@@ -1,0 +1,177 @@
+"""A client's connection to one store node: the handshake, then request/reply.
+
+:meth:`NodeConn.open` authenticates with the agents' handshake
+(:func:`kvxfer.control.handshake.client_handshake`) and connects the client's backend
+to the node's memory (the metadata arrives only after both sides proved the secret).
+Requests are synchronous per connection (``lock`` held by the caller); a node that does
+not answer within ``timeout`` or drops the connection raises
+:class:`~kvxfer.errors.TransferTimeout` / :class:`~kvxfer.errors.PeerDisconnected`,
+and the connection is closed (the client marks the node down).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import threading
+import uuid
+
+from ..control.framing import HEADER, parse_header
+from ..control.handshake import client_handshake
+from ..control.peers import split_address
+from ..errors import KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
+from .node import CLIENT_INFO, STORE_INFO
+from .protocol import MAX_REQUEST_BYTES, REPLY, encode
+
+__all__ = ["NodeConn", "NodeError"]
+
+
+class NodeError(KVXferError):
+    """A node refused one request (the reply's ``error`` code is :attr:`code`)."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"store node refused the request: {code}: {reason}")
+        self.code = code
+
+
+class NodeConn:
+    """An authenticated connection to the node at ``address`` (see the module doc)."""
+
+    def __init__(self, address: str, sock: socket.socket, backend, bconn, info: dict) -> None:
+        self.address = address
+        self.lock = threading.Lock()
+        self._sock, self._backend, self.bconn = sock, backend, bconn
+        self.slot_bytes = int(info["slot_bytes"])
+        regions = list(bconn.remote_regions)
+        if len(regions) != 1:
+            raise ProtocolError(f"store node {address} advertised {len(regions)} regions, expected 1")
+        self.region = int(regions[0])
+        self.region_bytes = int(info["slot_bytes"]) * int(info["num_slots"])
+        if bconn.remote_regions[self.region][1] < self.region_bytes:
+            raise ProtocolError(f"store node {address} advertised a region smaller than its slots")
+        self._ids = itertools.count(1)
+        self._rbuf = bytearray()
+        self.closed = False
+
+    @classmethod
+    def open(cls, address: str, secret: bytes, backend, timeout: float) -> "NodeConn":
+        host, port = split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except socket.timeout:
+            raise TransferTimeout(f"connecting to store node {address} timed out") from None
+        except OSError as exc:
+            raise PeerDisconnected(f"cannot reach store node {address}: {exc}") from None
+        info = {"name": "kvxfer-store-client", "agent_id": uuid.uuid4().hex, "backend": b"", "staging": 0,
+                "layout": {"kind": CLIENT_INFO}}
+        seen: dict = {}
+
+        def check(fields: dict) -> None:
+            lay = fields["layout"]
+            if lay.get("kind") != STORE_INFO:
+                raise ProtocolError(f"{address} is not a kvxfer store node")
+            for k in ("slot_bytes", "num_slots"):
+                if isinstance(lay.get(k), bool) or not isinstance(lay.get(k), int) or lay[k] <= 0:
+                    raise ProtocolError(f"store node {address} sent a bad {k}")
+            seen.update(lay)
+
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            fields = client_handshake(sock, secret, info, check, timeout)
+            bconn = backend.connect(fields["backend"])
+        except socket.timeout:
+            sock.close()
+            raise TransferTimeout(f"handshake with store node {address} timed out") from None
+        except KVXferError:
+            sock.close()
+            raise
+        except (ConnectionError, OSError) as exc:
+            sock.close()
+            raise PeerDisconnected(f"store node {address} closed the connection: {exc}") from None
+        try:
+            return cls(address, sock, backend, bconn, seen)
+        except BaseException:
+            backend.disconnect(bconn)
+            sock.close()
+            raise
+
+    # ---- requests (caller holds self.lock) ----------------------------------------------
+    def send(self, msg_type: int, fields: dict, *, reply: bool = True) -> int:
+        """Send one request; return its id (0 when no reply comes: RELEASE)."""
+        rid = next(self._ids) if reply else 0
+        frame = encode(msg_type, {"id": rid, **fields})
+        try:
+            self._sock.sendall(frame)
+        except socket.timeout:
+            self.close()
+            raise TransferTimeout(f"store node {self.address} did not take a request in time") from None
+        except OSError as exc:
+            self.close()
+            raise PeerDisconnected(f"store node {self.address} went away: {exc}") from None
+        return rid
+
+    def recv(self, rid: int, timeout: float) -> dict:
+        """The reply to request ``rid`` (raises :class:`NodeError` for an error reply)."""
+        try:
+            self._sock.settimeout(timeout)
+            header = self._read(HEADER.size)
+            msg_type, length = parse_header(header, MAX_REQUEST_BYTES)
+            payload = self._read(length)
+        except socket.timeout:
+            self.close()
+            raise TransferTimeout(f"store node {self.address} did not answer within {timeout} s") from None
+        except (OSError, ConnectionError) as exc:
+            self.close()
+            raise PeerDisconnected(f"store node {self.address} went away: {exc}") from None
+        except ProtocolError:
+            self.close()
+            raise
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            self.close()
+            raise ProtocolError(f"store node {self.address} sent a reply that is not JSON") from None
+        if msg_type != REPLY or not isinstance(obj, dict) or obj.get("id") != rid:
+            self.close()
+            raise ProtocolError(f"store node {self.address} sent an unexpected reply")
+        if "error" in obj:
+            if obj["error"] == "limit":
+                raise LimitExceeded(str(obj.get("reason")))
+            raise NodeError(str(obj["error"]), str(obj.get("reason")))
+        return obj
+
+    def request(self, msg_type: int, fields: dict, timeout: float) -> dict:
+        return self.recv(self.send(msg_type, fields), timeout)
+
+    def _read(self, n: int) -> bytes:
+        while len(self._rbuf) < n:
+            chunk = self._sock.recv(max(1 << 16, n - len(self._rbuf)))
+            if not chunk:
+                raise ConnectionError("connection closed")
+            self._rbuf += chunk
+        out = bytes(self._rbuf[:n])
+        del self._rbuf[:n]
+        return out
+
+    # ---- data (one-sided) ------------------------------------------------------------------
+    def move(self, op: str, descs, timeout: float) -> None:
+        """Post ``descs`` (``[n, 5]``: staging region, offset, node region, offset, length)
+        and wait until complete (``write``: visible in the node's slots)."""
+        if self.closed:
+            raise PeerDisconnected(f"store node {self.address} connection is closed")
+        try:
+            req = self._backend.post(self.bconn, op, descs)
+            self._backend.wait(req, timeout)
+        except KVXferError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._backend.disconnect(self.bconn)
+        except KVXferError:
+            pass
+        self._sock.close()

@@ -1,0 +1,238 @@
+"""A store node's index: fixed-size slots of one buffer, key -> object, LRU, pins.
+
+An object lives in one slot (``slot_bytes`` each, ``num_slots`` in all) and goes
+through two states: *pending* (reserved by one client, which is writing it;
+invisible to gets and lookups) and *committed* (readable, immutable). A commit
+names the reservation's token, so a late commit of a reservation that expired
+and was handed to someone else is refused.
+
+Eviction frees the least recently used committed object that no reader pins,
+whenever the slots in use (pending and committed) exceed the high watermark
+``high_watermark * num_slots``; every such eviction is counted. A pinned object is
+never evicted: a reader holds a pin from its get until it released it (or the pin's
+lease ran out), so the slot it reads is not reused meanwhile. An object dropped while
+pinned (a reader found its checksum wrong) leaves the index at once and frees its
+slot when the last pin goes.
+
+Not thread-safe: a node's one I/O thread owns it. Times are ``time.monotonic()``
+seconds passed in by the caller.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["SlotIndex", "Obj", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT"]
+
+# reserve() outcomes (also the wire codes of a RESERVE reply)
+PRESENT, RESERVED, BUSY, FULL, LIMIT = range(5)
+
+
+@dataclass(eq=False)
+class Obj:
+    key: bytes
+    slot: int
+    nbytes: int
+    fmt: str
+    owner: int  # the client that reserved it
+    token: int  # names this reservation (commits must quote it)
+    deadline: float  # pending: when the reservation lapses
+    crc: int = 0
+    pins: int = 0
+    committed: bool = False
+    dropped: bool = False  # left the index while pinned; slot freed at the last release
+
+
+@dataclass(eq=False)
+class _Pin:
+    obj: Obj
+    owner: int
+    deadline: float
+
+
+class SlotIndex:
+    """``SlotIndex(num_slots, slot_bytes, high_watermark=0.98, max_pending=4096, max_pins=65536)``.
+
+    ``max_pending`` / ``max_pins``: per client, the reservations and pins it may hold
+    at once (more: that key's request answers :data:`LIMIT`).
+    """
+
+    def __init__(self, num_slots: int, slot_bytes: int, *, high_watermark: float = 0.98,
+                 max_pending: int = 4096, max_pins: int = 65536) -> None:
+        if num_slots < 1 or slot_bytes < 1:
+            raise ValueError("num_slots and slot_bytes must be >= 1")
+        if not 0.0 < high_watermark <= 1.0:
+            raise ValueError(f"high_watermark must be in (0, 1], got {high_watermark}")
+        self.num_slots, self.slot_bytes = num_slots, slot_bytes
+        self.watermark = max(1, int(high_watermark * num_slots))
+        self.max_pending, self.max_pins = max_pending, max_pins
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: low slots first
+        self._objects: OrderedDict[bytes, Obj] = OrderedDict()  # committed, LRU first
+        self._pending: dict[bytes, Obj] = {}
+        self._pins: dict[int, _Pin] = {}
+        self._tokens = itertools.count(1)
+        self._pending_by: dict[int, int] = {}
+        self._pins_by: dict[int, int] = {}
+        self.hits = self.misses = self.evictions = self.bad = 0
+        self.bytes_used = 0  # bytes of committed objects
+
+    # ---- queries ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    @property
+    def slots_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def contains(self, key: bytes) -> bool:
+        """Committed (readable) now; does not touch recency."""
+        return key in self._objects
+
+    def peek(self, key: bytes) -> Obj | None:
+        """The committed object of ``key`` (or None); does not touch recency or counters."""
+        return self._objects.get(key)
+
+    def stats(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+                "bad_objects": self.bad, "objects": len(self._objects), "pending": len(self._pending),
+                "pins": len(self._pins), "bytes_used": self.bytes_used,
+                "slots_used": self.slots_used, "num_slots": self.num_slots,
+                "slot_bytes": self.slot_bytes, "capacity_bytes": self.num_slots * self.slot_bytes}
+
+    # ---- put -------------------------------------------------------------------------
+    def reserve(self, key: bytes, nbytes: int, fmt: str, owner: int, now: float, lease_s: float):
+        """``(PRESENT | BUSY | FULL | LIMIT, None)`` or ``(RESERVED, obj)``.
+
+        PRESENT: committed already (its recency is refreshed: a put of a present key is
+        a no-op); BUSY: another client is writing it; FULL: every slot is pending or pinned.
+        """
+        if not 0 < nbytes <= self.slot_bytes:
+            raise ValueError(f"object of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        obj = self._objects.get(key)
+        if obj is not None:
+            self._objects.move_to_end(key)
+            return PRESENT, None
+        obj = self._pending.get(key)
+        if obj is not None:
+            if obj.deadline > now:
+                return BUSY, None
+            self._unreserve(obj)
+        if self._pending_by.get(owner, 0) >= self.max_pending:
+            return LIMIT, None
+        if not self._free and not self._evict_one():
+            return FULL, None
+        obj = Obj(key, self._free.pop(), nbytes, fmt, owner, next(self._tokens), now + lease_s)
+        self._pending[key] = obj
+        self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
+        while self.slots_used > self.watermark and self._evict_one():
+            pass
+        return RESERVED, obj
+
+    def commit(self, key: bytes, token: int, crc: int, owner: int) -> bool:
+        """Make a reservation readable; False (nothing changes) if ``token`` is not the
+        key's live reservation by ``owner`` (it lapsed, or it was never this client's)."""
+        obj = self._pending.get(key)
+        if obj is None or obj.token != token or obj.owner != owner:
+            return False
+        self._drop_pending(obj)
+        obj.committed, obj.crc = True, crc
+        self._objects[key] = obj
+        self.bytes_used += obj.nbytes
+        return True
+
+    def abort(self, key: bytes, token: int, owner: int) -> bool:
+        obj = self._pending.get(key)
+        if obj is None or obj.token != token or obj.owner != owner:
+            return False
+        self._unreserve(obj)
+        return True
+
+    # ---- get -------------------------------------------------------------------------
+    def get(self, key: bytes, fmt: str, owner: int, now: float, lease_s: float):
+        """``(obj, pin_id)`` for a committed object of this ``fmt`` (pinned until
+        :meth:`release`; recency refreshed), ``(None, 0)`` for a miss, ``(None, -1)`` when
+        ``owner`` holds ``max_pins`` pins already."""
+        obj = self._objects.get(key)
+        if obj is None or obj.fmt != fmt:
+            self.misses += 1
+            return None, 0
+        if self._pins_by.get(owner, 0) >= self.max_pins:
+            return None, -1
+        self._objects.move_to_end(key)
+        self.hits += 1
+        obj.pins += 1
+        pin_id = next(self._tokens)
+        self._pins[pin_id] = _Pin(obj, owner, now + lease_s)
+        self._pins_by[owner] = self._pins_by.get(owner, 0) + 1
+        return obj, pin_id
+
+    def release(self, pin_id: int, owner: int, *, bad: bool = False) -> bool:
+        """End a pin; ``bad``: its reader found the bytes wrong, so the object leaves the
+        index (later gets miss). False if the pin is unknown or not ``owner``'s."""
+        pin = self._pins.get(pin_id)
+        if pin is None or pin.owner != owner:
+            return False
+        self._unpin(pin_id, pin)
+        if bad and not pin.obj.dropped and self._objects.get(pin.obj.key) is pin.obj:
+            self.bad += 1
+            self._remove(pin.obj)
+        return True
+
+    # ---- housekeeping ----------------------------------------------------------------
+    def expire(self, now: float) -> int:
+        """Drop lapsed reservations and pins; return how many."""
+        gone = [o for o in self._pending.values() if o.deadline <= now]
+        for obj in gone:
+            self._unreserve(obj)
+        pins = [(i, p) for i, p in self._pins.items() if p.deadline <= now]
+        for pin_id, pin in pins:
+            self._unpin(pin_id, pin)
+        return len(gone) + len(pins)
+
+    def forget_owner(self, owner: int) -> None:
+        """A client left: end its reservations and pins."""
+        for obj in [o for o in self._pending.values() if o.owner == owner]:
+            self._unreserve(obj)
+        for pin_id, pin in [(i, p) for i, p in self._pins.items() if p.owner == owner]:
+            self._unpin(pin_id, pin)
+        self._pending_by.pop(owner, None)
+        self._pins_by.pop(owner, None)
+
+    def clear(self) -> None:
+        """Drop every committed object nobody pins (pinned ones go at their last release)."""
+        for obj in list(self._objects.values()):
+            self._remove(obj)
+
+    # ---- internals -------------------------------------------------------------------
+    def _evict_one(self) -> bool:
+        for obj in self._objects.values():  # oldest first; pinned ones are usually recent
+            if obj.pins == 0:
+                self._remove(obj)
+                self.evictions += 1
+                return True
+        return False
+
+    def _remove(self, obj: Obj) -> None:
+        """Take a committed object out of the index; free its slot unless pinned."""
+        del self._objects[obj.key]
+        self.bytes_used -= obj.nbytes
+        obj.dropped = True
+        if obj.pins == 0:
+            self._free.append(obj.slot)
+
+    def _unpin(self, pin_id: int, pin: _Pin) -> None:
+        del self._pins[pin_id]
+        self._pins_by[pin.owner] -= 1
+        obj = pin.obj
+        obj.pins -= 1
+        if obj.pins == 0 and obj.dropped:
+            self._free.append(obj.slot)
+
+    def _drop_pending(self, obj: Obj) -> None:
+        del self._pending[obj.key]
+        self._pending_by[obj.owner] -= 1
+
+    def _unreserve(self, obj: Obj) -> None:
+        self._drop_pending(obj)
+        self._free.append(obj.slot)

@@ -1,0 +1,348 @@
+"""``StoreNode``: one node of the KV pool (``kvxfer store`` runs one per process).
+
+It owns one registered host buffer of ``num_slots`` fixed-size slots (a
+:func:`kvxfer.shared_empty` pool: same-host clients map it once and copy with
+``memcpy``; other hosts reach it through UCX), a :class:`~kvxfer.store.index.SlotIndex`
+and a listening socket. Clients authenticate with the agents' handshake
+(:mod:`kvxfer.control.handshake`, the deployment's shared secret); only then does the
+node send its backend metadata (the memory keys). The bytes of objects never cross the
+socket: clients write and read slots one-sided, and the socket carries the requests of
+:mod:`kvxfer.store.protocol`.
+
+One I/O thread does everything (accepts, handshakes, requests, lapsed reservations and
+pins, driving the backend where a transport needs the target's progress), so the index
+needs no lock. Per client the node bounds what it buffers: a request frame of at most
+``MAX_REQUEST_BYTES`` (larger ones are skipped and answered with an error), replies
+queued up to ``MAX_QUEUED_BYTES`` (past that it stops reading that client until it
+drains them), and the index's per-client reservation and pin limits.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+import uuid
+
+from ..control import auth
+from ..control.framing import FrameReader
+from ..control.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
+from ..control.messages import Msg, decode
+from ..control.peers import split_address
+from ..errors import KVXferError, LayoutMismatch, ProtocolError
+from . import index as ix
+from .protocol import REPLY, Req, RequestReader, encode, parse_request
+
+log = logging.getLogger("kvxfer.store")
+
+__all__ = ["StoreNode", "STORE_INFO", "CLIENT_INFO"]
+
+STORE_INFO = "kvxfer-store"  # the "layout" object a node sends in its INFO
+CLIENT_INFO = "kvxfer-store-client"  # ... and a client in its own
+MAX_QUEUED_BYTES = 8 << 20
+MAX_HANDSHAKES = 64
+MAX_CLIENTS = 1024
+_TICK_S = 0.2
+
+
+class _Client:
+    __slots__ = ("sock", "addr", "owner", "hs", "frames", "reader", "out", "deadline", "events", "backlog")
+
+    def __init__(self, sock, addr, owner: int, hs: ServerHandshake) -> None:
+        self.sock, self.addr, self.owner, self.hs = sock, addr, owner, hs
+        self.frames = FrameReader(max_payload=4096)  # handshake frames, small until authenticated
+        self.reader: RequestReader | None = None  # set once authenticated
+        self.out = bytearray()
+        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        self.events = selectors.EVENT_READ
+        self.backlog: list = []  # frames read but not served yet (replies queued past the limit)
+
+
+class StoreNode:
+    """``StoreNode(listen, capacity_bytes, *, secret, slot_bytes=2 MiB, ...)``; see the module doc.
+
+    ``capacity_bytes`` is rounded down to whole slots (at least one). ``high_watermark``:
+    the fraction of slots in use above which LRU objects are evicted. ``lease_s``: how
+    long a reservation may stay uncommitted and a pin unreleased before the node takes
+    it back. ``backend``: as for :class:`kvxfer.Agent` (``"auto"``, ``"ucx"``, ``"vm"``).
+    Starts serving at once; :meth:`close` stops (idempotent).
+    """
+
+    def __init__(self, listen: str, capacity_bytes: int, *, secret, slot_bytes: int = 2 << 20,
+                 high_watermark: float = 0.98, lease_s: float = 30.0, backend: str = "auto",
+                 name: str | None = None, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        import kvxfer
+        from ..transport import make_backend
+
+        for label, value in (("capacity_bytes", capacity_bytes), ("slot_bytes", slot_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{label} must be an int, got {type(value).__name__}")
+        if slot_bytes < 1 or capacity_bytes < slot_bytes:
+            raise ValueError(f"capacity ({capacity_bytes} B) must hold at least one slot of {slot_bytes} B")
+        self._secret = auth.normalize_secret(secret)
+        num_slots = capacity_bytes // slot_bytes
+        self.index = ix.SlotIndex(num_slots, slot_bytes, high_watermark=high_watermark)
+        self.lease_s = float(lease_s)
+        self.max_queued_bytes = int(max_queued_bytes)
+        self.queued_peak = 0  # the most reply bytes ever queued for one client
+        self.node_id = uuid.uuid4().hex
+        host, port = split_address(listen)
+        self.buffer = kvxfer.shared_empty(num_slots * slot_bytes)  # [num_slots * slot_bytes] uint8
+        self._backend = make_backend(backend, listen_host=host)
+        try:
+            self._region = self._backend.register_tensor(self.buffer)
+            self._lsock = socket.create_server((host, port), backlog=128)
+        except BaseException:
+            self._backend.close()
+            raise
+        self._lsock.setblocking(False)
+        self.address = f"{host}:{self._lsock.getsockname()[1]}"
+        self.name = name or f"store@{self.address}"
+        self._meta = self._backend.metadata()
+        self._owners = itertools.count(1)
+        self._clients: dict[int, _Client] = {}
+        self.num_requests = self.num_bad_requests = self.num_auth_failures = 0
+        self._stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        fd = self._backend.event_fd()
+        if fd is not None:
+            self._sel.register(fd, selectors.EVENT_READ, "backend")
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-store-{self.address}", daemon=True)
+        self._thread.start()
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the I/O thread, close every client, release the buffer's registration."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        for c in list(self._clients.values()):
+            self._drop(c)
+        self._sel.close()
+        self._lsock.close()
+        self._backend.close()
+
+    def __enter__(self) -> "StoreNode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """The index's counters (see :meth:`SlotIndex.stats`) plus this node's (a snapshot
+        read without the I/O thread's cooperation: counts may be a step apart)."""
+        return {**self.index.stats(), "name": self.name, "address": self.address,
+                "clients": sum(1 for c in self._clients.values() if c.reader is not None),
+                "requests": self.num_requests, "bad_requests": self.num_bad_requests,
+                "queued_peak_bytes": self.queued_peak,
+                "auth_failures": self.num_auth_failures}
+
+    # ---- the I/O thread --------------------------------------------------------------
+    def _run(self) -> None:
+        next_tick = time.monotonic() + _TICK_S
+        while not self._stop.is_set():
+            timeout = max(0.0, next_tick - time.monotonic())
+            for key, events in self._sel.select(timeout):
+                try:
+                    if key.data is None:
+                        self._accept()
+                    elif key.data == "backend":
+                        self._drive_backend()
+                    else:
+                        self._on_events(key.data, events)
+                except Exception:  # noqa: BLE001 - one client's failure must not stop the node
+                    log.exception("store node %s: event handling failed", self.name)
+                    if isinstance(key.data, _Client):
+                        self._drop(key.data)
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + _TICK_S
+                self.index.expire(now)
+                for c in [c for c in self._clients.values() if c.reader is None and c.deadline <= now]:
+                    self._drop(c)
+                self._drive_backend()
+
+    def _drive_backend(self) -> None:
+        for _ in range(64):  # bounded: the next select comes back here if work remains
+            if self._backend.arm():
+                return
+            self._backend.progress()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._lsock.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("store node %s: accept failed: %s", self.name, exc)
+                    return
+                raise
+            pending = sum(1 for c in self._clients.values() if c.reader is None)
+            if pending >= MAX_HANDSHAKES or len(self._clients) >= MAX_CLIENTS:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = _Client(sock, addr, next(self._owners), ServerHandshake(self._secret, self._info, self._check_info))
+            self._clients[c.owner] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _info(self) -> dict:
+        return {"name": self.name, "agent_id": self.node_id, "backend": self._meta, "staging": 0,
+                "layout": {"kind": STORE_INFO, "slot_bytes": self.index.slot_bytes,
+                           "num_slots": self.index.num_slots, "region_bytes": self.index.num_slots
+                           * self.index.slot_bytes}}
+
+    @staticmethod
+    def _check_info(fields: dict) -> None:
+        if fields["layout"].get("kind") != CLIENT_INFO:
+            raise LayoutMismatch("this is a kvxfer store node: connect with kvxfer.KVStore")
+
+    def _on_events(self, c: _Client, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(c)
+        if events & selectors.EVENT_READ and c.owner in self._clients:
+            try:
+                data = c.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._drop(c)
+                return
+            if c.reader is None:
+                self._handshake(c, data)
+            else:
+                self._requests(c, data)
+
+    def _handshake(self, c: _Client, data: bytes) -> None:
+        try:
+            for msg_type, payload in c.frames.feed(data):
+                frames, ready = c.hs.on_frame(*decode(msg_type, payload))
+                for f in frames:
+                    c.out += f
+                if c.hs.state == Msg.INFO:
+                    c.frames.max_payload = 1 << 16  # authenticated: its INFO carries backend metadata
+                if ready:
+                    c.reader = RequestReader()
+                    rest = c.frames.feed(b"")
+                    if rest:
+                        raise ProtocolError("request sent before the handshake finished")
+                    break
+        except (KVXferError, ValueError) as exc:
+            if c.hs.reply_on_error is not None:
+                c.out += c.hs.reply_on_error
+            if isinstance(exc, KVXferError) and "challenge" in str(exc):
+                self.num_auth_failures += 1
+            log.info("store node %s: handshake with %s failed: %s", self.name, c.addr, exc)
+            self._flush(c)
+            self._drop(c)
+            return
+        self._flush(c)
+
+    def _requests(self, c: _Client, data: bytes) -> None:
+        try:
+            frames = c.reader.feed(data)
+        except ProtocolError as exc:  # the stream itself is broken: only this client goes
+            log.info("store node %s: closing %s: %s", self.name, c.addr, exc)
+            self._drop(c)
+            return
+        c.backlog.extend(frames)
+        self._serve_backlog(c)
+        self._flush(c)
+
+    def _serve_backlog(self, c: _Client) -> None:
+        now = time.monotonic()
+        served = 0
+        while served < len(c.backlog) and len(c.out) < self.max_queued_bytes:
+            msg_type, payload = c.backlog[served]
+            served += 1
+            self.num_requests += 1
+            reply = self._serve(c, msg_type, payload, now)
+            if reply is not None:
+                c.out += encode(REPLY, reply)
+        del c.backlog[:served]
+        self.queued_peak = max(self.queued_peak, len(c.out))
+
+    def _serve(self, c: _Client, msg_type: int, payload, now: float) -> dict | None:
+        """One request -> its reply (None: RELEASE, which has none)."""
+        if payload is None:
+            self.num_bad_requests += 1
+            return {"id": None, "error": "too_large", "reason": "request frame over the size limit"}
+        try:
+            kind, rid, f = parse_request(msg_type, payload)
+        except ProtocolError as exc:
+            self.num_bad_requests += 1
+            return {"id": getattr(exc, "request_id", None), "error": "bad_request", "reason": str(exc)[:200]}
+        idx, owner = self.index, c.owner
+        if kind == Req.LOOKUP:
+            return {"id": rid, "present": "".join("1" if idx.contains(k) else "0" for k in f["keys"])}
+        if kind == Req.RESERVE:
+            if f["nbytes"] > idx.slot_bytes:
+                self.num_bad_requests += 1
+                return {"id": rid, "error": "too_large",
+                        "reason": f"objects of {f['nbytes']} B exceed this node's {idx.slot_bytes}-byte slots"}
+            out = []
+            for k in f["keys"]:
+                code, obj = idx.reserve(k, f["nbytes"], f["fmt"], owner, now, self.lease_s)
+                out.append([code, obj.slot * idx.slot_bytes, obj.token] if obj is not None else [code, 0, 0])
+            return {"id": rid, "r": out}
+        if kind == Req.COMMIT:
+            return {"id": rid, "ok": [idx.commit(k, t, crc, owner)
+                                      for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}
+        if kind == Req.ABORT:
+            for k, t in zip(f["keys"], f["tokens"]):
+                idx.abort(k, t, owner)
+            return {"id": rid}
+        if kind == Req.GET:
+            out = []
+            for k in f["keys"]:
+                obj, pin = idx.get(k, f["fmt"], owner, now, self.lease_s)
+                out.append([obj.slot * idx.slot_bytes, obj.nbytes, obj.crc, pin] if obj is not None
+                           else [0, 0, 0, 0])
+            return {"id": rid, "r": out}
+        if kind == Req.RELEASE:
+            bad = set(f["bad"])
+            for pin in f["pins"]:
+                idx.release(pin, owner, bad=pin in bad)
+            return None
+        return {"id": rid, **self.stats()}  # STATS
+
+    def _flush(self, c: _Client) -> None:
+        if c.out:
+            try:
+                n = c.sock.send(c.out)
+                del c.out[:n]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self._drop(c)
+                return
+        if c.backlog and len(c.out) < self.max_queued_bytes:
+            self._serve_backlog(c)
+            if c.out:
+                return self._flush(c)
+        # bounded per-client queue: while replies pile up unread, read (and serve) no more
+        reading = len(c.out) < self.max_queued_bytes and not c.backlog
+        events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if c.out else 0)
+        if events != c.events:
+            self._sel.modify(c.sock, events, c)
+            c.events = events
+
+    def _drop(self, c: _Client) -> None:
+        if self._clients.pop(c.owner, None) is None:
+            return
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+        self.index.forget_owner(c.owner)

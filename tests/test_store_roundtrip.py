@@ -1,0 +1,102 @@
+"""KVStore put/get, bitwise, across engine layouts and TP degrees, through a node in its own process."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+import kvxfer
+from kvxfer.store.objects import ObjectFormat
+from store_cases import SECRET, block_bits, make_layout, start_node, stop_node
+
+
+@pytest.fixture(scope="module")
+def node():
+    proc, addr = start_node(slot="128K")
+    yield addr
+    assert stop_node(proc, signal.SIGTERM) == 0  # SIGTERM: a clean exit
+
+
+@pytest.fixture
+def store(node):
+    with kvxfer.KVStore(nodes=[node], secret=SECRET) as s:
+        yield s
+
+
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_nhd_tp1_to_hnd_tp1_and_tp2(store, head_dim):
+    """head_dim 8: every object through staging; 128: NHD pools move tiles straight
+    between blocks and slots (zero-copy), HND and TP ranks through staging."""
+    src = make_layout("2 N B H D", 12, seed=1, head_dim=head_dim)
+    assert ObjectFormat(src).zero_copy == (head_dim == 128)
+    keys = kvxfer.block_keys(range(7 * 4), 4, salt=b"roundtrip-1-%d" % head_dim)
+    src_ids = [3, 0, 11, 5, 6, 2, 9]
+    assert store.lookup(keys) == 0
+    h = store.put(keys, src, src_ids)
+    h.wait(timeout=60)
+    assert h.nbytes == 7 * src.wire_nbytes(1)
+    assert store.lookup(keys) == 7 and store.lookup(keys[:3]) == 3
+    # another layout, other block ids
+    dst = make_layout("N 2 H B D", 9, head_dim=head_dim)
+    dst_ids = [8, 1, 2, 0, 4, 7, 3]
+    store.get(keys, dst, dst_ids).wait(timeout=60)
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(block_bits(src, s), block_bits(dst, d))
+    # a TP group of two ranks: each loads its own heads of the same objects
+    # a blocks-first NHD pool (zero-copy with head_dim 128)
+    other = make_layout("N 2 B H D", 8, head_dim=head_dim)
+    store.get(keys, other, [1, 2, 3, 4, 5, 6, 7]).wait(timeout=60)
+    for s, d in zip(src_ids, [1, 2, 3, 4, 5, 6, 7]):
+        assert torch.equal(block_bits(src, s), block_bits(other, d))
+    for rank in range(2):
+        part = make_layout("N 2 B H D", 8, tp_rank=rank, tp_size=2, head_dim=head_dim)
+        ids = [7, 6, 5, 4, 3, 2, 1]
+        store.get(keys, part, ids).wait(timeout=60)
+        lo, hi = part.head_range
+        for s, d in zip(src_ids, ids):
+            assert torch.equal(block_bits(src, s)[:, :, :, lo:hi], block_bits(part, d))
+
+
+def test_put_of_present_keys_is_a_no_op(store):
+    a = make_layout("2 N B H D", 4, seed=2)
+    b = make_layout("2 N B H D", 4, seed=3)
+    keys = kvxfer.block_keys(range(8), 4, salt=b"roundtrip-2")
+    store.put(keys, a, [0, 1]).wait(timeout=60)
+    before = store.stats()["client"]["put_present"]
+    store.put(keys, b, [0, 1]).wait(timeout=60)  # other bytes, same keys: objects are immutable
+    assert store.stats()["client"]["put_present"] == before + 2
+    out = make_layout("N 2 H B D", 4)
+    store.get(keys, out, [2, 3]).wait(timeout=60)
+    assert torch.equal(block_bits(a, 0), block_bits(out, 2)) and torch.equal(block_bits(a, 1), block_bits(out, 3))
+
+
+def test_tp_rank_cannot_put_and_bad_arguments_change_nothing(store):
+    part = make_layout("N 2 B H D", 4, tp_rank=1, tp_size=2, seed=4)
+    keys = kvxfer.block_keys(range(8), 4, salt=b"roundtrip-3")
+    with pytest.raises(ValueError, match="every kv head"):
+        store.put(keys, part, [0, 1])
+    full = make_layout("2 N B H D", 4, seed=4)
+    with pytest.raises(ValueError):
+        store.put(keys, full, [0])  # one id for two keys
+    with pytest.raises(ValueError):
+        store.put(keys, full, [0, 4])  # out of range
+    with pytest.raises(TypeError):
+        store.lookup([b"ok", "not-bytes"])
+    with pytest.raises(ValueError):
+        store.lookup([b"x" * 65])
+    with pytest.raises(TypeError):
+        store.get(keys, "not a layout", [0, 1])
+    assert store.lookup(keys) == 0
+
+
+def test_get_of_missing_keys_fails_with_loaded_prefix(store):
+    src = make_layout("2 N B H D", 4, seed=5)
+    keys = kvxfer.block_keys(range(16), 4, salt=b"roundtrip-4")
+    store.put(keys[:2], src, [0, 1]).wait(timeout=60)
+    dst = make_layout("N 2 H B D", 4)
+    h = store.get(keys, dst, [0, 1, 2, 3])
+    with pytest.raises(kvxfer.StoreMiss) as err:
+        h.wait(timeout=60)
+    assert err.value.loaded == 2 and h.state == "failed"
+    assert torch.equal(block_bits(src, 1), block_bits(dst, 1))

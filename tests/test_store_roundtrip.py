@@ -93,7 +93,8 @@ def test_tp_rank_cannot_put_and_bad_arguments_change_nothing(store):
 def test_get_of_missing_keys_fails_with_loaded_prefix(store):
     src = make_layout("2 N B H D", 4, seed=5)
     keys = kvxfer.block_keys(range(16), 4, salt=b"roundtrip-4")
-    store.put(keys[:2], src, [0, 1]).wait(timeout=60)
+    store.put(keys[:2] + keys[3:], src, [0, 1, 3]).wait(timeout=60)  # keys[2] is missing
+    assert store.lookup(keys) == 2
     dst = make_layout("N 2 H B D", 4)
     h = store.get(keys, dst, [0, 1, 2, 3])
     with pytest.raises(kvxfer.StoreMiss) as err:

@@ -15,6 +15,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from kvxfer.serving.server.http_limits import protocol_class  # noqa: E402
+from waiting import until_closed  # noqa: E402
 
 HEADER_TIMEOUT_S = 0.5
 CLOSED_WITHIN_S = 30.0
@@ -64,21 +65,7 @@ def server(request):
 
 def _closed(s: socket.socket) -> bytes:
     """What arrived before the server closed ``s`` (AssertionError if it stays open)."""
-    got, deadline = b"", time.monotonic() + CLOSED_WITHIN_S
-    try:
-        while True:
-            s.settimeout(max(deadline - time.monotonic(), 0.01))
-            try:
-                data = s.recv(4096)
-            except socket.timeout:
-                raise AssertionError(f"still open after {CLOSED_WITHIN_S:.0f} s: {got!r}")
-            except ConnectionResetError:
-                return got
-            if not data:
-                return got
-            got += data
-    finally:
-        s.close()
+    return until_closed(s, time.monotonic() + CLOSED_WITHIN_S)
 
 
 def test_silent_and_half_sent_headers_are_closed(server):

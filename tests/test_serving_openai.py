@@ -16,7 +16,7 @@ import time
 
 import pytest
 from serving_server import Server
-from waiting import until
+from waiting import until, until_closed
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -258,26 +258,6 @@ def _stalled_body(server) -> socket.socket:
     return s
 
 
-def _until_closed(s: socket.socket, deadline: float) -> bytes:
-    """What the server sent before it closed ``s``; AssertionError if it is still open at
-    ``deadline`` (monotonic)."""
-    got = b""
-    try:
-        while True:
-            s.settimeout(max(deadline - time.monotonic(), 0.01))
-            try:
-                data = s.recv(4096)
-            except socket.timeout:
-                raise AssertionError(f"still open after {CLOSED_WITHIN_S:.0f} s: {got[:80]!r}")
-            except ConnectionResetError:
-                return got
-            if not data:
-                return got
-            got += data
-    finally:
-        s.close()
-
-
 def test_half_sent_headers_and_stalled_bodies_are_closed(server):
     silent = [_connect(server) for _ in range(20)]
     half = [_half_headers(server) for _ in range(100)]
@@ -285,14 +265,14 @@ def test_half_sent_headers_and_stalled_bodies_are_closed(server):
     assert server.client.get("/health", timeout=30).status_code == 200
     deadline = time.monotonic() + CLOSED_WITHIN_S
     for s in silent + half:
-        _until_closed(s, deadline)
+        until_closed(s, deadline)
     for s in stalled:
-        reply = _until_closed(s, deadline)
+        reply = until_closed(s, deadline)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
     # an idle keep-alive connection is closed too (--keep-alive-timeout)
     s = _connect(server)
     s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _until_closed(s, time.monotonic() + CLOSED_WITHIN_S).startswith(b"HTTP/1.1 200")
+    assert until_closed(s, time.monotonic() + CLOSED_WITHIN_S).startswith(b"HTTP/1.1 200")
 
 
 def test_health_keeps_answering_during_a_reconnecting_flood(server):

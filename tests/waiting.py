@@ -16,3 +16,26 @@ def until(predicate, what: str = "condition", timeout: float = 120.0, interval: 
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} within {timeout:.0f}s")
         time.sleep(interval)
+
+
+def until_closed(s, deadline: float) -> bytes:
+    """What the server sent on socket ``s`` before it closed it; closes ``s``.
+
+    Raises ``AssertionError`` when ``s`` is still open at ``deadline`` (monotonic)."""
+    import socket
+
+    got = b""
+    try:
+        while True:
+            s.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                data = s.recv(4096)
+            except socket.timeout:
+                raise AssertionError(f"still open at the deadline: {got[:80]!r}") from None
+            except ConnectionResetError:
+                return got
+            if not data:
+                return got
+            got += data
+    finally:
+        s.close()

@@ -87,10 +87,11 @@ class Host:
         self.procs.append(proc)
         return proc
 
-    def run(self, argv: list[str], timeout: float = 30) -> str:
-        """Run a short command in this network namespace only; its stdout."""
-        return subprocess.run(["ip", "netns", "exec", self.ns, *argv], check=True,
-                              capture_output=True, text=True, timeout=timeout).stdout
+    def run(self, argv: list[str], timeout: float = 30, env: dict | None = None) -> str:
+        """Run a short command in this network namespace only; its stdout
+        (``subprocess.CalledProcessError``, with ``stderr``, if it fails)."""
+        return subprocess.run(["ip", "netns", "exec", self.ns, *argv], check=True, capture_output=True,
+                              text=True, timeout=timeout, env=env).stdout
 
     def listening(self) -> list[tuple[str, int]]:
         """(address, port) of every listening TCP socket in this namespace (``ss -ltn``)."""

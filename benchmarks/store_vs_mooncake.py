@@ -1,0 +1,297 @@
+"""kvxfer's KV store side by side with Mooncake Store, on one host, in one run.
+
+Both pools hold 2 MiB objects (one block of a 32-layer, 8-kv-head, head-dim-128, bf16
+model, 16 tokens a block) and are driven from their own client process, one operation at
+a time, alternating, with the memcpy limit of the same bytes sampled between them:
+
+- kvxfer: one ``kvxfer store`` node process; ``KVStore.put``/``get`` of ``--batch`` blocks
+  of an NHD pool (each object gathered from 64 tiles of 32 KiB, straight into the node's
+  slots), with checksums on (the default) and off; ``lookup`` of a 64-key chain.
+- Mooncake Store (``mooncake-transfer-engine-non-cuda``, ``make bench-mooncake`` installs
+  it): ``mooncake_master`` with its HTTP metadata server, a process that mounts the
+  segment, and the client (no segment of its own) using its zero-copy calls
+  (``register_buffer``, ``batch_put_from``, ``batch_get_into``) on one contiguous
+  registered 2 MiB buffer per object (easier than kvxfer's gathered tiles);
+  ``batch_is_exist`` of 64 keys. ``--mooncake-local`` mounts the segment in the client
+  itself instead (its same-host best: no second process in the path).
+
+Every timed get is checked bitwise against what was put (outside the timing). GB/s is
+the median over ``--iters``; lookups are p50/p99 of ``--lookups`` samples.
+
+    make bench-mooncake          # installs the wheel and runs this with --json
+    PYTHONPATH=$PWD python benchmarks/store_vs_mooncake.py --json benchmarks/results/store_vs_mooncake.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NL, BS, NH, HD = 32, 16, 8, 128
+OBJ = NL * 2 * BS * NH * HD * 2  # 2 MiB
+CHAIN = 64
+
+
+# ---- the client processes: one command a line on stdin, one JSON line back -------------------------
+
+
+def kvxfer_client(addr: str, secret: str, batch: int) -> None:
+    import torch
+
+    import kvxfer
+
+    def pool(seed):
+        g = torch.Generator().manual_seed(seed)
+        return kvxfer.KVLayout.from_tensors(
+            [torch.randint(-2**15, 2**15, (2, batch, BS, NH, HD), dtype=torch.int16, generator=g).view(torch.bfloat16)
+             for _ in range(NL)], "2 N B H D")
+
+    src, dst = pool(1), pool(2)
+    stores = {crc: kvxfer.KVStore(nodes=[addr], secret=secret.encode(), staging_bytes=batch * OBJ, timeout=30.0,
+                                  checksum=crc) for crc in (True, False)}
+    chain = kvxfer.block_keys(range(BS * CHAIN), BS, salt=b"lookup")
+    stores[True].put(chain[:batch], src, range(batch)).wait(timeout=120)
+    for line in sys.stdin:
+        cmd, arg = line.split()
+        if cmd == "putget":
+            st = stores[arg.endswith("crc")]
+            keys = kvxfer.block_keys(range(BS * batch), BS, salt=arg.encode())
+            t0 = time.perf_counter()
+            st.put(keys, src, range(batch)).wait(timeout=120)
+            t1 = time.perf_counter()
+            st.get(keys, dst, range(batch)).wait(timeout=120)
+            t2 = time.perf_counter()
+            ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(src.tensors, dst.tensors))
+            for t in dst.tensors:
+                t.zero_()
+            reply = {"put_s": t1 - t0, "get_s": t2 - t1, "ok": ok}
+        else:
+            lat = []
+            for _ in range(int(arg)):
+                t = time.perf_counter()
+                n = stores[True].lookup(chain)
+                lat.append(time.perf_counter() - t)
+            reply = {"lookup_s": lat, "ok": n == batch, "found": n}
+        print(json.dumps(reply), flush=True)
+    for st in stores.values():
+        st.close()
+
+
+def _mooncake_setup(segment: int, local_buffer: int):
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "http://127.0.0.1:18080/metadata", segment, local_buffer, "tcp", "",
+                 "127.0.0.1:50051")
+    if rc != 0:
+        raise SystemExit(f"mooncake setup failed: {rc}")
+    return s
+
+
+def mooncake_holder(segment: int) -> None:
+    s = _mooncake_setup(segment, 16 << 20)
+    print("ready", flush=True)
+    sys.stdin.read()  # until the parent closes it
+    s.close()
+
+
+def mooncake_client(batch: int, segment: int) -> None:
+    import numpy as np
+
+    s = _mooncake_setup(segment, 64 << 20)
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, batch * OBJ, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    for buf in (src, dst):
+        if s.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
+            raise SystemExit("mooncake register_buffer failed")
+    sp = [src.ctypes.data + i * OBJ for i in range(batch)]
+    dp = [dst.ctypes.data + i * OBJ for i in range(batch)]
+    chain = [f"lookup-{i}" for i in range(CHAIN)]
+    if any(r != 0 for r in s.batch_put_from(chain[:batch], sp, [OBJ] * batch)):
+        raise SystemExit("mooncake put of the lookup chain failed")
+    for line in sys.stdin:
+        cmd, arg = line.split()
+        if cmd == "putget":
+            keys = [f"{arg}-{i}" for i in range(batch)]
+            t0 = time.perf_counter()
+            put = s.batch_put_from(keys, sp, [OBJ] * batch)
+            t1 = time.perf_counter()
+            got = s.batch_get_into(keys, dp, [OBJ] * batch)
+            t2 = time.perf_counter()
+            ok = all(r == 0 for r in put) and all(r == OBJ for r in got) and np.array_equal(src, dst)
+            dst[:] = 0
+            s.batch_remove(keys)
+            reply = {"put_s": t1 - t0, "get_s": t2 - t1, "ok": bool(ok), "put": list(put), "got": list(got)}
+        else:
+            lat = []
+            for _ in range(int(arg)):
+                t = time.perf_counter()
+                r = s.batch_is_exist(chain)
+                lat.append(time.perf_counter() - t)
+            reply = {"lookup_s": lat, "ok": sum(1 for x in r if x == 1) == batch, "found": list(r)}
+        print(json.dumps(reply), flush=True)
+    s.close()
+
+
+# ---- the parent: start everything, alternate, report ------------------------------------------------
+
+
+class Child:
+    def __init__(self, argv, env=None, stderr=subprocess.DEVNULL):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                     text=True, env=env, start_new_session=True)
+
+    def ask(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise SystemExit(f"{self.proc.args[:4]} exited with {self.proc.wait()}")
+        out = json.loads(reply)
+        if not out["ok"]:
+            raise SystemExit(f"{self.proc.args[5:7]} {line}: failed verification ({out})")
+        return out
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def _wait_port(port: int, timeout: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"mooncake_master is not listening on port {port}") from None
+            time.sleep(0.1)
+
+
+def mooncake_dir() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None:
+        raise SystemExit("mooncake is not installed: `make bench-mooncake` installs "
+                         "mooncake-transfer-engine-non-cuda==0.3.13.post1 (and Debian's libibverbs1, "
+                         "libnl-3-200, libnl-route-3-200)")
+    return spec.submodule_search_locations[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16, help="objects per put/get call")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--lookups", type=int, default=500)
+    ap.add_argument("--mooncake-local", action="store_true", help="the Mooncake client mounts the segment itself")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        role, *rest = args.child
+        if role == "kvxfer":
+            kvxfer_client(rest[0], os.environ["KVXFER_SECRET"], args.batch)
+        elif role == "holder":
+            mooncake_holder(int(rest[0]))
+        else:
+            mooncake_client(args.batch, int(rest[0]))
+        return
+
+    sys.path.insert(0, HERE)
+    from store_hit_ratio import SECRET, start_nodes, stop_nodes
+
+    from kvxfer.bench.copy_limit import MemcpyLimit
+
+    mc = mooncake_dir()
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join([mc, os.environ.get("LD_LIBRARY_PATH", "")]),
+           "KVXFER_SECRET": SECRET}
+    nbytes = args.batch * OBJ
+    # room for every object the run puts (Mooncake's removes may lag behind its leases), no eviction
+    segment = (args.iters + 3) * nbytes + CHAIN * OBJ
+    me = [sys.executable, os.path.abspath(__file__), "--batch", str(args.batch), "--child"]
+    master = subprocess.Popen([os.path.join(mc, "mooncake_master"), "--rpc_port=50051",
+                               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                               "--http_metadata_server_port=18080"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    nodes, children = [], []
+    try:
+        _wait_port(50051)
+        _wait_port(18080)
+        holder = None
+        if not args.mooncake_local:
+            holder = Child([*me, "holder", str(segment)], env)
+            children.append(holder)
+            line = "?"
+            while line and line.strip() != "ready":
+                line = holder.proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"the Mooncake segment process exited with {holder.proc.wait()}")
+        nodes = start_nodes(1, str(2 * segment), str(OBJ))
+        kv = Child([*me, "kvxfer", nodes[0][1]], env)
+        moon = Child([*me, "mooncake", str(segment if args.mooncake_local else 0)], env)
+        children += [kv, moon]
+        lookups = {"kvxfer": [], "mooncake": []}
+        for _ in range(10):  # alternating blocks of lookups, before the puts fill the pools
+            lookups["kvxfer"] += kv.ask(f"lookup {args.lookups // 10}")["lookup_s"]
+            lookups["mooncake"] += moon.ask(f"lookup {args.lookups // 10}")["lookup_s"]
+        limit = MemcpyLimit(nbytes, threads=1)
+        samples = {k: [] for k in ("memcpy", "kvxfer_put_crc", "kvxfer_get_crc", "kvxfer_put_nocrc",
+                                   "kvxfer_get_nocrc", "mooncake_put", "mooncake_get")}
+        for it in range(args.iters + 2):  # two warm-up rounds
+            mem = limit.sample()
+            rounds = {"kvxfer_%s_crc": kv.ask(f"putget it{it}-crc"), "kvxfer_%s_nocrc": kv.ask(f"putget it{it}-nocrc"),
+                      "mooncake_%s": moon.ask(f"putget it{it}")}
+            if it >= 2:
+                samples["memcpy"].append(mem)
+                for pattern, r in rounds.items():
+                    samples[pattern % "put"].append(r["put_s"])
+                    samples[pattern % "get"].append(r["get_s"])
+    finally:
+        for c in children:
+            c.stop()
+        if nodes:
+            stop_nodes(nodes)
+        os.killpg(master.pid, signal.SIGTERM)
+        master.wait(timeout=30)
+    out = {"object_bytes": OBJ, "objects_per_call": args.batch, "iters": args.iters,
+           "mooncake_segment": "client" if args.mooncake_local else "own process",
+           "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
+    for name, sec in samples.items():
+        out[f"{name}_gbps"] = nbytes / statistics.median(sec) / 1e9
+    for name in samples:
+        if name != "memcpy":
+            out[f"{name}_vs_memcpy"] = out[f"{name}_gbps"] / out["memcpy_gbps"]
+    for op in ("put", "get"):
+        for crc in ("crc", "nocrc"):
+            out[f"{op}_{crc}_vs_mooncake"] = out[f"kvxfer_{op}_{crc}_gbps"] / out[f"mooncake_{op}_gbps"]
+    for name, lat in lookups.items():
+        lat.sort()
+        out[f"{name}_lookup_p50_us"] = lat[len(lat) // 2] * 1e6
+        out[f"{name}_lookup_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+    out["lookup_p50_vs_mooncake"] = out["kvxfer_lookup_p50_us"] / out["mooncake_lookup_p50_us"]
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

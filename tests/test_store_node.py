@@ -178,12 +178,15 @@ def test_garbage_and_oversize_requests_fail_alone(node):
             assert _reply(c)["error"] == "bad_request"
             _raw(c, 99, json.dumps({"id": 5}).encode())
             assert _reply(c) == {"id": 5, "error": "bad_request", "reason": "unknown request type 99"}
-            _raw(c, Req.LOOKUP, json.dumps({"id": 6, "keys": ["aa" * 65]}).encode())
+            _raw(c, Req.LOOKUP, json.dumps({"id": 6, "keys": 65}).encode() + b"\0" + b"a" * 65)  # a 65-byte key
             assert _reply(c)["id"] == 6
-            _raw(c, Req.LOOKUP, json.dumps({"id": 7, "keys": ["aa"] * (MAX_KEYS + 1)}).encode())
+            _raw(c, Req.LOOKUP, json.dumps({"id": 7, "keys": 1}).encode() + b"\0" + b"a" * (MAX_KEYS + 1))
             assert _reply(c)["error"] == "bad_request"
-            _raw(c, Req.GET, json.dumps({"id": 8, "keys": ["aa"], "fmt": "x", "extra": 1}).encode())
+            _raw(c, Req.GET, json.dumps({"id": 8, "keys": 1, "fmt": "x", "extra": 1}).encode() + b"\0a")
             assert _reply(c)["error"] == "bad_request"
+            _raw(c, Req.LOOKUP, json.dumps({"id": 9, "keys": [2, 2]}).encode() + b"\0aaa")  # lengths != bytes
+            assert _reply(c) == {"id": 9, "error": "bad_request",
+                                 "reason": "field 'keys': lengths do not add up to the bytes"}
             _raw(c, Req.LOOKUP, b"x" * (2 << 20))  # oversize: skipped unread, answered
             assert _reply(c)["error"] == "too_large"
             with pytest.raises(NodeError, match="too_large"):
@@ -196,7 +199,7 @@ def test_garbage_and_oversize_requests_fail_alone(node):
             with pytest.raises(kvxfer.PeerDisconnected):
                 c.recv(c.send(Req.STATS, {}), 10.0)
             assert good.lookup(keys) == 2
-            assert node.stats()["bad_requests"] == 7
+            assert node.stats()["bad_requests"] == 8
         finally:
             c.close()
             backend.close()

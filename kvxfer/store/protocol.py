@@ -1,7 +1,9 @@
 """The store's request/reply messages, after the agents' handshake authenticated a client.
 
 Frames are kvxfer's one frame codec (:mod:`kvxfer.control.framing`) with a JSON
-payload; keys travel as hex. Every request carries an ``id`` that its reply repeats.
+payload. A request's ``keys`` travel in binary after the JSON, past a NUL byte, back to
+back, with their lengths in the JSON's ``keys`` (:func:`pack_keys`), so that 64 keys cost
+one join to encode and one slice each to parse. Every request carries an ``id`` that its reply repeats.
 A node answers every request except RELEASE (fire-and-forget, applied in order):
 
 ====================  ===========================================================  =====================================
@@ -33,7 +35,7 @@ from .keys import MAX_KEY_BYTES
 __all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request"]
 
 MAX_KEYS = 4096  # keys (or pins) one request may name
-MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes in hex fit with room to spare
+MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes fit with room to spare
 MAX_FMT = 64
 NO_CRC = 2**64 - 1  # the checksum of an object put without one (KVStore(checksum=False))
 
@@ -61,32 +63,63 @@ _SCHEMAS = {
 }
 
 
+def pack_keys(keys) -> tuple:
+    """``keys`` (``bytes`` of 1..64) as ``(lengths, raw)``: ``raw`` the keys back to back,
+    ``lengths`` one int when every key has it (chained block keys do), else one per key."""
+    sizes = {len(k) for k in keys}
+    lengths = sizes.pop() if len(sizes) == 1 else [len(k) for k in keys]
+    return lengths, b"".join(keys)
+
+
+def unpack_keys(lengths, raw: bytes) -> list:
+    """The keys of a :func:`pack_keys` pair; :class:`ProtocolError` unless it is well
+    formed (1..64-byte keys, at most :data:`MAX_KEYS`, nothing left over)."""
+    def bad(why: str):
+        return ProtocolError(f"field 'keys': {why}")
+
+    if len(raw) > MAX_KEYS * MAX_KEY_BYTES:
+        raise bad(f"more than {MAX_KEYS} keys of {MAX_KEY_BYTES} bytes")
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        if not 0 < lengths <= MAX_KEY_BYTES or len(raw) % lengths:
+            raise bad(f"a key must be 1..{MAX_KEY_BYTES} bytes")
+        out = [raw[i:i + lengths] for i in range(0, len(raw), lengths)]
+    elif isinstance(lengths, list):
+        out, pos = [], 0
+        for n in lengths:
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_KEY_BYTES:
+                raise bad(f"a key must be 1..{MAX_KEY_BYTES} bytes")
+            out.append(raw[pos:pos + n])
+            pos += n
+        if pos != len(raw):
+            raise bad("lengths do not add up to the bytes")
+    else:
+        raise bad("lengths must be an int or a list of ints")
+    if len(out) > MAX_KEYS:
+        raise bad(f"{len(out)} items exceed {MAX_KEYS}")
+    return out
+
+
 def encode(msg_type: int, obj: dict) -> bytes:
-    """One frame; keys (``bytes``) in ``obj["keys"]`` are sent as hex."""
+    """One frame: ``obj`` as JSON; with ``keys`` (``bytes``), their lengths in the JSON
+    and the keys themselves after it, past a NUL byte (:func:`pack_keys`)."""
+    body = b""
     if "keys" in obj:
-        obj = {**obj, "keys": [k.hex() for k in obj["keys"]]}
-    return encode_frame(int(msg_type), json.dumps(obj, separators=(",", ":")).encode(), MAX_REQUEST_BYTES)
+        lengths, raw = pack_keys(obj["keys"])
+        obj, body = {**obj, "keys": lengths}, b"\0" + raw
+    return encode_frame(int(msg_type), json.dumps(obj, separators=(",", ":")).encode() + body, MAX_REQUEST_BYTES)
 
 
 def _check(name: str, kind: str, value):
     def bad(why: str):
         return ProtocolError(f"field {name!r}: {why}")
 
-    if kind in ("ints", "crcs", "keys"):
+    if kind == "keys":
+        return unpack_keys(*value)
+    if kind in ("ints", "crcs"):
         if not isinstance(value, list):
             raise bad("must be a list")
         if len(value) > MAX_KEYS:
             raise bad(f"{len(value)} items exceed {MAX_KEYS}")
-    if kind == "keys":
-        out = []
-        for k in value:
-            if not isinstance(k, str) or not 0 < len(k) <= 2 * MAX_KEY_BYTES:
-                raise bad(f"a key must be 1..{MAX_KEY_BYTES} bytes of hex")
-            try:
-                out.append(bytes.fromhex(k))
-            except ValueError:
-                raise bad("a key is not hex") from None
-        return out
     if kind in ("ints", "crcs"):
         top = 2**64 if kind == "crcs" else 2**63
         for v in value:
@@ -107,8 +140,11 @@ def _check(name: str, kind: str, value):
 def parse_request(msg_type: int, payload: bytes) -> tuple[Req, int, dict]:
     """``(type, id, fields)`` of a well-formed request, else :class:`ProtocolError`
     (with ``.request_id`` set when the id could be read)."""
+    payload = bytes(payload)
+    cut = payload.find(b"\0")  # JSON never holds a raw NUL: the keys follow the first one
+    head, raw = (payload, None) if cut < 0 else (payload[:cut], payload[cut + 1:])
     try:
-        obj = json.loads(payload)
+        obj = json.loads(head)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"request is not JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -126,6 +162,10 @@ def parse_request(msg_type: int, payload: bytes) -> tuple[Req, int, dict]:
     try:
         if set(obj) != set(schema):
             raise ProtocolError(f"{kind.name} needs fields {sorted(schema)}, got {sorted(obj)}")
+        if ("keys" in schema) != (raw is not None):
+            raise ProtocolError(f"{kind.name}: keys after a NUL byte " + ("missing" if raw is None else "not expected"))
+        if raw is not None:
+            obj["keys"] = (obj["keys"], raw)
         fields = {name: _check(name, k, obj[name]) for name, k in schema.items()}
         lists = [len(fields[n]) for n in ("keys", "tokens", "crcs") if n in fields]
         if len(set(lists)) > 1:

@@ -78,7 +78,7 @@ PYBIND11_MODULE(_C, m) {
                 return kvxfer::checksum_runs(addr.data(), len.data(), addr.size());
             },
             py::arg("addr"), py::arg("len"),
-            "XXH64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
+            "XXH3-64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

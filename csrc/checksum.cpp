@@ -1,70 +1,287 @@
-// XXH64, streaming over runs (see checksum.h): four 8-byte lanes per 32-byte stripe, a
-// stripe that straddles two runs goes through a small buffer.
+// XXH3-64 (seed 0, the default secret) over runs (see checksum.h). The total length is
+// known up front, so this is the one-shot algorithm read through a cursor over the runs:
+// inputs of up to 240 bytes are gathered and hashed by the short paths; longer ones are
+// 64-byte stripes (a stripe that straddles two runs is gathered into a small buffer), a
+// scramble after every 16 stripes, and the last 64 bytes as the final stripe. The stripe
+// accumulator has an AVX2 and an SSE2 form on x86-64 (picked once, at load) and a scalar
+// one elsewhere; all give the same bits.
 #include "checksum.h"
 
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace kvxfer {
 namespace {
 
-constexpr uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL, P3 = 1609587929392839161ULL,
-                   P4 = 9650029242287828579ULL, P5 = 2870177450012600261ULL;
+constexpr uint64_t P32_1 = 0x9E3779B1U, P32_2 = 0x85EBCA77U, P32_3 = 0xC2B2AE3DU;
+constexpr uint64_t P64_1 = 0x9E3779B185EBCA87ULL, P64_2 = 0xC2B2AE3D27D4EB4FULL, P64_3 = 0x165667B19E3779F9ULL,
+                   P64_4 = 0x85EBCA77C2B2AE63ULL, P64_5 = 0x27D4EB2F165667C5ULL;
+constexpr uint64_t MX1 = 0x165667919E3779F9ULL, MX2 = 0x9FB21C651E98DF25ULL;
+constexpr int64_t STRIPE = 64, STRIPES_PER_BLOCK = 16, SECRET_BYTES = 192;
 
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t round1(uint64_t acc, uint64_t in) { return rotl(acc + in * P2, 31) * P1; }
-inline uint64_t merge(uint64_t acc, uint64_t v) { return (acc ^ round1(0, v)) * P1 + P4; }
+// The algorithm's default secret (a constant of XXH3).
+alignas(64) constexpr unsigned char SECRET[SECRET_BYTES] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
 inline uint64_t load64(const unsigned char* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
 inline uint32_t load32(const unsigned char* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
-struct State {
-    uint64_t v[4] = {P1 + P2, P2, 0, 0 - P1};
-    unsigned char buf[32];
-    int64_t buffered = 0, total = 0;
+inline uint64_t fold(uint64_t a, uint64_t b) {
+    const unsigned __int128 m = static_cast<unsigned __int128>(a) * b;
+    return static_cast<uint64_t>(m) ^ static_cast<uint64_t>(m >> 64);
+}
 
-    void stripe(const unsigned char* p) {
-        v[0] = round1(v[0], load64(p));
-        v[1] = round1(v[1], load64(p + 8));
-        v[2] = round1(v[2], load64(p + 16));
-        v[3] = round1(v[3], load64(p + 24));
+inline uint64_t xxh64_avalanche(uint64_t h) {
+    h ^= h >> 33, h *= P64_2, h ^= h >> 29, h *= P64_3;
+    return h ^ (h >> 32);
+}
+
+inline uint64_t avalanche(uint64_t h) {
+    h ^= h >> 37, h *= MX1;
+    return h ^ (h >> 32);
+}
+
+inline uint64_t mix16(const unsigned char* p, const unsigned char* s) {
+    return fold(load64(p) ^ load64(s), load64(p + 8) ^ load64(s + 8));
+}
+
+// One-shot XXH3-64 of n <= 240 contiguous bytes, seed 0.
+uint64_t hash_short(const unsigned char* p, uint64_t n) {
+    const unsigned char* s = SECRET;
+    if (n == 0) return xxh64_avalanche(load64(s + 56) ^ load64(s + 64));
+    if (n <= 3) {
+        const uint32_t combined = (static_cast<uint32_t>(p[0]) << 16) | (static_cast<uint32_t>(p[n >> 1]) << 24) |
+                                  static_cast<uint32_t>(p[n - 1]) | static_cast<uint32_t>(n << 8);
+        return xxh64_avalanche(combined ^ static_cast<uint64_t>(load32(s) ^ load32(s + 4)));
     }
-
-    void update(const unsigned char* p, int64_t n) {
-        total += n;
-        if (buffered) {
-            int64_t take = n < 32 - buffered ? n : 32 - buffered;
-            std::memcpy(buf + buffered, p, take);
-            buffered += take, p += take, n -= take;
-            if (buffered < 32) return;
-            stripe(buf);
-            buffered = 0;
+    if (n <= 8) {
+        const uint64_t in = static_cast<uint64_t>(load32(p + n - 4)) + (static_cast<uint64_t>(load32(p)) << 32);
+        uint64_t h = in ^ (load64(s + 8) ^ load64(s + 16));
+        h ^= rotl(h, 49) ^ rotl(h, 24), h *= MX2, h ^= (h >> 35) + n, h *= MX2;
+        return h ^ (h >> 28);
+    }
+    if (n <= 16) {
+        const uint64_t lo = load64(p) ^ (load64(s + 24) ^ load64(s + 32));
+        const uint64_t hi = load64(p + n - 8) ^ (load64(s + 40) ^ load64(s + 48));
+        return avalanche(n + __builtin_bswap64(lo) + hi + fold(lo, hi));
+    }
+    uint64_t acc = n * P64_1;
+    if (n <= 128) {
+        if (n > 32) {
+            if (n > 64) {
+                if (n > 96) acc += mix16(p + 48, s + 96) + mix16(p + n - 64, s + 112);
+                acc += mix16(p + 32, s + 64) + mix16(p + n - 48, s + 80);
+            }
+            acc += mix16(p + 16, s + 32) + mix16(p + n - 32, s + 48);
         }
-        for (; n >= 32; p += 32, n -= 32) stripe(p);
-        std::memcpy(buf, p, n);
-        buffered = n;
+        acc += mix16(p, s) + mix16(p + n - 16, s + 16);
+        return avalanche(acc);
     }
+    for (int i = 0; i < 8; ++i) acc += mix16(p + 16 * i, s + 16 * i);
+    acc = avalanche(acc);
+    const int rounds = static_cast<int>(n / 16);
+    for (int i = 8; i < rounds; ++i) acc += mix16(p + 16 * i, s + 16 * (i - 8) + 3);
+    acc += mix16(p + n - 16, s + 136 - 17);
+    return avalanche(acc);
+}
 
-    uint64_t digest() const {
-        uint64_t h = total >= 32 ? rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18) : P5;
-        if (total >= 32)
-            for (uint64_t lane : v) h = merge(h, lane);
-        h += static_cast<uint64_t>(total);
-        const unsigned char* p = buf;
-        int64_t n = buffered;
-        for (; n >= 8; p += 8, n -= 8) h = rotl(h ^ round1(0, load64(p)), 27) * P1 + P4;
-        if (n >= 4) h = rotl(h ^ (static_cast<uint64_t>(load32(p)) * P1), 23) * P2 + P3, p += 4, n -= 4;
-        for (; n > 0; ++p, --n) h = rotl(h ^ (*p * P5), 11) * P1;
-        h ^= h >> 33, h *= P2, h ^= h >> 29, h *= P3, h ^= h >> 32;
-        return h;
+// acc[8] += `stripes` consecutive 64-byte stripes at p, stripe k keyed by s + 8k.
+void accumulate_scalar(uint64_t* acc, const unsigned char* p, const unsigned char* s, int64_t stripes) {
+    for (int64_t k = 0; k < stripes; ++k, p += STRIPE, s += 8)
+        for (int i = 0; i < 8; ++i) {
+            const uint64_t v = load64(p + 8 * i), dk = v ^ load64(s + 8 * i);
+            acc[i ^ 1] += v;
+            acc[i] += (dk & 0xFFFFFFFFULL) * (dk >> 32);
+        }
+}
+
+#if defined(__x86_64__)
+// The same bits, two lanes a vector (SSE2 is in every x86-64).
+void accumulate_sse2(uint64_t* acc, const unsigned char* p, const unsigned char* s, int64_t stripes) {
+    __m128i a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(acc) + j);
+    for (int64_t k = 0; k < stripes; ++k, p += STRIPE, s += 8)
+        for (int j = 0; j < 4; ++j) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + j);
+            const __m128i dk = _mm_xor_si128(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s) + j));
+            const __m128i prod = _mm_mul_epu32(dk, _mm_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
+            a[j] = _mm_add_epi64(a[j], _mm_add_epi64(prod, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
+        }
+    for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(acc) + j, a[j]);
+}
+
+// Four lanes a vector, where the CPU has AVX2.
+__attribute__((target("avx2"))) void accumulate_avx2(uint64_t* acc, const unsigned char* p, const unsigned char* s,
+                                                     int64_t stripes) {
+    __m256i a[2];
+    for (int j = 0; j < 2; ++j) a[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + j);
+    for (int64_t k = 0; k < stripes; ++k, p += STRIPE, s += 8)
+        for (int j = 0; j < 2; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j);
+            const __m256i dk = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s) + j));
+            const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
+            a[j] = _mm256_add_epi64(a[j], _mm256_add_epi64(prod, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
+        }
+    for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + j, a[j]);
+}
+
+// Whole 1 KiB blocks (16 stripes, then a scramble, each), accumulators kept in registers.
+__attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned char* p, int64_t blocks) {
+    const __m256i prime = _mm256_set1_epi32(static_cast<int>(P32_1));
+    const __m256i* key = reinterpret_cast<const __m256i*>(SECRET + SECRET_BYTES - STRIPE);
+    __m256i a[2];
+    for (int j = 0; j < 2; ++j) a[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + j);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const unsigned char* s = SECRET;
+        for (int k = 0; k < STRIPES_PER_BLOCK; ++k, p += STRIPE, s += 8)
+            for (int j = 0; j < 2; ++j) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j);
+                const __m256i dk = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s) + j));
+                const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
+                a[j] = _mm256_add_epi64(a[j], _mm256_add_epi64(prod, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
+            }
+        for (int j = 0; j < 2; ++j) {  // acc = (acc ^ acc >> 47 ^ key) * PRIME32_1 (64-bit product)
+            const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a[j], _mm256_srli_epi64(a[j], 47)),
+                                               _mm256_loadu_si256(key + j));
+            const __m256i lo = _mm256_mul_epu32(x, prime);
+            const __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), prime);
+            a[j] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+        }
+    }
+    for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + j, a[j]);
+}
+
+using Accumulate = void (*)(uint64_t*, const unsigned char*, const unsigned char*, int64_t);
+// A static initializer runs before libgcc's CPU probe may have: probe first.
+const bool HAS_AVX2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+}();
+const Accumulate accumulate = HAS_AVX2 ? accumulate_avx2 : accumulate_sse2;
+#else
+constexpr auto accumulate = accumulate_scalar;
+#endif
+
+void scramble(uint64_t* acc) {
+    const unsigned char* s = SECRET + SECRET_BYTES - STRIPE;
+    for (int i = 0; i < 8; ++i) {
+        uint64_t a = acc[i];
+        a ^= a >> 47, a ^= load64(s + 8 * i), a *= P32_1;
+        acc[i] = a;
+    }
+}
+
+// `blocks` whole 1 KiB blocks at p: 16 stripes, then a scramble, each.
+void accumulate_blocks(uint64_t* acc, const unsigned char* p, int64_t blocks) {
+#if defined(__x86_64__)
+    if (HAS_AVX2) return blocks_avx2(acc, p, blocks);
+#endif
+    for (int64_t b = 0; b < blocks; ++b, p += STRIPE * STRIPES_PER_BLOCK) {
+        accumulate(acc, p, SECRET, STRIPES_PER_BLOCK);
+        scramble(acc);
+    }
+}
+
+// A forward cursor over the runs: hands out the next `want` bytes as one pointer
+// (in place when they lie in one run, else gathered into `buf`).
+struct Cursor {
+    const int64_t *addr, *len;
+    int64_t n, run = 0, off = 0;
+
+    // Up to `most` bytes that lie contiguously at the cursor (without moving it).
+    int64_t contiguous(const unsigned char** at) {
+        while (run < n && off == len[run]) ++run, off = 0;
+        if (run == n) return 0;
+        *at = reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(addr[run])) + off;
+        return len[run] - off;
+    }
+    void skip(int64_t k) {
+        while (k > 0) {
+            while (off == len[run]) ++run, off = 0;
+            const int64_t take = k < len[run] - off ? k : len[run] - off;
+            off += take, k -= take;
+        }
+    }
+    const unsigned char* take(int64_t want, unsigned char* buf) {
+        const unsigned char* at = nullptr;
+        if (contiguous(&at) >= want) {
+            off += want;
+            return at;
+        }
+        for (int64_t got = 0; got < want;) {
+            const int64_t k = contiguous(&at);
+            const int64_t step = k < want - got ? k : want - got;
+            std::memcpy(buf + got, at, step);
+            off += step, got += step;
+        }
+        return buf;
     }
 };
 
 }  // namespace
 
 uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n) {
-    State s;
-    for (int64_t i = 0; i < n; ++i)
-        s.update(reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(addr[i])), len[i]);
-    return s.digest();
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) total += len[i];
+    Cursor cur{addr, len, n};
+    alignas(64) unsigned char buf[240];
+    if (total <= 240) return hash_short(cur.take(total, buf), static_cast<uint64_t>(total));
+
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    const int64_t stripes = (total - 1) / STRIPE;  // the regular stripes; then the last 64 bytes
+    for (int64_t k = 0; k < stripes;) {
+        // as many whole stripes of this block as lie in place, in one call
+        const int64_t in_block = STRIPES_PER_BLOCK - k % STRIPES_PER_BLOCK;
+        int64_t batch = stripes - k < in_block ? stripes - k : in_block;
+        const unsigned char* at = nullptr;
+        const int64_t here = cur.contiguous(&at) / STRIPE;
+        const unsigned char* s = SECRET + 8 * (k % STRIPES_PER_BLOCK);
+        if (k % STRIPES_PER_BLOCK == 0 && here >= STRIPES_PER_BLOCK && stripes - k >= STRIPES_PER_BLOCK) {
+            // whole blocks in place: one call for all of them
+            int64_t blocks = (stripes - k) / STRIPES_PER_BLOCK;
+            blocks = blocks < here / STRIPES_PER_BLOCK ? blocks : here / STRIPES_PER_BLOCK;
+            accumulate_blocks(acc, at, blocks);
+            cur.skip(blocks * STRIPES_PER_BLOCK * STRIPE);
+            k += blocks * STRIPES_PER_BLOCK;
+            continue;
+        }
+        if (here > 0) {
+            batch = batch < here ? batch : here;
+            accumulate(acc, at, s, batch);
+            cur.skip(batch * STRIPE);
+        } else {
+            batch = 1;
+            accumulate(acc, cur.take(STRIPE, buf), s, 1);
+        }
+        k += batch;
+        if (k % STRIPES_PER_BLOCK == 0) scramble(acc);
+    }
+    // the last stripe is the input's last 64 bytes, which may overlap the stripes above
+    alignas(64) unsigned char last[STRIPE];
+    const int64_t consumed = stripes * STRIPE;
+    const int64_t back = STRIPE - (total - consumed);  // bytes of the last stripe already consumed
+    Cursor tail{addr, len, n};
+    tail.skip(consumed - back);
+    accumulate(acc, tail.take(STRIPE, last), SECRET + SECRET_BYTES - STRIPE - 7, 1);
+
+    uint64_t h = static_cast<uint64_t>(total) * P64_1;
+    for (int i = 0; i < 4; ++i) h += fold(acc[2 * i] ^ load64(SECRET + 11 + 16 * i), acc[2 * i + 1] ^ load64(SECRET + 11 + 16 * i + 8));
+    return avalanche(h);
 }
 
 }  // namespace kvxfer

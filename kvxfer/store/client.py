@@ -63,7 +63,7 @@ class KVStore:
     one batch before it is marked down. ``retry_s``: how long a node stays down.
     ``staging_bytes``: the registered buffer objects pass through (a put or get moves at
     most this much per batch; one object must fit). ``backend``: as for the Agent.
-    ``checksum=False`` skips the XXH64 checksum at put and its check at get (to measure what it
+    ``checksum=False`` skips the XXH3-64 checksum at put and its check at get (to measure what it
     costs; objects put so carry no checksum, and no client can verify them).
     """
 

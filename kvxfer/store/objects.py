@@ -31,7 +31,7 @@ ZERO_COPY_MIN_RUN = 4096
 
 
 def checksum(addrs, lengths) -> int:
-    """XXH64 of the bytes of the runs ``[addrs[i], addrs[i] + lengths[i])`` taken in order
+    """XXH3-64 of the bytes of the runs ``[addrs[i], addrs[i] + lengths[i])`` taken in order
     (host memory; the same value however the bytes are split into runs). Never
     :data:`~kvxfer.store.protocol.NO_CRC`. Native, GIL released."""
     from .._native import load

@@ -108,15 +108,21 @@ def iperf(link: Link, seconds: float) -> float:
     server = link.popen(link.b, ["iperf3", "-s", "-1", "-B", link.ip_b, "-p", "5201"], stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
-            out = link.run(link.a, ["iperf3", "-c", link.ip_b, "-p", "5201", "-t", str(seconds), "-l", "128K", "-J"],
-                           capture_output=True, text=True)
-            if out.returncode == 0:
-                return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8
-            time.sleep(0.1)  # the server is not listening yet
-        raise SystemExit(f"iperf3 failed: {out.stdout[-500:]}")
+        for _ in range(300):  # until the server listens
+            if link.run(link.b, ["ss", "-ltnH", "sport = :5201"], capture_output=True, text=True).stdout.strip():
+                break
+            time.sleep(0.1)
+        out = link.run(link.a, ["iperf3", "-c", link.ip_b, "-p", "5201", "-t", str(seconds), "-l", "128K", "-J"],
+                       capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"iperf3 failed: {out.stdout[-500:]}")
+        return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8
     finally:
-        server.wait(timeout=30)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
 
 
 def main() -> None:

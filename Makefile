@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.kvxfer-installed
 
-.PHONY: setup build test test-vllm bench bench-compare demo demo-vllm clean test-tools
+.PHONY: setup build test test-vllm bench bench-compare bench-mooncake demo demo-vllm clean test-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,15 @@ bench: build
 bench-compare: build
 	$(BIN)/pip install -q --no-deps nixl-cu12
 	$(BIN)/kvxfer bench transfer --compare nixl
+
+# kvxfer's store beside Mooncake Store in one run (benchmarks/store_vs_mooncake.py). Its wheel
+# needs Debian's libibverbs1 and libnl (installed here when root); only this target installs it.
+bench-mooncake: build
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! ldconfig -p | grep -q libibverbs.so.1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null; \
+	fi
+	$(BIN)/pip install -q --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
+	PYTHONPATH=$(CURDIR) $(BIN)/python benchmarks/store_vs_mooncake.py --json benchmarks/results/store_vs_mooncake.json
 
 demo: build
 	$(BIN)/python -m kvxfer.cli.demo

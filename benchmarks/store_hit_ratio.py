@@ -140,6 +140,7 @@ def throughput(args) -> dict:
     pool = [torch.randint(-2**15, 2**15, (2, nblk, bs, nh, hd), dtype=torch.int16).view(torch.bfloat16)
             for _ in range(nl)]
     layout = kvxfer.KVLayout.from_tensors(pool, "2 N B H D")
+    back = kvxfer.KVLayout.from_tensors([torch.zeros_like(t) for t in pool], "2 N B H D")  # gets land here
     obj = nl * 2 * bs * nh * hd * 2
     nbytes = nblk * obj
     procs = start_nodes(1, str(4 * nbytes), str(obj))
@@ -158,8 +159,13 @@ def throughput(args) -> dict:
                     t = time.perf_counter()
                     st.put(keys, layout, range(nblk)).wait(timeout=120)
                     t1 = time.perf_counter()
-                    st.get(keys, layout, range(nblk)).wait(timeout=120)
+                    st.get(keys, back, range(nblk)).wait(timeout=120)
                     t2 = time.perf_counter()
+                    if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                               for a, b in zip(pool, back.tensors)):
+                        raise SystemExit("a get returned bytes that differ from the put")
+                    for x in back.tensors:
+                        x.zero_()
                     if it >= 2:
                         samples[f"put_{tag}"].append(t1 - t)
                         samples[f"get_{tag}"].append(t2 - t1)

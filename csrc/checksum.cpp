@@ -2,9 +2,9 @@
 // known up front, so this is the one-shot algorithm read through a cursor over the runs:
 // inputs of up to 240 bytes are gathered and hashed by the short paths; longer ones are
 // 64-byte stripes (a stripe that straddles two runs is gathered into a small buffer), a
-// scramble after every 16 stripes, and the last 64 bytes as the final stripe. The stripe
-// accumulator has an AVX2 and an SSE2 form on x86-64 (picked once, at load) and a scalar
-// one elsewhere; all give the same bits.
+// scramble after every 16 stripes, and the last 64 bytes as the final stripe. Whole
+// blocks go through AVX2 where the CPU has it (checked once, at load), other stripes
+// through SSE2 on x86-64; a scalar form serves other CPUs. All give the same bits.
 #include "checksum.h"
 
 #include <cstring>
@@ -111,7 +111,8 @@ void accumulate_scalar(uint64_t* acc, const unsigned char* p, const unsigned cha
 }
 
 #if defined(__x86_64__)
-// The same bits, two lanes a vector (SSE2 is in every x86-64).
+// The same bits, two lanes a vector (SSE2 is in every x86-64): stripes outside whole
+// blocks in place, and every block where the CPU lacks AVX2.
 void accumulate_sse2(uint64_t* acc, const unsigned char* p, const unsigned char* s, int64_t stripes) {
     __m128i a[4];
     for (int j = 0; j < 4; ++j) a[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(acc) + j);
@@ -125,22 +126,8 @@ void accumulate_sse2(uint64_t* acc, const unsigned char* p, const unsigned char*
     for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(acc) + j, a[j]);
 }
 
-// Four lanes a vector, where the CPU has AVX2.
-__attribute__((target("avx2"))) void accumulate_avx2(uint64_t* acc, const unsigned char* p, const unsigned char* s,
-                                                     int64_t stripes) {
-    __m256i a[2];
-    for (int j = 0; j < 2; ++j) a[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + j);
-    for (int64_t k = 0; k < stripes; ++k, p += STRIPE, s += 8)
-        for (int j = 0; j < 2; ++j) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j);
-            const __m256i dk = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s) + j));
-            const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
-            a[j] = _mm256_add_epi64(a[j], _mm256_add_epi64(prod, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
-        }
-    for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + j, a[j]);
-}
-
-// Whole 1 KiB blocks (16 stripes, then a scramble, each), accumulators kept in registers.
+// Whole 1 KiB blocks (16 stripes, then a scramble, each), four lanes a vector and the
+// accumulators in registers, where the CPU has AVX2 (the bulk of every large object).
 __attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned char* p, int64_t blocks) {
     const __m256i prime = _mm256_set1_epi32(static_cast<int>(P32_1));
     const __m256i* key = reinterpret_cast<const __m256i*>(SECRET + SECRET_BYTES - STRIPE);
@@ -166,13 +153,12 @@ __attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned c
     for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + j, a[j]);
 }
 
-using Accumulate = void (*)(uint64_t*, const unsigned char*, const unsigned char*, int64_t);
 // A static initializer runs before libgcc's CPU probe may have: probe first.
 const bool HAS_AVX2 = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") != 0;
 }();
-const Accumulate accumulate = HAS_AVX2 ? accumulate_avx2 : accumulate_sse2;
+constexpr auto accumulate = accumulate_sse2;
 #else
 constexpr auto accumulate = accumulate_scalar;
 #endif

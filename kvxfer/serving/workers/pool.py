@@ -27,16 +27,16 @@ def model_salt(model_name: str, matmul_dtype: str, layout) -> bytes:
 
 
 class PrefillPool:
-    def __init__(self, store, runtime, salt: bytes, counters: dict, *, max_put_blocks: int = 1024) -> None:
+    def __init__(self, store, runtime, salt: bytes, *, max_put_blocks: int = 1024) -> None:
         self.store = store
         self.runtime = runtime
         self.layout = runtime.cache.kv_layout()  # one object: the store registers it once
         self.salt = salt
         self.max_put_blocks = max_put_blocks
-        self.counters = counters
-        for key in ("store_lookups", "store_hit_tokens", "store_local_hit_tokens", "store_load_failed",
-                    "store_put_blocks", "store_put_failed", "store_put_drops"):
-            counters.setdefault(key, 0)
+        # reported with the worker's counters (the router's kvxfer_worker_stat{stat=...})
+        self.counters = dict.fromkeys(("store_lookups", "store_hit_tokens", "store_local_hit_tokens",
+                                       "store_load_failed", "store_put_blocks", "store_put_failed",
+                                       "store_put_drops"), 0)
         self._keys: dict = {}  # request id -> (keys, first block this worker computed)
         self._puts: dict = {}  # request id -> (handle, blocks)
         self._deferred: dict = {}  # request id -> sequence to release once its put ended

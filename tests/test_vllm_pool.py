@@ -13,7 +13,7 @@ import torch
 
 import kvxfer
 from kvxfer.integrations.vllm_config import ConnectorConfig
-from kvxfer.integrations.vllm_pool import PoolLoad, PoolMover, PoolPut
+from kvxfer.integrations.vllm_pool import PoolBlocks, PoolMover
 from store_cases import SECRET, block_bits, make_layout, start_node, stop_node
 
 DIMS = "N 2 H B D"  # vLLM CPU's per-(block, head) cells, as the connector describes them
@@ -57,18 +57,18 @@ def test_put_then_load_bitwise_bounded_and_held(node):
     put = _mover(addr, src, put_blocks=4)
     get = _mover(addr, dst)
     try:
-        put.post_puts([PoolPut("r1", tuple(keys[:3]), (5, 1, 7)), PoolPut("r1", tuple(keys[3:6]), (0, 2, 3))])
+        put.post_puts([PoolBlocks("r1", tuple(keys[:3]), (5, 1, 7)), PoolBlocks("r1", tuple(keys[3:6]), (0, 2, 3))])
         assert put.stats["store_put_drops"] == 3  # 3 in flight + 3 > store_put_blocks: dropped, not queued
         put.hold(["r1"])  # finished: its blocks wait for the put
         released, _, _ = _drain(put, lambda r, l, f: "r1" in r)
         assert released == {"r1"} and put.stats["store_put_blocks"] == 3 and not put.busy
-        get.post_loads([PoolLoad("q1", tuple(keys[:3]), (0, 4, 6))])
+        get.post_loads([PoolBlocks("q1", tuple(keys[:3]), (0, 4, 6))])
         _, loaded, failed = _drain(get, lambda r, l, f: "q1" in l)
         assert not failed and get.stats["store_load_blocks"] == 3
         for s, d in ((5, 0), (1, 4), (7, 6)):
             assert torch.equal(block_bits(src, s), block_bits(dst, d))
         # the dropped blocks were never put: loading them is a failed load, reported
-        get.post_loads([PoolLoad("q2", tuple(keys[:4]), (0, 1, 2, 3))])
+        get.post_loads([PoolBlocks("q2", tuple(keys[:4]), (0, 1, 2, 3))])
         _, loaded, failed = _drain(get, lambda r, l, f: "q2" in l)
         assert failed == {"q2"} and get.stats["store_load_failed"] == 1
     finally:
@@ -82,14 +82,14 @@ def test_node_killed_fails_the_load_promptly(node):
     keys = kvxfer.block_keys(range(2 * 4), 4, salt=b"pool-killed")
     mover = _mover(addr, src)
     try:
-        mover.post_puts([PoolPut("r", tuple(keys), (0, 1))])
+        mover.post_puts([PoolBlocks("r", tuple(keys), (0, 1))])
         _drain(mover, lambda r, l, f: not mover.busy)
         stop_node(proc, signal.SIGKILL)
         t0 = time.monotonic()
-        mover.post_loads([PoolLoad("q", tuple(keys), (2, 3))])
+        mover.post_loads([PoolBlocks("q", tuple(keys), (2, 3))])
         _, loaded, failed = _drain(mover, lambda r, l, f: "q" in l, timeout=20.0)
         assert failed == {"q"} and time.monotonic() - t0 < 15.0
-        mover.post_puts([PoolPut("r2", tuple(keys), (0, 1))])  # puts to a dead node end too
+        mover.post_puts([PoolBlocks("r2", tuple(keys), (0, 1))])  # puts to a dead node end too
         _drain(mover, lambda r, l, f: not mover.busy, timeout=20.0)
     finally:
         mover.close()

@@ -5,9 +5,9 @@ request vLLM's own prefix cache covers ``k`` blocks of, ``match`` looks up the
 prompt's next keys (``kvxfer.block_keys(prompt, block_size, salt=model identity)``)
 and reports the leading hits as external tokens loaded asynchronously (never the
 prompt's last token: vLLM computes at least one). After vLLM allocated blocks, a
-:class:`PoolLoad` names the keys and the blocks they load into. Each step
+:class:`PoolBlocks` (a load) names the keys and the blocks they load into. Each step
 (``plan_puts``), blocks that become full with prompt tokens the engine computed in it
-(not those it loaded or held already) become a :class:`PoolPut`, sent to the worker
+(not those it loaded or held already) become a :class:`PoolBlocks` (a put), sent to the worker
 with the step. A finished request whose puts may still read its blocks keeps them
 (``request_finished`` answers ``True``) until the worker reports its puts ended.
 
@@ -32,17 +32,9 @@ PREEMPT_WAIT_S = 30.0  # longest a step waits for a preempted request's puts
 
 
 @dataclass(frozen=True)
-class PoolLoad:
-    """Worker: ``store.get(keys, layout, block_ids)`` for ``request_id`` before its forward."""
-
-    request_id: str
-    keys: tuple
-    block_ids: tuple
-
-
-@dataclass(frozen=True)
-class PoolPut:
-    """Worker: ``store.put(keys, layout, block_ids)`` after this step's forward."""
+class PoolBlocks:
+    """Worker: ``keys[i]`` <-> block ``block_ids[i]`` of ``request_id``: a load
+    (``store.get``, before the step's forward) or a put (``store.put``, after it)."""
 
     request_id: str
     keys: tuple
@@ -132,7 +124,7 @@ class PoolPlanner:
         self.stats["store_queried_tokens"] += len(request.prompt_token_ids)
         if n > 0:
             self.stats["store_hit_tokens"] += n * self.block_size
-            self._loads.append(PoolLoad(request.request_id, tuple(track.keys[local:local + n]),
+            self._loads.append(PoolBlocks(request.request_id, tuple(track.keys[local:local + n]),
                                         tuple(block_ids[local:local + n])))
 
     def plan_puts(self, num_scheduled_tokens: dict, block_ids_of) -> None:
@@ -145,7 +137,7 @@ class PoolPlanner:
             full = min(track.request.num_computed_tokens + n, len(track.keys) * self.block_size) // self.block_size
             if full > track.put_upto:
                 ids = block_ids_of(req_id)
-                self._puts.append(PoolPut(req_id, tuple(track.keys[track.put_upto:full]),
+                self._puts.append(PoolBlocks(req_id, tuple(track.keys[track.put_upto:full]),
                                           tuple(ids[track.put_upto:full])))
                 track.put_upto, track.puts_sent = full, True
 

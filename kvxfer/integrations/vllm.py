@@ -1,4 +1,4 @@
-"""``KVXferConnector``: kvxfer as a vLLM v1 KV connector (prefill/decode disaggregation).
+"""``KVXferConnector``: kvxfer as a vLLM v1 KV connector (prefill/decode disaggregation, KV pool).
 
 Run a prefill (P) and a decode (D) ``vllm serve`` with::
 
@@ -10,6 +10,10 @@ Run a prefill (P) and a decode (D) ``vllm serve`` with::
 (or the secret in ``$KVXFER_SECRET``; see :mod:`.vllm_config`), then send each
 request to P with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``
 and the ``kv_transfer_params`` P returns to D (``kvxfer proxy`` does this).
+
+With ``"store": [...]`` (or an etcd URL) in ``kv_connector_extra_config`` the engine
+also reads and fills a KV pool of ``kvxfer store`` nodes (:mod:`.vllm_pool`);
+``kv_role`` ``kv_both`` is a plain engine with a pool.
 
 vLLM builds the connector twice: the scheduler half (:mod:`.vllm_scheduler`,
 what moves, P's block leases) and the worker half (:mod:`.vllm_worker`, the

@@ -89,6 +89,17 @@ def test_cpu_groups_and_worker_specs():
             ServeConfig(**bad)
 
 
+def test_store_needs_a_secret_and_workers_that_prefill(monkeypatch):
+    monkeypatch.delenv("KVXFER_SECRET", raising=False)
+    with pytest.raises(ValueError, match="secret"):
+        ServeConfig(store="127.0.0.1:7600")
+    assert ServeConfig(store="127.0.0.1:7600", secret_file="/run/secret").store == "127.0.0.1:7600"
+    monkeypatch.setenv("KVXFER_SECRET", "s" * 16)
+    assert ServeConfig(store="etcd://127.0.0.1:2379").store == "etcd://127.0.0.1:2379"
+    with pytest.raises(ValueError, match="colocated"):
+        ServeConfig(num_prefill=0, num_decode=0, num_colocated=1, store="127.0.0.1:7600")
+
+
 def test_serve_cli_passes_schedule_and_local_prefill_flags():
     import argparse
 

@@ -6,9 +6,12 @@ the pool), then serves it again from its own prefix cache: that second answer is
 reference (an engine computing exactly the tail over cached KV). A fresh engine B in
 another process serves the same prompt from the pool: its tokens equal the reference,
 its external hits (vLLM's and the connector's pool-hit counter) equal the pooled
-blocks, its own prefix cache hit nothing and it computed only the tail. Then the node
-is SIGKILLed: B serves another pooled prompt by recomputing it (same tokens as A's
-reference), promptly, and goes on serving.
+blocks, its own prefix cache hit nothing and it computed only the tail. A prefill
+engine P (``kv_producer`` with the pool) consults the pool before prefilling a
+remote-decode request, and a decode engine D (``kv_consumer``, no pool) decodes the
+reference's tokens from the KV P loaded and sent. Then the node is SIGKILLed: B serves
+another pooled prompt by recomputing it (same tokens as A's reference), promptly, and
+goes on serving.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def _ids(rng, n):
 
 
 _rng = random.Random(22)
-PROMPTS = {"pooled": _ids(_rng, 3 * B + 1), "killed": _ids(_rng, 2 * B + 5)}
+PROMPTS = {"pooled": _ids(_rng, 3 * B + 1), "killed": _ids(_rng, 2 * B + 5), "pd": _ids(_rng, 2 * B + 1)}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,10 @@ def engines(model_dir, node):
     _, addr = node
     common = dict(kv_bytes=256 << 20, max_model_len=2048, policy="recompute", extra_config={"store": [addr]})
     servers = {"a": VllmServer(model_dir, "float32", "both", **common),
-               "b": VllmServer(model_dir, "float32", "both", **common)}
+               "b": VllmServer(model_dir, "float32", "both", **common),
+               "p": VllmServer(model_dir, "float32", "producer", **common),
+               "d": VllmServer(model_dir, "float32", "consumer", kv_bytes=256 << 20, max_model_len=2048,
+                               policy="recompute")}
     start_all(list(servers.values()))
     yield servers
     for s in servers.values():
@@ -125,6 +131,24 @@ def test_fresh_engine_serves_the_prompt_from_the_pool(engines, node, budget):
     assert _wait_for(lambda: b.metric("kvxfer:store_hit_tokens_total") - before["kvxfer:store_hit_tokens_total"]
                      == pooled_tokens, budget)
     assert b.metric("kvxfer:store_load_blocks_total") - before["kvxfer:store_load_blocks_total"] == pooled_tokens // B
+
+
+def test_prefill_engine_consults_the_pool_before_prefilling(engines, node, budget):
+    a, p, d = engines["a"], engines["p"], engines["d"]
+    _, addr = node
+    prompt = PROMPTS["pd"]  # 2 blocks + 1: D computes the last token, as the reference does
+    ref = _serve_and_pool(a, addr, prompt, budget)
+    hits0 = p.metric("kvxfer:store_hit_tokens_total")
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=4 * budget)
+    _, cached = _answer(pr)
+    assert cached == 2 * B  # P loaded two blocks from the pool and computed the last token
+    assert _wait_for(lambda: p.metric("kvxfer:store_hit_tokens_total") - hits0 == 2 * B, budget)
+    tokens, _ = _answer(d.complete(prompt, MAX_TOKENS, kv_transfer_params=pr["kv_transfer_params"],
+                                   timeout=4 * budget))
+    assert tokens == ref
+    # P's blocks go back once D has them and its puts (none: every block it computed was
+    # pooled already or the partial last one) ended
+    assert _wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0, budget)
 
 
 def test_store_node_killed_engine_recomputes(engines, node, budget):

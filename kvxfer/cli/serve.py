@@ -92,7 +92,8 @@ def add_parser(sub) -> None:
                         "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--secret-file", default=None, metavar="PATH")
     p.add_argument("--store", default=None, metavar="URL|NODES",
-                   help="the KV pool prefill workers read and fill: etcd://HOST:PORT[/prefix] or HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
+                   help="the KV pool prefill workers read and fill: etcd://HOST:PORT[/prefix] or "
+                        "HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                    help="discovery lease: a dead worker leaves rotation within S seconds")
     p.add_argument("--secret-file", default=None, metavar="PATH")
     p.add_argument("--store", default=None, metavar="URL|NODES",
-                   help="the KV pool prefill workers read and fill: etcd://HOST:PORT[/prefix] or HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
+                   help="the KV pool prefill workers read and fill: etcd://HOST:PORT[/prefix] or "
+                        "HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--model", default=None, metavar="PATH.gguf")
     p.add_argument("--cpus", default=None, metavar="LIST", help="pin to these CPUs, e.g. 0-3")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs pinned)")

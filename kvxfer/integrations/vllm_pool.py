@@ -11,7 +11,8 @@ prompt's last token: vLLM computes at least one). After vLLM allocated blocks, a
 with the step. A finished request whose puts may still read its blocks keeps them
 (``request_finished`` answers ``True``) until the worker reports its puts ended.
 
-Worker (:class:`PoolMover`, its own KVStore over the engine's registered pool):
+Worker (:class:`PoolMover`, two KVStore clients over the engine's registered pool, one
+for loads and one for puts, so a load never queues behind a backlog of puts):
 loads post ``store.get`` before the forward and end in ``finished_recving``
 (``failed_recving`` on any failure: vLLM recomputes or fails the request per
 ``kv_load_failure_policy``); puts post ``store.put`` after the forward and never
@@ -169,7 +170,8 @@ class PoolMover:
     def __init__(self, config, wake: threading.Event) -> None:
         self.config = config
         self._wake = wake
-        self.store = None
+        self.store = None  # loads
+        self.put_store = None  # puts: a client of its own (each client runs one operation at a time)
         self.layout = None
         self._ended: queue.SimpleQueue = queue.SimpleQueue()  # ("load" | "put", request id, handle, blocks)
         self._loads: dict = {}  # request id -> handle
@@ -183,6 +185,7 @@ class PoolMover:
     def open(self, layout) -> None:
         self.layout = layout
         self.store = open_store(self.config)
+        self.put_store = open_store(self.config)
 
     @property
     def busy(self) -> bool:
@@ -221,7 +224,7 @@ class PoolMover:
                 self.stats["store_put_drops"] += n
                 continue
             try:
-                handle = self.store.put(list(spec.keys), self.layout, list(spec.block_ids))
+                handle = self.put_store.put(list(spec.keys), self.layout, list(spec.block_ids))
             except (KVXferError, ValueError) as exc:  # LimitExceeded: the client's queue is full
                 log.warning("kvxfer: put of %d blocks of %s dropped: %s", n, spec.request_id, exc)
                 self.stats["store_put_drops"] += n
@@ -285,5 +288,6 @@ class PoolMover:
         return released, loaded, failed
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        for store in (self.store, self.put_store):
+            if store is not None:
+                store.close()

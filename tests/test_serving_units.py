@@ -89,6 +89,17 @@ def test_cpu_groups_and_worker_specs():
             ServeConfig(**bad)
 
 
+def test_store_needs_a_secret_and_workers_that_prefill(monkeypatch):
+    monkeypatch.delenv("KVXFER_SECRET", raising=False)
+    with pytest.raises(ValueError, match="secret"):
+        ServeConfig(store="127.0.0.1:7600")
+    assert ServeConfig(store="127.0.0.1:7600", secret_file="/run/secret").store == "127.0.0.1:7600"
+    monkeypatch.setenv("KVXFER_SECRET", "s" * 16)
+    assert ServeConfig(store="etcd://127.0.0.1:2379").store == "etcd://127.0.0.1:2379"
+    with pytest.raises(ValueError, match="colocated"):
+        ServeConfig(num_prefill=0, num_decode=0, num_colocated=1, store="127.0.0.1:7600")
+
+
 def test_serve_cli_passes_schedule_and_local_prefill_flags():
     import argparse
 
@@ -171,3 +182,19 @@ def test_worker_command_line_carries_the_matmul_dtype():
     with pytest.raises(SystemExit):
         parser.parse_args(["worker", "--role", "decode", "--listen", "127.0.0.1:0",
                            "--matmul-dtype", "int8"])
+
+
+def test_store_secret_is_the_deployments_and_leaves_the_agents_alone(monkeypatch, tmp_path):
+    from kvxfer.serving.workers.main import AGENT_SECRET_ENV, load_secret
+
+    monkeypatch.setenv(AGENT_SECRET_ENV, (b"a" * 32).hex())  # kvxfer serve's per-server agent secret
+    monkeypatch.setenv("KVXFER_SECRET", "d" * 20)
+    assert load_secret(for_store=True) == b"d" * 20  # the nodes' secret, not the agents'
+    assert load_secret() == b"a" * 32  # the agents' own call still finds theirs (and takes it)
+    monkeypatch.delenv(AGENT_SECRET_ENV, raising=False)
+    assert load_secret(for_store=True) == b"d" * 20 and load_secret() == b"d" * 20  # kvxfer worker: one secret
+    path = tmp_path / "secret"
+    path.write_bytes(b"f" * 24 + b"\n")
+    assert load_secret(str(path), for_store=True) == b"f" * 24
+    with pytest.raises(ValueError):
+        load_secret(for_store=True)  # $KVXFER_SECRET was taken by the agents' call, no file

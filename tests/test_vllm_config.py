@@ -45,3 +45,26 @@ def test_version_gate_names_supported_versions(monkeypatch):
         connector.check_version("0.9.1")
     monkeypatch.setenv("KVXFER_VLLM_ANY_VERSION", "1")
     connector.check_version("0.9.1")
+
+
+def test_store_settings():
+    c = ConnectorConfig.from_vllm(kv_config("kv_both", secret="s" * 16, store="10.0.0.5:7600, 10.0.0.6:7600"),
+                                  environ={})
+    assert (c.role, c.store, c.store_put_blocks) == ("both", ("10.0.0.5:7600", "10.0.0.6:7600"), 1024)
+    c = ConnectorConfig.from_vllm(kv_config(secret="s" * 16, store=["h:1"], store_salt="sha256:ab"), environ={})
+    assert (c.role, c.store, c.store_salt) == ("producer", ("h:1",), "sha256:ab")
+    c = ConnectorConfig.from_vllm(kv_config("kv_consumer", secret="s" * 16, store="etcd://e:2379/p"), environ={})
+    assert c.store == "etcd://e:2379/p"
+    assert ConnectorConfig.from_vllm(kv_config(secret="s" * 16), environ={}).store is None
+
+
+@pytest.mark.parametrize("extra", [
+    {"store": 7600},                      # neither a URL nor addresses
+    {"store": ["h:1", 2]},
+    {"store": " , "},                     # names no node
+    {"store": "h:1", "store_put_blocks": 0},
+    {"store": "h:1", "store_timeout": 0},
+])
+def test_bad_store_settings_are_value_errors(extra):
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_vllm(kv_config("kv_both", secret="s" * 16, **extra), environ={})

@@ -91,6 +91,9 @@ def add_parser(sub) -> None:
                    help="etcd://HOST:PORT[/prefix] or static://HOST:PORT,...: route to workers "
                         "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--secret-file", default=None, metavar="PATH")
+    p.add_argument("--store", default=None, metavar="URL|NODES",
+                   help="the KV pool prefill workers read and fill: etcd://HOST:PORT[/prefix] or "
+                        "HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -108,7 +111,7 @@ def config_from_args(args: argparse.Namespace):
         host=args.host, port=args.port, discovery=args.discovery, secret_file=args.secret_file,
         num_prefill=spawned if spawned is not None else (args.prefill or default),
         num_decode=spawned if spawned is not None else (args.decode or default),
-        num_colocated=args.colocated, model_path=args.model,
+        num_colocated=args.colocated, model_path=args.model, store=args.store,
         cpu_groups=tuple(parse_cpu_group(g) for g in args.cpus),
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
         num_blocks=args.num_blocks,
@@ -201,7 +204,7 @@ def _local_workers(args: argparse.Namespace, config):
                 "--matmul-dtype", args.matmul_dtype,
                 "--transfer-timeout", str(args.transfer_timeout),
                 "--on-transfer-failure", args.on_transfer_failure, "--log-level", args.log_level]
-        for flag, value in (("--model", args.model), ("--secret-file", args.secret_file),
+        for flag, value in (("--model", args.model), ("--secret-file", args.secret_file), ("--store", args.store),
                             ("--threads", args.threads and str(args.threads)),
                             ("--cpus", args.cpus[i if len(groups) > 1 else 0] if groups else None)):
             if value:

@@ -7,7 +7,8 @@ largest model you pool), registers it once, listens on ``--listen`` and publishe
 under a lease (``--ttl``; under ``{prefix}/store``). The shared secret comes from
 ``KVXFER_SECRET`` or ``--secret-file`` (never the command line, never etcd). It serves
 until SIGTERM or Ctrl-C, then withdraws from discovery and exits. Objects are not
-persisted: a restarted node starts empty.
+persisted: a restarted node starts empty. ``--metrics HOST:PORT`` serves Prometheus
+metrics (:mod:`kvxfer.store.metrics`) at ``/metrics``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--name", default=None)
     p.add_argument("--secret-file", default=None, metavar="PATH")
     p.add_argument("--backend", default="auto", choices=("auto", "ucx", "vm"))
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -62,8 +65,15 @@ def run(args: argparse.Namespace) -> int:
                          name=args.name)
     except (ValueError, TypeError, OSError) as exc:
         raise SystemExit(f"kvxfer store: {exc}") from None
-    reg = disc = None
+    reg = disc = metrics = None
     try:
+        if args.metrics:
+            from kvxfer.store.metrics import serve_metrics
+
+            try:
+                metrics, mport = serve_metrics(node, args.metrics)
+            except (ValueError, OSError) as exc:
+                raise SystemExit(f"kvxfer store: --metrics: {exc}") from None
         if args.discovery:
             from kvxfer.discovery import Member
             from kvxfer.store.members import open_store_discovery
@@ -76,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
         log.info("store node %s listening on %s: %d slots of %d B", node.name, node.address,
                  node.index.num_slots, node.index.slot_bytes)
         print(f"kvxfer store listening on {node.address}", flush=True)
+        if metrics is not None:
+            print(f"kvxfer store metrics on http://{args.metrics.rpartition(':')[0]}:{mport}/metrics", flush=True)
         while not stop.wait(1.0):
             pass
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if reg is not None:
             reg.close()
         if disc is not None:

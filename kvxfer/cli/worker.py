@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ttl", type=float, default=5.0, metavar="S",
                    help="discovery lease: a dead worker leaves rotation within S seconds")
     p.add_argument("--secret-file", default=None, metavar="PATH")
+    p.add_argument("--store", default=None, metavar="URL|NODES",
+                   help="the KV pool prefill workers read and fill: etcd://HOST:PORT[/prefix] or "
+                        "HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--model", default=None, metavar="PATH.gguf")
     p.add_argument("--cpus", default=None, metavar="LIST", help="pin to these CPUs, e.g. 0-3")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs pinned)")
@@ -64,7 +67,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
             "--log-level", args.log_level]
     for flag, value in (("--discovery", args.discovery), ("--agent-listen", args.agent_listen),
                         ("--secret-file", args.secret_file), ("--model", args.model),
-                        ("--cpus", args.cpus)):
+                        ("--cpus", args.cpus), ("--store", args.store)):
         if value:
             argv += [flag, value]
     return argv

@@ -1,4 +1,4 @@
-"""``KVXferConnector``: kvxfer as a vLLM v1 KV connector (prefill/decode disaggregation).
+"""``KVXferConnector``: kvxfer as a vLLM v1 KV connector (prefill/decode disaggregation, KV pool).
 
 Run a prefill (P) and a decode (D) ``vllm serve`` with::
 
@@ -10,6 +10,10 @@ Run a prefill (P) and a decode (D) ``vllm serve`` with::
 (or the secret in ``$KVXFER_SECRET``; see :mod:`.vllm_config`), then send each
 request to P with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``
 and the ``kv_transfer_params`` P returns to D (``kvxfer proxy`` does this).
+
+With ``"store": [...]`` (or an etcd URL) in ``kv_connector_extra_config`` the engine
+also reads and fills a KV pool of ``kvxfer store`` nodes (:mod:`.vllm_pool`);
+``kv_role`` ``kv_both`` is a plain engine with a pool.
 
 vLLM builds the connector twice: the scheduler half (:mod:`.vllm_scheduler`,
 what moves, P's block leases) and the worker half (:mod:`.vllm_worker`, the
@@ -45,8 +49,14 @@ from .vllm_worker import WorkerHalf  # noqa: E402
 
 
 class KVXferStats(KVConnectorStats):
-    """Per-step worker counters: ``sends``, ``recvs`` (completed), ``failed`` loads,
-    ``bytes`` moved and ``seconds`` spent (post to visible, summed)."""
+    """Per-step counters. Worker: ``sends``, ``recvs`` (completed), ``failed`` loads,
+    ``bytes`` moved and ``seconds`` spent (post to visible, summed); with a pool also
+    ``store_loads``, ``store_load_blocks``, ``store_load_failed``, ``store_put_blocks``
+    (committed or present), ``store_put_failed``, ``store_put_drops`` (over
+    ``store_put_blocks`` in flight), ``store_bytes``. Scheduler, with a pool:
+    ``store_lookups``, ``store_hit_tokens`` (tokens loaded from the pool),
+    ``store_local_hit_tokens`` (vLLM's own prefix-cache hits of the same requests),
+    ``store_queried_tokens`` (their prompt tokens)."""
 
     def reset(self):
         self.data = {}
@@ -71,7 +81,9 @@ class KVXferConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
         block_size = vllm_config.cache_config.block_size
-        self._sched = SchedulerHalf(self.config, block_size) if role == KVConnectorRole.SCHEDULER else None
+        self._sched = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerHalf(self.config, block_size, vllm_config)
         self._worker = None
         if role == KVConnectorRole.WORKER:
             if vllm_config.parallel_config.tensor_parallel_size != 1:
@@ -89,7 +101,15 @@ class KVXferConnector(KVConnectorBase_V1):
         return XferHandshake(w.agent.address, w.layout.fingerprint())
 
     def start_load_kv(self, forward_context, **kwargs):
-        self._worker.post_recvs(self._get_connector_metadata().recvs)
+        meta = self._get_connector_metadata()
+        self._worker.post_recvs(meta.recvs)
+        if self._worker.pool is not None:
+            self._worker.pool.hold(meta.pool_holds)
+            self._worker.pool.post_loads(meta.pool_loads)
+
+    def handle_preemptions(self, kv_connector_metadata):
+        if self._worker.pool is not None and kv_connector_metadata.preempted:
+            self._worker.pool.wait_puts(kv_connector_metadata.preempted)
 
     def wait_for_layer_load(self, layer_name):
         return None  # loads complete between steps (async), never inside a forward
@@ -98,7 +118,10 @@ class KVXferConnector(KVConnectorBase_V1):
         return None  # P ships whole requests once they finished (wait_for_save)
 
     def wait_for_save(self):
-        self._worker.post_sends(self._get_connector_metadata().sends)
+        meta = self._get_connector_metadata()
+        self._worker.post_sends(meta.sends)
+        if self._worker.pool is not None:
+            self._worker.pool.post_puts(meta.pool_puts)  # after the forward wrote them; never waits
 
     def get_transfer_results(self, finished_req_ids):
         meta = getattr(self, "_connector_metadata", None)  # bound for this step, or None
@@ -112,9 +135,12 @@ class KVXferConnector(KVConnectorBase_V1):
         return res.finished_sending or None, res.finished_recving or None
 
     def get_kv_connector_stats(self):
-        if self._worker is None:
-            return None  # the scheduler half asks too; only the worker moves bytes
-        stats = self._worker.stats
+        if self._worker is not None:
+            stats = dict(self._worker.stats, **(self._worker.pool.stats if self._worker.pool else {}))
+        elif self._sched.pool is not None:
+            stats = self._sched.pool.stats  # lookups and hits are counted where they happen
+        else:
+            return None
         delta = {k: v - self._reported.get(k, 0) for k, v in stats.items()}
         self._reported = dict(stats)
         return KVXferStats(data=delta) if any(delta.values()) else None
@@ -123,9 +149,17 @@ class KVXferConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data=None):
         return KVXferStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .vllm_prom import KVXferPromMetrics
+
+        return KVXferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self):
         if self._worker is not None:
             self._worker.close()
+        if self._sched is not None:
+            self._sched.close()
 
     # ---- scheduler side ---------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata):
@@ -137,8 +171,12 @@ class KVXferConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def bind_kv_cache_manager(self, kv_cache_manager):
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched.kv_cache_manager = kv_cache_manager
+
     def build_connector_meta(self, scheduler_output) -> XferMeta:
-        return self._sched.build_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        return self._sched.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output):
         self._sched.finished_sending(connector_output.finished_sending)

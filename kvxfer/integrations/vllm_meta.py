@@ -38,6 +38,11 @@ class XferMeta(KVConnectorMetadata):
     # the step schedules no tokens: the worker may sleep (up to idle_wait_ms) for a
     # transfer to end instead of returning at once into the engine's next empty step
     idle: bool = False
+    # the KV pool (kv_connector_extra_config.store; vllm_pool.py)
+    pool_loads: list = field(default_factory=list)  # [PoolBlocks]: before this step's forward
+    pool_puts: list = field(default_factory=list)  # [PoolBlocks]: after it
+    pool_holds: list = field(default_factory=list)  # finished request ids whose blocks wait for their puts
+    preempted: tuple = ()  # request ids preempted this step: their puts must end before the forward
 
 
 @dataclass

@@ -12,6 +12,10 @@ D (``kv_consumer``): a request with ``do_remote_prefill`` reports the prompt
 tokens it does not hold locally as external and asynchronous; after vLLM
 allocated blocks, the half queues a :class:`RecvSpec` naming only the blocks
 D's prefix cache did not supply (the tail) and how many it skipped.
+
+With ``store`` configured (any role; ``kv_both`` is a plain engine with a pool),
+every other request consults the pool for the blocks beyond vLLM's own prefix
+hits and puts the prompt blocks it computes (:class:`.vllm_pool.PoolPlanner`).
 """
 from __future__ import annotations
 
@@ -28,9 +32,15 @@ def _group0(block_ids) -> list:
 
 
 class SchedulerHalf:
-    def __init__(self, config, block_size: int) -> None:
+    def __init__(self, config, block_size: int, vllm_config=None) -> None:
         self.config = config
         self.block_size = block_size
+        self.pool = None
+        if config.store is not None:
+            from .vllm_pool import PoolPlanner
+
+            self.pool = PoolPlanner(config, vllm_config, block_size)
+        self.kv_cache_manager = None  # bound by the connector (block ids of running requests)
         self.address: str | None = None  # P's agent, from the worker's handshake metadata
         self._sends: list = []
         self._recvs: list = []
@@ -47,13 +57,18 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple:
         params = request.kv_transfer_params
         if self.config.role != "consumer" or not params or not params.get("do_remote_prefill"):
-            return 0, False
+            if self.pool is None:
+                return 0, False
+            count = self.pool.match(request, num_computed_tokens)
+            return (count, True) if count > 0 else (0, False)
         count = len(request.prompt_token_ids) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if self.config.role != "consumer" or not params or not params.get("do_remote_prefill"):
+            if self.pool is not None:
+                self.pool.allocated(request, [b.block_id for b in blocks.blocks[0]], num_external_tokens)
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if called again
         if num_external_tokens <= 0:
@@ -66,13 +81,25 @@ class SchedulerHalf:
                                     str(params["remote_request_id"]), tail, skip))
 
     # ---- both: per-step metadata -----------------------------------------------------------
-    def build_meta(self, idle: bool = False) -> XferMeta:
-        meta = XferMeta(self._sends, self._recvs, idle)
+    def build_meta(self, scheduler_output) -> XferMeta:
+        meta = XferMeta(self._sends, self._recvs, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._sends, self._recvs = [], []
+        if self.pool is not None:
+            self.pool.plan_puts(scheduler_output.num_scheduled_tokens,
+                                lambda req_id: _group0(self.kv_cache_manager.get_block_ids(req_id)))
+            meta.pool_loads, meta.pool_puts, meta.pool_holds = self.pool.take()
+            meta.preempted = tuple(scheduler_output.preempted_req_ids or ())
         return meta
 
     # ---- P: hold blocks until the worker says the transfer ended -------------------------------
     def request_finished(self, request, block_ids) -> tuple:
+        held, params = self._handover(request, block_ids)
+        if self.pool is not None and self.pool.finished(request, held_for_send=held):
+            return True, params  # the worker reports it once its puts stopped reading the blocks
+        return held, params
+
+    def _handover(self, request, block_ids) -> tuple:
+        """P: hold a finished remote-decode request's blocks for D; ``(held, params)``."""
         params = request.kv_transfer_params
         if self.config.role != "producer" or not params or not params.get("do_remote_decode"):
             return False, None
@@ -94,7 +121,14 @@ class SchedulerHalf:
 
     def finished_sending(self, req_ids) -> None:
         self._held.difference_update(req_ids or ())
+        if self.pool is not None:
+            self.pool.holding.difference_update(req_ids or ())
 
     def has_pending_push_work(self) -> bool:
-        """P keeps its engine stepping while blocks are lent, so the worker reports ends."""
-        return bool(self._held or self._sends)
+        """P keeps its engine stepping while blocks are lent, so the worker reports ends
+        (and an engine with a pool while finished requests' blocks wait for puts)."""
+        return bool(self._held or self._sends or (self.pool is not None and self.pool.holding))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

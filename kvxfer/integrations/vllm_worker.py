@@ -12,6 +12,10 @@ reports ``finished_recving`` when the lease ends ``done`` and ``failed_recving``
 otherwise (unreachable or dead P, timeout, cancel): vLLM then recomputes or fails
 the request per ``kv_load_failure_policy``. A recv whose P disconnected before
 matching is cancelled at once rather than left to its timeout.
+
+With ``store`` configured, a :class:`.vllm_pool.PoolMover` beside the agent loads
+pool hits before the forward and puts computed blocks after it (never waiting);
+their ends are reported through the same results as the agent's transfers.
 """
 from __future__ import annotations
 
@@ -37,6 +41,11 @@ class WorkerHalf:
         self._failed: set = set()  # D request ids that failed before a recv was posted
         self._sends: dict = {}  # request id -> handle (P side)
         self.stats = {"sends": 0, "recvs": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self.pool = None
+        if config.store is not None:
+            from .vllm_pool import PoolMover
+
+            self.pool = PoolMover(config, self._wake)
 
     # ---- setup -----------------------------------------------------------------------
     def register(self, kv_caches: dict, vllm_config) -> None:
@@ -53,6 +62,8 @@ class WorkerHalf:
             agent.close()
             raise
         self.agent = agent
+        if self.pool is not None:
+            self.pool.open(self.layout)
         log.info("kvxfer agent %s at %s, %s", self.name, agent.address, self.layout.fingerprint())
 
     def _on_release(self, request_id: str, block_ids, reason: str) -> None:
@@ -93,9 +104,11 @@ class WorkerHalf:
         ``idle_wait`` (seconds; the step scheduled no tokens): while transfers are in
         flight and none has ended yet, sleep up to that long for one to end, so an
         idle engine does not spin through empty steps while the copy needs the CPU."""
-        if idle_wait > 0 and (self._sends or self._recvs):
+        pool_busy = self.pool is not None and self.pool.busy
+        if idle_wait > 0 and (self._sends or self._recvs or pool_busy):
             self._wake.clear()
-            if self._ended.empty():  # an end put after clear() sets _wake again
+            # an end put after clear() sets _wake again
+            if self._ended.empty() and (self.pool is None or not self.pool.has_news()):
                 self._wake.wait(idle_wait)
         for spec, handle, peer in list(self._recvs.values()):
             if not handle.done() and not peer.is_connected and handle.peer is None:
@@ -109,7 +122,10 @@ class WorkerHalf:
                 break
             handle = self._sends.pop(req, None)
             if handle is not None:
-                sending.add(req)
+                if self.pool is not None and self.pool.has_puts(req):
+                    self.pool.hold([req])  # its blocks go back once the pool's puts ended too
+                else:
+                    sending.add(req)
                 self._account(handle, "sends")
                 continue
             entry = self._recvs.pop(req, None)
@@ -122,6 +138,11 @@ class WorkerHalf:
                 failed.add(spec.request_id)
             self._account(handle, "recvs")
         self.stats["failed"] += len(failed)
+        if self.pool is not None:
+            released, loaded, pool_failed = self.pool.results()
+            sending |= released
+            recving |= loaded
+            failed |= pool_failed
         return sending, recving | failed, failed
 
     def _account(self, handle, key: str) -> None:
@@ -135,5 +156,7 @@ class WorkerHalf:
                          seconds, handle.path)
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         if self.agent is not None:
             self.agent.close()

@@ -95,6 +95,10 @@ class WorkerProcess(WorkerRef):
             args += ["--nice", str(config.prefill_nice)]
         if config.model_path:
             args += ["--model", config.model_path]
+        if config.store:
+            args += ["--store", config.store]
+            if config.secret_file:
+                args += ["--store-secret-file", config.secret_file]
         env = dict(os.environ)
         env.update(config.worker_env)
         env[AGENT_SECRET_ENV] = secret.hex()

@@ -85,7 +85,8 @@ class ServeConfig:
     keep_alive_timeout_s: float = 5.0  # idle keep-alive connections are closed
     limit_concurrency: int = 512  # open connections or in-flight requests beyond this: 503
     discovery: str | None = None  # etcd://... or static://...: workers found, not spawned
-    secret_file: str | None = None  # discovery mode: else KVXFER_SECRET
+    secret_file: str | None = None  # discovery mode and --store: else KVXFER_SECRET
+    store: str | None = None  # --store: the KV pool prefill workers read and fill (etcd URL or nodes)
     restart_workers: bool = True  # supervise: start a dead worker again (launcher.py)
     restart_backoff_s: float = 1.0  # first delay; doubles per quick death
     restart_backoff_max_s: float = 30.0
@@ -95,6 +96,10 @@ class ServeConfig:
     retries: int = 0  # place a request again this often if its worker dies before token 0
 
     def __post_init__(self) -> None:
+        if self.store is not None and not self.discovery and not (self.secret_file or os.environ.get("KVXFER_SECRET")):
+            raise ValueError("--store needs the store nodes' secret: $KVXFER_SECRET or --secret-file")
+        if self.store is not None and self.num_colocated:
+            raise ValueError("--store: prefill workers use the pool; --colocated has none")
         if self.on_transfer_failure not in TRANSFER_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {TRANSFER_POLICIES}")
         if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:

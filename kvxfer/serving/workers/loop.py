@@ -44,6 +44,7 @@ class WorkerContext:
     request_timeout_s: float = 600.0
     # prefill: decode agent address -> kvxfer.Peer, kept across role switches
     peers: dict = field(default_factory=dict)
+    pool: object | None = None  # prefill: a workers.pool.PrefillPool (--store), kept across role switches
 
 
 class WorkerLoop:

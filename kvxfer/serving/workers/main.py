@@ -12,7 +12,8 @@ private socket pair; the worker exits with its router) or ``--listen HOST:PORT``
 
 The agents' shared secret: ``KVXFER_AGENT_SECRET`` (hex, set by ``kvxfer serve``
 for its own workers), else ``--secret-file PATH``, else ``KVXFER_SECRET`` (text);
-at least 16 bytes; removed from the environment once read.
+at least 16 bytes; removed from the environment once read. The store nodes' secret
+(``--store``): ``--store-secret-file``, else ``--secret-file``, else ``KVXFER_SECRET``.
 """
 from __future__ import annotations
 
@@ -29,15 +30,17 @@ from ..model.config import MATMUL_DTYPES
 AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
 
 
-def load_secret(secret_file: str | None = None) -> bytes:
-    """The deployment's shared secret (see the module docstring); ValueError if absent/short."""
-    if os.environ.get(AGENT_SECRET_ENV):
+def load_secret(secret_file: str | None = None, *, for_store: bool = False) -> bytes:
+    """The deployment's shared secret (see the module docstring); ValueError if absent/short.
+    ``for_store``: the store nodes' secret (``--store``): never ``kvxfer serve``'s per-server
+    agent secret, and ``$KVXFER_SECRET`` stays in the environment for the agents' own call."""
+    if os.environ.get(AGENT_SECRET_ENV) and not for_store:
         secret = bytes.fromhex(os.environ.pop(AGENT_SECRET_ENV))
     elif secret_file:
         with open(secret_file, "rb") as f:
             secret = f.read().strip()
     elif os.environ.get(USER_SECRET_ENV):
-        secret = os.environ.pop(USER_SECRET_ENV).encode()
+        secret = (os.environ.get if for_store else os.environ.pop)(USER_SECRET_ENV).encode()
     else:
         raise ValueError(f"no shared secret: set {USER_SECRET_ENV} or pass --secret-file")
     if len(secret) < MIN_SECRET_BYTES:
@@ -57,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--discovery", default=None, metavar="URL", help="etcd://HOST:PORT[/prefix]")
     p.add_argument("--ttl", type=float, default=5.0, help="discovery lease, seconds")
     p.add_argument("--secret-file", default=None)
+    p.add_argument("--store", default=None, metavar="URL|NODES",
+                   help="the KV pool (etcd://HOST:PORT[/prefix] or HOST:PORT,...): prefill reads and fills it")
+    p.add_argument("--store-secret-file", default=None, metavar="PATH",
+                   help="the store nodes' secret (default: --secret-file, else $KVXFER_SECRET)")
     p.add_argument("--model", default=None)
     p.add_argument("--cpus", default=None, help="CPU list to pin to, e.g. 0 or 2-3")
     p.add_argument("--threads", type=int, default=1)
@@ -113,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..server.ipc import WorkerChannel
 
     try:
+        # the store's secret first: the agents' call takes the environment's secrets out of it
+        store_secret = load_secret(args.store_secret_file or args.secret_file, for_store=True) if args.store else None
         secret = load_secret(args.secret_file)
         if args.listen is not None:
             from ..server.netchannel import NetWorkerChannel
@@ -125,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     agent = None
     registration = None
+    ctx = None
     try:
         _pin(args.cpus, args.threads)
         from .loop import WorkerContext
@@ -145,10 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         ctx = WorkerContext(args.name, args.role, channel, runtime, agent,
                             args.transfer_timeout, args.on_transfer_failure, released,
                             args.request_timeout)
+        if args.store and args.role != "colocated":
+            ctx.pool = _open_pool(args, store_secret, runtime)
         worker = _role_loop(ctx)
     except Exception as exc:
         logging.exception("startup failed")
         channel.send({"ev": "start_failed", "error": f"{type(exc).__name__}: {exc}"})
+        if ctx is not None and ctx.pool is not None:
+            ctx.pool.close()
         if agent is not None:
             agent.close()
         channel.close()
@@ -172,9 +186,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if registration is not None:
             registration.close()  # withdrawn at once, not at lease expiry
+        if ctx.pool is not None:
+            ctx.pool.close()
         if agent is not None:
             agent.close()
         channel.close()
+
+
+def _open_pool(args, secret: bytes, runtime):
+    """The prefill role's :class:`~kvxfer.serving.workers.pool.PrefillPool` on ``--store``."""
+    from ...store import KVStore
+    from .pool import PrefillPool, model_salt
+
+    where = ({"discovery": args.store} if args.store.startswith("etcd://")
+             else {"nodes": [a.strip() for a in args.store.split(",") if a.strip()]})
+    store = KVStore(**where, secret=secret)
+    salt = model_salt(runtime_model_name(args.model), runtime.model.matmul_dtype, runtime.cache.kv_layout())
+    return PrefillPool(store, runtime, salt)
 
 
 def _role_loop(ctx):

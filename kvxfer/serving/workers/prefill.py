@@ -8,6 +8,10 @@ posted, so the write starts at once) and report ``sent`` with the handle's
 send -> done time as soon as it completes. The blocks are held
 until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
+
+With a KV pool (``--store``, :class:`~kvxfer.serving.workers.pool.PrefillPool`), a new
+prompt loads its pool hits before it is scheduled, and its computed full blocks are
+put into the pool after its prefill (async; the blocks are freed once the put ended).
 """
 from __future__ import annotations
 
@@ -38,13 +42,15 @@ class PrefillWorker(WorkerLoop):
         self.seqs: dict[str, Sequence] = {}
         self.outgoing: dict[str, Outgoing] = {}
         self.peers = ctx.peers  # decode agent address -> kvxfer.Peer (kept across role switches)
+        self.pool = ctx.pool  # PrefillPool or None
         self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
 
     def on_prefill(self, msg: dict) -> None:
         seq = Sequence(msg["prompt_ids"], sampling_params(msg["params"]), msg["rid"])
         self.jobs[seq.request_id] = msg
         self.seqs[seq.request_id] = seq
-        self.runtime.scheduler.add(seq)
+        if self.pool is None or not self.pool.admit(seq):
+            self.runtime.scheduler.add(seq)
 
     def on_abort(self, msg: dict) -> None:
         rid = msg["rid"]
@@ -53,16 +59,21 @@ class PrefillWorker(WorkerLoop):
             return  # the decode side waits on it; the lease bounds how long we hold it
         seq = self.seqs.pop(rid, None)
         if seq is not None:
+            if self.pool is not None:
+                self.pool.forget(seq)
             self.runtime.release(seq)
 
     def has_work(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs) or (self.pool is not None and self.pool.busy)
 
     def is_busy(self) -> bool:
         return self.runtime.scheduler.has_work()
 
     def tick(self) -> None:
         self._poll_sends()
+        if self.pool is not None:
+            for seq in self.pool.poll():  # their puts ended: the blocks may go
+                self.runtime.release(seq, "stop")
         step = self.runtime.step()
         for (seq, token), logprobs in zip(step.produced, step.logprobs):
             rid = seq.request_id
@@ -72,8 +83,12 @@ class PrefillWorker(WorkerLoop):
             msg = self.jobs.pop(rid, None)
             if msg is None:  # aborted mid-prefill
                 self.seqs.pop(rid, None)
+                if self.pool is not None:
+                    self.pool.forget(seq)
                 self.runtime.release(seq)
                 continue
+            if self.pool is not None:
+                self.pool.put(seq)
             self.send(token_event(rid, token, logprobs))
             self._post_send(seq, msg)
 
@@ -125,7 +140,8 @@ class PrefillWorker(WorkerLoop):
         rid = seq.request_id
         self.outgoing.pop(rid, None)
         self.seqs.pop(rid, None)
-        self.runtime.release(seq, "stop")
+        if self.pool is None or not self.pool.release(seq):
+            self.runtime.release(seq, "stop")
         if error is None:  # "sent" went out from _report_sent already
             self.counters["sends_ok"] += 1
             self.counters["kv_bytes_sent"] += out.handle.nbytes
@@ -137,4 +153,5 @@ class PrefillWorker(WorkerLoop):
     def stats(self) -> dict:
         sched = self.runtime.scheduler
         return {"waiting": len(sched.waiting), "running": len(sched.running),
-                "sending": len(self.outgoing), "free_blocks": self.runtime.blocks.num_free_blocks}
+                "sending": len(self.outgoing), "free_blocks": self.runtime.blocks.num_free_blocks,
+                **(self.pool.counters if self.pool is not None else {})}

@@ -1,0 +1,64 @@
+"""A store node's Prometheus metrics (``kvxfer store --metrics HOST:PORT``, ``GET /metrics``).
+
+Read from :meth:`StoreNode.stats` at each scrape (no bookkeeping on the hot path), on the
+node's own ``CollectorRegistry``, labelled ``node`` (its name). Counters (``_total``):
+hits, misses, evictions, bad objects (checksum failures reported by readers), requests,
+bad requests, authentication failures. Gauges: objects, pending reservations, pins,
+bytes used, capacity, slots used and in all, connected clients. The endpoint serves
+counts only (no key, slot or secret); bind it where your scraper can reach it.
+"""
+from __future__ import annotations
+
+COUNTERS = {
+    "hits": "Keys a get found committed (and pinned for the reader).",
+    "misses": "Keys a get did not find.",
+    "evictions": "Objects evicted (LRU, above the high watermark).",
+    "bad_objects": "Objects dropped because a reader's checksum failed.",
+    "requests": "Requests served.",
+    "bad_requests": "Requests refused as malformed or oversize.",
+    "auth_failures": "Connections that failed the secret's challenge-response.",
+}
+GAUGES = {
+    "objects": "Committed objects.",
+    "pending": "Reservations not committed yet.",
+    "pins": "Objects pinned by readers now.",
+    "bytes_used": "Bytes of committed objects.",
+    "capacity_bytes": "Bytes of all slots.",
+    "slots_used": "Slots holding a committed or pending object.",
+    "num_slots": "Slots in all.",
+    "clients": "Authenticated clients connected.",
+}
+
+
+class NodeCollector:
+    """A ``prometheus_client`` collector over one node's :meth:`~StoreNode.stats`."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.node.stats()
+        for key, doc in COUNTERS.items():
+            family = CounterMetricFamily(f"kvxfer_store_{key}", doc, labels=["node"])
+            family.add_metric([stats["name"]], float(stats[key]))
+            yield family
+        for key, doc in GAUGES.items():
+            family = GaugeMetricFamily(f"kvxfer_store_{key}", doc, labels=["node"])
+            family.add_metric([stats["name"]], float(stats[key]))
+            yield family
+
+
+def serve_metrics(node, listen: str):
+    """Serve ``node``'s metrics at ``http://listen/metrics`` on a daemon thread; returns
+    ``(http server, its port)``: ``server.shutdown()`` stops it."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--metrics must be HOST:PORT (port 0: any free port), got {listen!r}")
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(node))
+    server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    return server, server.server_address[1]

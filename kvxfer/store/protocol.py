@@ -1,6 +1,6 @@
 """The store's request/reply messages, after the agents' handshake authenticated a client.
 
-Frames are kvxfer's one frame codec (:mod:`kvxfer.control.framing`) with a JSON
+Frames are kvxfer's one frame codec (:mod:`kvxfer.framing`) with a JSON
 payload; keys travel as hex. Every request carries an ``id`` that its reply repeats.
 A node answers every request except RELEASE (fire-and-forget, applied in order):
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import json
 
-from ..control.framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
+from ..framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
 from ..errors import ProtocolError
 from .keys import MAX_KEY_BYTES
 

@@ -43,7 +43,7 @@ def server() -> None:
 
 
 def attacker(address: str, source: str, conns: int, mode: str, full_hello: bool) -> None:
-    from kvxfer.control.messages import Msg, encode
+    from kvxfer.agent.protocol import Msg, encode
 
     host, port = address.rsplit(":", 1)
     hello = encode(Msg.HELLO, nonce=b"\1" * 32)

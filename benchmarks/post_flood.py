@@ -69,7 +69,7 @@ def main() -> None:
     from agent_procs import make_pool
 
     from kvxfer import Agent
-    from kvxfer.control.messages import Msg, encode
+    from kvxfer.agent.protocol import Msg, encode
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--victim"], stdin=subprocess.PIPE,

@@ -19,7 +19,7 @@ import time
 from rtt_pools import pool  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 SECRET = b"0123456789abcdef-rtt"
 def patch(marks):
-    import kvxfer.control.loop as L, kvxfer.control.posts as P, kvxfer.control.shipping as S
+    import kvxfer.agent.io_loop as L, kvxfer.agent.sender as P, kvxfer.agent.datapath as S
     r = L.IOLoop._read
     def _read(self, conn):
         marks.append(("read", time.perf_counter())); return r(self, conn)
@@ -47,7 +47,7 @@ if __name__ == "__main__":
     from kvxfer import Agent
     N = 300
     dm = []; patch(dm)
-    import kvxfer.control.receiver as R
+    import kvxfer.agent.receiver as R
     dl = R.Receiver._delivered
     def _del(self, *a, **k):
         dm.append(("deliv0", time.perf_counter())); x = dl(self, *a, **k); dm.append(("deliv1", time.perf_counter())); return x

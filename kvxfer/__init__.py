@@ -38,7 +38,7 @@ _LAZY = {
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
     "AgentConfig": "kvxfer.config",
-    "PeerLimits": "kvxfer.control.limits",
+    "PeerLimits": "kvxfer.config",
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
     "shared_empty": "kvxfer.shared_memory",

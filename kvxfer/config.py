@@ -17,7 +17,6 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .control.limits import PeerLimits
 
 HUGEPAGES_MODES = ("advise", "collapse", "off")
 PATHS = ("auto", "zero_copy", "pack")
@@ -34,6 +33,57 @@ ENV_OVERRIDES = {
 }
 MAX_TCP_LANES = 16  # csrc/stripe.h kMaxTcpLanes
 MAX_SPIN_S = 0.01  # a busy-poll window is bounded: at most 10 ms of a core per event
+
+# ---- per-peer bounds (what connected peers can make an agent hold; docs/api.md, "Limits")
+MAX_POSTS_PER_PEER = 16384  # unmatched RECV_POSTs cached per peer (oldest dropped)
+MAX_POSTED_BLOCKS_PER_PEER = 1 << 20  # block ids across those posts (oldest dropped)
+MAX_TOMBSTONES_PER_PEER = 4096  # request ids a peer ended before we sent them (oldest dropped)
+MAX_TOMBSTONE_BYTES_PER_PEER = 1 << 20  # their bytes (TOMBSTONE_OVERHEAD + id + reason each)
+MAX_NOTIFY_BYTES = 1 << 20  # one NOTIFY payload
+MAX_NOTES_PER_PEER = 1024  # notifications queued and not yet drained, per peer
+MAX_NOTE_BYTES_PER_PEER = 16 << 20  # their bytes
+MAX_STAGE_REQS_PER_PEER = 16  # staging requests waiting or granted and not yet used, per peer
+
+# totals over all peers of one agent
+MAX_POSTS_PER_AGENT = 65536
+MAX_POSTED_BLOCKS_PER_AGENT = 4 << 20
+MAX_TOMBSTONES_PER_AGENT = 16384
+MAX_TOMBSTONE_BYTES_PER_AGENT = 8 << 20
+MAX_NOTES_PER_AGENT = 4096
+MAX_NOTE_BYTES_PER_AGENT = 64 << 20
+MAX_STAGE_REQS_PER_AGENT = 1024
+
+# what a tombstone costs besides the characters of its request id and reason: the
+# two str headers, the (xid, code, reason, nbytes) tuple, its ints and the table slot
+TOMBSTONE_OVERHEAD = 256
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """The bounds above (enforced by :mod:`kvxfer.agent.peers`), as one frozen value (``AgentConfig.limits``): the ``max_*`` fields
+    bound each peer, the ``max_agent_*`` fields the sum over all peers of the agent."""
+
+    max_posts: int = MAX_POSTS_PER_PEER
+    max_posted_blocks: int = MAX_POSTED_BLOCKS_PER_PEER
+    max_tombstones: int = MAX_TOMBSTONES_PER_PEER
+    max_tombstone_bytes: int = MAX_TOMBSTONE_BYTES_PER_PEER
+    max_notify_bytes: int = MAX_NOTIFY_BYTES
+    max_notes: int = MAX_NOTES_PER_PEER
+    max_note_bytes: int = MAX_NOTE_BYTES_PER_PEER
+    max_stage_reqs: int = MAX_STAGE_REQS_PER_PEER
+    max_agent_posts: int = MAX_POSTS_PER_AGENT
+    max_agent_posted_blocks: int = MAX_POSTED_BLOCKS_PER_AGENT
+    max_agent_tombstones: int = MAX_TOMBSTONES_PER_AGENT
+    max_agent_tombstone_bytes: int = MAX_TOMBSTONE_BYTES_PER_AGENT
+    max_agent_notes: int = MAX_NOTES_PER_AGENT
+    max_agent_note_bytes: int = MAX_NOTE_BYTES_PER_AGENT
+    max_agent_stage_reqs: int = MAX_STAGE_REQS_PER_AGENT
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"PeerLimits.{name} must be an int >= 1, got {value!r}")
+
 
 
 @dataclass(frozen=True)
@@ -58,7 +108,7 @@ class AgentConfig:
       gain was measured on a 2-core machine (both cores busy copying bytes), more
       lanes are for machines with cores to spare (docs/benchmarks.md, "Striping one
       request over several TCP connections").
-    - ``limits``: per-peer bounds (:class:`~kvxfer.control.limits.PeerLimits`).
+    - ``limits``: per-peer bounds (:class:`PeerLimits`).
     - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
     - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX
       target while a recv is pending / otherwise (a backstop behind its event fd).

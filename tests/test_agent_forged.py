@@ -11,9 +11,9 @@ import torch
 
 import kvxfer
 from kvxfer import Agent
-from kvxfer.control.framing import encode_frame
-from kvxfer.control.messages import Msg, encode
-from kvxfer.control.shipping import _GrantWait
+from kvxfer.framing import encode_frame
+from kvxfer.agent.protocol import Msg, encode
+from kvxfer.agent.datapath import _GrantWait
 from kvxfer.errors import InvalidDescriptor, ProtocolError
 
 from agent_procs import SECRET, make_pool
@@ -186,7 +186,7 @@ def test_sender_layers_must_cover_the_receivers(agents):
 
 
 def _raw(msg: Msg, *fields) -> bytes:
-    """A frame of ``msg`` with a binary payload built field by field (``kvxfer.control.wire``
+    """A frame of ``msg`` with a binary payload built field by field (``kvxfer.agent.protocol``
     layout), so a test can put a value there that no encoder would write."""
     import struct
 

@@ -14,9 +14,10 @@ import torch
 
 import kvxfer
 from kvxfer import Agent
-from kvxfer.control import limits
-from kvxfer.control.framing import HEADER
-from kvxfer.control.messages import Msg, encode
+from kvxfer import config as limits
+from kvxfer.agent.peers import AgentBook, tombstone_nbytes
+from kvxfer.framing import HEADER
+from kvxfer.agent.protocol import Msg, encode
 
 from agent_procs import SECRET, make_pool
 
@@ -190,7 +191,7 @@ def test_refused_posts_leave_small_plain_tombstones_that_go_with_the_peer(agents
 
 def test_cached_posts_and_tombstones_are_bounded_per_agent(agents):
     lim = limits.PeerLimits(max_agent_posts=100, max_agent_posted_blocks=150, max_agent_tombstones=120,
-                            max_agent_tombstone_bytes=200 * limits.tombstone_nbytes("t-00", "x" * 64))
+                            max_agent_tombstone_bytes=200 * tombstone_nbytes("t-00", "x" * 64))
     p = agents("p", 1, config=kvxfer.AgentConfig(limits=lim))
     floods = [agents(f"flood{k}") for k in range(4)]
     for k, f in enumerate(floods):
@@ -228,7 +229,7 @@ def test_undrained_notifications_are_bounded_per_agent(agents):
 
 
 def test_staging_requests_are_bounded_per_agent_and_freed_with_their_peer():
-    books = limits.AgentBook(limits.PeerLimits(max_stage_reqs=2, max_agent_stage_reqs=3))
+    books = AgentBook(limits.PeerLimits(max_stage_reqs=2, max_agent_stage_reqs=3))
     a, b = books.open(1), books.open(2)
     a.add_stage_req()
     a.add_stage_req()

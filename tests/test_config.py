@@ -10,7 +10,7 @@ import torch
 
 import kvxfer
 from kvxfer import Agent, AgentConfig
-from kvxfer.control.limits import PeerLimits
+from kvxfer.config import PeerLimits
 
 from agent_procs import SECRET, make_pool
 

@@ -16,10 +16,11 @@ import time
 import pytest
 
 from kvxfer import Agent, AgentConfig
-from kvxfer.control import auth, gate
-from kvxfer.control.framing import recv_frame
-from kvxfer.control.handshake import client_handshake
-from kvxfer.control.messages import Msg, decode, encode
+from kvxfer.agent import handshake as auth
+from kvxfer.agent import handshake as gate
+from kvxfer.framing import recv_frame
+from kvxfer.agent.handshake import client_handshake
+from kvxfer.agent.protocol import Msg, decode, encode
 from kvxfer.errors import AuthenticationError, ConnectionRefused, PeerDisconnected
 
 from agent_procs import SECRET, make_pool

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.control import auth
-from kvxfer.control.framing import HEADER, MAX_PAYLOAD, FrameReader, encode_frame
-from kvxfer.control.handshake import ServerHandshake
-from kvxfer.control.messages import SCHEMAS, Msg, decode, encode
+from kvxfer.agent import handshake as auth
+from kvxfer.framing import HEADER, MAX_PAYLOAD, FrameReader, encode_frame
+from kvxfer.agent.handshake import ServerHandshake
+from kvxfer.agent.protocol import SCHEMAS, Msg, decode, encode
 from kvxfer.errors import AuthenticationError, KVXferError, LayoutMismatch, ProtocolError
 from kvxfer.transport.descriptors import Geometry
 

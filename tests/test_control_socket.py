@@ -11,8 +11,8 @@ import time
 import pytest
 
 from kvxfer import Agent
-from kvxfer.control.framing import HEADER
-from kvxfer.control.messages import Msg, encode
+from kvxfer.framing import HEADER
+from kvxfer.agent.protocol import Msg, encode
 from kvxfer.errors import AuthenticationError, LayoutMismatch, ProtocolError
 
 from agent_procs import SECRET, make_pool
@@ -166,8 +166,8 @@ def test_client_rejects_server_speaking_another_version():
 def test_slow_reader_never_blocks_the_sender(server):
     """Flood a peer that does not read: send() returns at once, order is kept,
     and everything arrives once the reader drains."""
-    from kvxfer.control.framing import FrameReader
-    from kvxfer.control.messages import decode
+    from kvxfer.framing import FrameReader
+    from kvxfer.agent.protocol import decode
 
     a, b = socket.socketpair()
     closed = []

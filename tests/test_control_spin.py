@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvxfer import AgentConfig, _native
-from kvxfer.control.loop import IOLoop
+from kvxfer.agent.io_loop import IOLoop
 
 from agent_procs import loopback_pair
 from waiting import until
@@ -215,8 +215,8 @@ def test_agents_move_bytes_and_go_idle(spin_s):
 
 
 def test_no_polling_while_a_bulk_copy_wants_the_cores(monkeypatch):
-    import kvxfer.control.receiver as receiver
-    from kvxfer.control.workers import Worker
+    import kvxfer.agent.receiver as receiver
+    from kvxfer.agent.threads import Worker
 
     w = Worker("spin-test")
     release = threading.Event()

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from kvxfer.control.loop import IOLoop
+from kvxfer.agent.io_loop import IOLoop
 
 from agent_procs import loopback_pair
 from waiting import until

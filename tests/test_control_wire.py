@@ -1,4 +1,4 @@
-"""The binary payloads of RECV_POST, MATCHED and DATA_DONE (kvxfer.control.wire):
+"""The binary payloads of RECV_POST, MATCHED and DATA_DONE (kvxfer.agent.protocol):
 every field round-trips, and any malformed payload is a ProtocolError, never
 another exception or a half-decoded message."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.control.framing import FrameReader
-from kvxfer.control.messages import BINARY, Msg, decode, encode
-from kvxfer.control.wire import MAX_LIST, MAX_STR
+from kvxfer.framing import FrameReader
+from kvxfer.agent.protocol import BINARY, Msg, decode, encode
+from kvxfer.agent.protocol import MAX_LIST, MAX_STR
 from kvxfer.errors import ProtocolError
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

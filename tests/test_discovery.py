@@ -147,7 +147,7 @@ def test_worker_channel_authenticates_and_aborts_on_router_loss():
 def test_worker_channel_refuses_a_large_frame_before_auth():
     import socket
 
-    from kvxfer.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, read_frame
+    from kvxfer.framing import HEADER, MAGIC, PROTOCOL_VERSION, read_frame
     from kvxfer.serving.server import ipc
     from kvxfer.serving.server.netchannel import PRE_AUTH_MAX_BYTES
 

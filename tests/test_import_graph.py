@@ -19,7 +19,7 @@ import pytest
 import kvxfer
 
 ROOT = Path(kvxfer.__file__).parent
-CORE = ["*.py", "control/*.py", "transport/*.py", "kernels/*.py"]
+CORE = ["*.py", "agent/*.py", "transport/*.py", "kernels/*.py"]
 OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report", "store")
 PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport")
 
@@ -100,7 +100,7 @@ def test_bench_and_loadgen_use_the_public_surface_only(area):
     ("from .._native import load", "kvxfer._native.load (private)"),
     ("from ..kernels.cpu import num_threads", "kvxfer.kernels.cpu (internal module)"),
     ("from ..kernels import prepare_pack", "kvxfer.kernels.prepare_pack (not in kvxfer.kernels.__all__)"),
-    ("import kvxfer.control.sender", "kvxfer.control.sender (internal module)"),
+    ("import kvxfer.agent.sender", "kvxfer.agent.sender (internal module)"),
     ("from ..agent import Agent", "kvxfer.agent (internal module)"),
     ("from .endpoint import _pattern", "kvxfer.bench.endpoint._pattern (private)"),
     ("from .. import runs", "kvxfer.runs (not in kvxfer.__all__)"),

@@ -118,7 +118,7 @@ def test_agents_move_pools_registered_in_parts(monkeypatch, path):
     chunk = 5000
     fake = lambda device: (lambda addr: (addr - addr % chunk, chunk))  # noqa: E731
     monkeypatch.setattr(kvxfer.cuda_ranges, "oracle_for", fake)
-    monkeypatch.setattr(kvxfer.control.registration, "oracle_for", fake)
+    monkeypatch.setattr(kvxfer.agent.pool, "oracle_for", fake)
     pl, dl = make_pool("N L 2 B H D", 1), make_pool("2 N B H D", None)
     p = Agent("p", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
     d = Agent("d", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
@@ -142,7 +142,7 @@ def test_agents_move_pools_registered_in_parts(monkeypatch, path):
 
 
 def test_split_descs_cuts_both_sides():
-    from kvxfer.control.parts import split_descs
+    from kvxfer.agent.pool import split_descs
 
     local = {1: ((1, 0, 100), (7, 100, 50))}
     remote = {4: ((4, 0, 30), (5, 30, 200))}

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer.control import auth
-from kvxfer.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame, parse_header
-from kvxfer.control.messages import Msg, decode, encode as encode_msg
+from kvxfer.agent import handshake as auth
+from kvxfer.framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame, parse_header
+from kvxfer.agent.protocol import Msg, decode, encode as encode_msg
 from kvxfer.store.conn import NodeConn, NodeError
 from kvxfer.store.node import StoreNode
 from kvxfer.store.objects import ObjectFormat

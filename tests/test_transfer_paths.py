@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvxfer.control.staging import ALIGN, StagingRing
+from kvxfer.agent.pool import ALIGN, StagingRing
 from kvxfer.transport.descriptors import Geometry, coalesce, count_runs, zero_copy_descs
 from kvxfer.transport.paths import CostModel, pack_chunks
 

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 
-from ..control import auth
+from ..agent.handshake import normalize_secret
 from ..errors import AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
 from ..handle import HandleCompleter
 from . import index as ix
@@ -77,7 +77,7 @@ class KVStore:
             raise ValueError("give exactly one of nodes=[...] or discovery='etcd://...'")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
-        self._secret = auth.normalize_secret(secret)
+        self._secret = normalize_secret(secret)
         self.replicas, self.timeout, self.retry_s = replicas, float(timeout), float(retry_s)
         self.checksum = bool(checksum)
         self._lock = threading.Lock()
@@ -569,7 +569,7 @@ class KVStore:
 
 
 def _check_address(a) -> str:
-    from ..control.peers import split_address
+    from ..agent.peers import split_address
 
     if not isinstance(a, str):
         raise TypeError(f"node addresses must be 'HOST:PORT' strings, got {type(a).__name__}")

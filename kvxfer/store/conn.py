@@ -1,7 +1,7 @@
 """A client's connection to one store node: the handshake, then request/reply.
 
 :meth:`NodeConn.open` authenticates with the agents' handshake
-(:func:`kvxfer.control.handshake.client_handshake`) and connects the client's backend
+(:func:`kvxfer.agent.handshake.client_handshake`) and connects the client's backend
 to the node's memory (the metadata arrives only after both sides proved the secret).
 Requests are synchronous per connection (``lock`` held by the caller); a node that does
 not answer within ``timeout`` or drops the connection raises
@@ -16,9 +16,9 @@ import socket
 import threading
 import uuid
 
-from ..control.framing import HEADER, parse_header
-from ..control.handshake import client_handshake
-from ..control.peers import split_address
+from ..framing import HEADER, parse_header
+from ..agent.handshake import client_handshake
+from ..agent.peers import split_address
 from ..errors import KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
 from .node import CLIENT_INFO, STORE_INFO
 from .protocol import MAX_REQUEST_BYTES, REPLY, encode

@@ -4,7 +4,7 @@ It owns one registered host buffer of ``num_slots`` fixed-size slots (a
 :func:`kvxfer.shared_empty` pool: same-host clients map it once and copy with
 ``memcpy``; other hosts reach it through UCX), a :class:`~kvxfer.store.index.SlotIndex`
 and a listening socket. Clients authenticate with the agents' handshake
-(:mod:`kvxfer.control.handshake`, the deployment's shared secret); only then does the
+(:mod:`kvxfer.agent.handshake`, the deployment's shared secret); only then does the
 node send its backend metadata (the memory keys). The bytes of objects never cross the
 socket: clients write and read slots one-sided, and the socket carries the requests of
 :mod:`kvxfer.store.protocol`.
@@ -27,11 +27,11 @@ import threading
 import time
 import uuid
 
-from ..control import auth
-from ..control.framing import FrameReader
-from ..control.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
-from ..control.messages import Msg, decode
-from ..control.peers import split_address
+from ..agent.handshake import normalize_secret
+from ..framing import FrameReader
+from ..agent.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
+from ..agent.protocol import Msg, decode
+from ..agent.peers import split_address
 from ..errors import KVXferError, LayoutMismatch, ProtocolError
 from . import index as ix
 from .protocol import REPLY, Req, RequestReader, encode, parse_request
@@ -82,7 +82,7 @@ class StoreNode:
                 raise TypeError(f"{label} must be an int, got {type(value).__name__}")
         if slot_bytes < 1 or capacity_bytes < slot_bytes:
             raise ValueError(f"capacity ({capacity_bytes} B) must hold at least one slot of {slot_bytes} B")
-        self._secret = auth.normalize_secret(secret)
+        self._secret = normalize_secret(secret)
         num_slots = capacity_bytes // slot_bytes
         self.index = ix.SlotIndex(num_slots, slot_bytes, high_watermark=high_watermark)
         self.lease_s = float(lease_s)

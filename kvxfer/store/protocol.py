@@ -1,6 +1,6 @@
 """The store's request/reply messages, after the agents' handshake authenticated a client.
 
-Frames are kvxfer's one frame codec (:mod:`kvxfer.control.framing`) with a JSON
+Frames are kvxfer's one frame codec (:mod:`kvxfer.framing`) with a JSON
 payload. A request's ``keys`` travel in binary after the JSON, past a NUL byte, back to
 back, with their lengths in the JSON's ``keys`` (:func:`pack_keys`), so that 64 keys cost
 one join to encode and one slice each to parse. Every request carries an ``id`` that its reply repeats.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import json
 
-from ..control.framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
+from ..framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
 from ..errors import ProtocolError
 from .keys import MAX_KEY_BYTES
 

@@ -3,7 +3,7 @@
 The launcher creates a ``socket.socketpair()`` per worker and passes one end to
 the child by file descriptor (``--ipc-fd``), so the channel needs no port, no
 address and no authentication: only the two processes hold it. A message is a
-JSON object in one frame of kvxfer's frame codec (:mod:`kvxfer.control.framing`,
+JSON object in one frame of kvxfer's frame codec (:mod:`kvxfer.framing`,
 type :data:`IPC_MSG`). JSON, not pickle: a worker never executes what it reads.
 
 Message vocabulary (``op`` router -> worker, ``ev`` worker -> router; every
@@ -41,7 +41,7 @@ import queue
 import socket
 import threading
 
-from ...control.framing import json_frame, json_payload, read_frame, read_frame_async
+from ...framing import json_frame, json_payload, read_frame, read_frame_async
 from ...errors import ProtocolError
 
 log = logging.getLogger("kvxfer.worker")

@@ -33,7 +33,7 @@ import select
 import socket
 import threading
 
-from ...control.auth import MIN_SECRET_BYTES
+from ...agent.handshake import MIN_SECRET_BYTES
 from ...errors import AuthenticationError, ProtocolError
 from .ipc import RouterChannel, encode, recv_message, recv_message_async
 
@@ -63,7 +63,7 @@ class NetWorkerChannel:
     message every newly connected router receives first."""
 
     def __init__(self, listen: str, secret: bytes):
-        from ...control.peers import split_address
+        from ...agent.peers import split_address
 
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError("the shared secret must be at least 16 bytes")
@@ -210,7 +210,7 @@ async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> 
     """Router end: connect, prove the secret, check the worker's proof; returns the
     channel and the worker's ``ready`` message. Raises ``OSError``/``asyncio.TimeoutError``,
     :class:`AuthenticationError` or :class:`ProtocolError`."""
-    from ...control.peers import split_address
+    from ...agent.peers import split_address
 
     host, port = split_address(address)
 

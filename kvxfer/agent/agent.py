@@ -5,12 +5,12 @@ connected peer where request ``req`` goes (its block ids, layers and heads); P's
 :meth:`Agent.send` writes there as soon as both sides are known, either first.
 Completion on both sides means the data is visible in D's blocks.
 
-The agent is a facade over parts that each own their share (``kvxfer/control/``):
-an :class:`~kvxfer.control.state.AgentState` they share (lock, backend, pool,
-peers), the :class:`~kvxfer.control.sender.Sender` (P side), the
-:class:`~kvxfer.control.receiver.Receiver` (D side), the
-:class:`~kvxfer.control.connections.Connections` (handshakes, peers, routing of
-frames) and the I/O loop with its :class:`~kvxfer.control.progress.BackendDriver`.
+The agent is a facade over components that each own their share (``kvxfer/agent/``):
+an :class:`~kvxfer.agent.state.AgentState` they share (lock, backend, pool,
+peers), the :class:`~kvxfer.agent.sender.Sender` (P side), the
+:class:`~kvxfer.agent.receiver.Receiver` (D side), the
+:class:`~kvxfer.agent.peers.Connections` (handshakes, peers, routing of
+frames) and the I/O loop with its :class:`~kvxfer.agent.threads.BackendDriver`.
 
 Threads per agent: one I/O thread (control sockets, timers; blocks in ``select``),
 one send worker (pack, large writes) and one receive worker (unpack). A small
@@ -22,24 +22,22 @@ from __future__ import annotations
 
 import uuid
 
-from .config import AgentConfig
-from .control import auth
-from .control.connections import Connections, listen as listen_socket
-from .control.loop import IOLoop
-from .control.messages import Msg
-from .control.notes import Notifications
-from .control.peers import Peer, split_address
-from .control.progress import BackendDriver
-from .control.receiver import Receiver
-from .control.registration import register_pool
-from .control.sender import Sender
-from .control.state import AgentState
-from .errors import KVXferError, RegistrationError
-from .kernels.device import device_for
-from .lease import LeaseTable
-from .metrics import Metrics
-from .timeouts import check_timeout
-from .transport.paths import CostModel
+from ..config import AgentConfig
+from ..errors import KVXferError, RegistrationError
+from ..kernels.device import device_for
+from ..lease import LeaseTable
+from ..metrics import Metrics
+from ..timeouts import check_timeout
+from ..transport.paths import CostModel
+from .handshake import normalize_secret
+from .io_loop import IOLoop
+from .peers import Connections, Peer, listen as listen_socket, split_address
+from .pool import register_pool
+from .protocol import Msg
+from .receiver import Notifications, Receiver
+from .sender import Sender
+from .state import AgentState
+from .threads import BackendDriver
 
 __all__ = ["Agent", "AgentConfig", "Peer"]
 
@@ -73,7 +71,7 @@ class Agent:
         self.agent_id = uuid.uuid4().hex
         self.metrics = Metrics(self.name)
         self.leases = LeaseTable(config.lease_timeout, on_release)
-        secret = auth.normalize_secret(secret)
+        secret = normalize_secret(secret)
         host, _ = split_address(listen)
         back = _make_backend(backend, host, config)
         caps = back.capabilities()
@@ -318,8 +316,8 @@ class Agent:
 def _make_backend(spec, listen_host: str, config: AgentConfig):
     """The agent's backend: ``spec`` itself if it is one, else built by name with the
     config's transport knobs, narrowed to the devices holding ``listen_host``."""
-    from .transport import make_backend
-    from .transport.base import Backend
+    from ..transport import make_backend
+    from ..transport.base import Backend
 
     if isinstance(spec, Backend) or spec == "loopback":
         return make_backend(spec)

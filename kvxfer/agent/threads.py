@@ -1,4 +1,8 @@
-"""Driving the backend from the I/O thread (target-side progress).
+"""The agent's threads besides the I/O loop: the FIFO worker, and the backend driver.
+
+:class:`Worker` is one daemon thread that runs jobs (descriptors/pack/post/wait,
+unpack) off the I/O thread. :class:`BackendDriver` drives the backend from the I/O
+thread (target-side progress).
 
 UCX serves emulated RMA (TCP), and accepts and reaps the connections peers open
 and close, only while this process progresses it. The backend's event fd
@@ -13,11 +17,58 @@ missed wake-up costs at most that).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 
 from ..errors import KVXferError
 from .state import AgentState
 
+
 log = logging.getLogger("kvxfer.agent")
+
+
+class Worker:
+    """One daemon thread draining a FIFO of callables. A job fails its own request on
+    error; should one still raise, it is logged and the worker goes on (a dead worker
+    would stall every later transfer)."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._jobs = 0  # submitted and not finished
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job) -> None:
+        with self._lock:
+            self._jobs += 1
+        self._q.put(job)
+
+    def idle(self) -> bool:
+        """No job queued or running (a hint: read without the lock)."""
+        return self._jobs == 0
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the queued jobs, then end the thread (joined unless called from it)."""
+        self._q.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - second line of defence, logged
+                log.exception("kvxfer worker job raised")
+            finally:
+                with self._lock:
+                    self._jobs -= 1
+
+
+# ---- target-side progress --------------------------------------------------------
 
 
 class BackendDriver:

@@ -20,11 +20,11 @@ from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolEr
                       TransferTimeout)
 from ..transport.descriptors import count_runs, overlap, zero_copy_descs
 from ..transport.paths import pack_chunks
-from .messages import Msg, encode
-from .ops import SendOp
-from .parts import split_descs
-from .state import AgentState
-from .workers import Worker
+from .pool import split_descs
+from .protocol import Msg, encode
+from .state import AgentState, SendOp
+from .threads import Worker
+
 
 log = logging.getLogger("kvxfer")
 
@@ -40,7 +40,7 @@ class _GrantWait:
 
 
 class Shipper:
-    """Moves the pieces of the :class:`~kvxfer.control.sender.Sender`'s ops; owns the send
+    """Moves the pieces of the :class:`~kvxfer.agent.sender.Sender`'s ops; owns the send
     worker, the staging grants it waits for and the ACKs it expects."""
 
     def __init__(self, state: AgentState, sender) -> None:

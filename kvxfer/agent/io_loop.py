@@ -8,11 +8,16 @@ outstanding: a reply that follows a request is then read without a thread
 wake-up (tens of µs for both sides on a VM), and an idle agent still blocks. Frames are decoded here and
 handed to the connection's handler; a connection whose bytes do not parse is
 closed alone, the others keep running. A whole frame whose per-request payload
-does not decode (:class:`~.wire.MalformedPayload`) goes to the handler's
+does not decode (:class:`~kvxfer.agent.protocol.MalformedPayload`) goes to the handler's
 ``on_malformed``, which may fail just the request it names and keep the connection. Any thread may *send* (``Conn.send``
 queues the frame and writes what the socket takes at once; this thread flushes
 the rest when the socket becomes writable, so no thread ever blocks on a slow
 peer); only this thread reads.
+
+
+:class:`Conn` is one TCP control connection of the loop; the two are one concept
+(the loop reads and flushes a connection's buffers, a connection asks the loop to
+watch it for writability or to close it).
 """
 from __future__ import annotations
 
@@ -26,9 +31,9 @@ import time
 
 from .. import _native
 from ..errors import KVXferError, ProtocolError
-from .conn import Conn
-from .messages import decode
-from .wire import MalformedPayload
+from ..framing import FrameReader
+from .protocol import MalformedPayload, decode
+
 
 log = logging.getLogger("kvxfer")
 
@@ -327,3 +332,82 @@ class IOLoop:
             if not isinstance(exc, KVXferError):  # a handler bug: say where, then drop the peer
                 log.exception("control frame handler raised; closing the connection")
             self._close(conn, exc if isinstance(exc, KVXferError) else ProtocolError(repr(exc)))
+
+
+# ---- one control connection -----------------------------------------------------
+MAX_OUTBUF = 64 << 20  # a peer that stops reading this much control traffic is dropped
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)
+
+
+class Conn:
+    """One TCP control connection; ``handler`` gets ``on_frame``/``on_close`` callbacks."""
+
+    def __init__(self, sock: socket.socket, handler, loop: IOLoop) -> None:
+        self.sock = sock
+        self.handler = handler
+        self.loop = loop
+        self.reader = FrameReader()
+        self.closed = False
+        self.peer = None  # set by the agent once the handshake completed
+        self._send_lock = threading.Lock()
+        self._out = bytearray()  # bytes the socket did not take yet; the loop flushes them
+        sock.setblocking(False)
+
+    def send(self, frame: bytes, more: bool = False) -> bool:
+        """Queue one whole frame and write what the socket takes now; never blocks.
+
+        Returns False (and the connection closes) if the peer is gone or stopped
+        reading. Frames keep their order; the I/O thread flushes the rest.
+        ``more``: another frame follows shortly from this thread; the kernel may hold
+        this one back (``MSG_MORE``, at most ~200 ms) to send both in one segment. A
+        held frame still reaches the peer if this process dies (close flushes it).
+        """
+        err = None
+        with self._send_lock:
+            if self.closed:
+                return False
+            was_idle = not self._out
+            if was_idle:  # common case: hand the frame to the kernel without copying it
+                try:
+                    sent = self.sock.send(frame, _MSG_MORE if more else 0)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError as exc:
+                    err, sent = exc, len(frame)
+                if sent < len(frame):
+                    self._out += memoryview(frame)[sent:]
+            else:
+                self._out += frame
+            if err is None and len(self._out) > MAX_OUTBUF:
+                err = ConnectionError("peer stopped reading its control connection")
+            need_write = err is None and was_idle and bool(self._out)
+        if err is not None:
+            self.loop.close_conn(self, err)
+            return False
+        if need_write:
+            self.loop.call_soon(lambda: self.loop._watch_write(self, True))
+        return True
+
+    def _flush_locked(self):
+        try:
+            while self._out:
+                sent = self.sock.send(self._out)
+                del self._out[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            return exc
+        return None
+
+    def flush(self) -> None:
+        """I/O thread: the socket is writable."""
+        with self._send_lock:
+            err = None if self.closed else self._flush_locked()
+            idle = not self._out
+        if err is not None:
+            self.loop._close(self, err)
+        elif idle:
+            self.loop._watch_write(self, False)
+
+    def __repr__(self) -> str:
+        return f"<Conn fd={self.sock.fileno() if not self.closed else -1} peer={self.peer!r}>"

@@ -3,8 +3,8 @@
 A frame is an 8-byte header ``!2sBBI`` -- magic ``b"KX"``, protocol version,
 message type, payload length -- followed by ``length`` payload bytes. The
 payload is a UTF-8 JSON object (or, for the agents' per-request messages, the
-binary layout of :mod:`kvxfer.control.wire`): the agents' control messages
-(validated by :mod:`kvxfer.control.messages`) and the serving stack's router <-> worker
+binary layout of :mod:`kvxfer.agent.protocol`): the agents' control messages
+(validated by :mod:`kvxfer.agent.protocol`) and the serving stack's router <-> worker
 messages (:mod:`kvxfer.serving.server.ipc`, :func:`json_frame`/:func:`json_payload`).
 Every reader takes the largest payload it accepts for that stream and state
 (e.g. 4 KiB before a peer has authenticated).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import struct
 
-from ..errors import ProtocolError
+from .errors import ProtocolError
 
 MAGIC = b"KX"
 PROTOCOL_VERSION = 1

@@ -9,22 +9,27 @@ every requested layer has all of this rank's heads.
 After a recv fails or is cancelled, its blocks stay leased until every peer
 that could still write into them confirmed (CANCEL_ACK) or disconnected: a
 block is never handed back while a late write may land in it.
+
+
+:class:`Notifications` (the D side of one-sided writes) keeps the ``notify``
+payloads that arrived, until drained. :func:`check_piece` / :func:`check_chunk_shape`
+check what a sender says about a piece against what this agent knows before any
+of it is used.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 
 from ..errors import (InvalidDescriptor, KVXferError, PeerDisconnected, ProtocolError, TransferCancelled,
                       TransferTimeout)
 from ..handle import HandleCompleter
-from .checks import check_chunk_shape, check_piece, code_of, error_from
-from .messages import Msg, encode
-from .ops import RecvOp, stop_timer
-from .shipping import INLINE_BYTES
 from ..timeouts import check_timeout
-from .state import AgentState, request_id as request_id_of
-from .workers import Worker
+from .datapath import INLINE_BYTES
+from .protocol import Msg, code_of, distinct_below, encode, error_from
+from .state import AgentState, RecvOp, request_id as request_id_of, stop_timer
+from .threads import Worker
 
 
 class Receiver:
@@ -352,3 +357,75 @@ class Receiver:
     def stop(self) -> None:
         """End the receive worker (after :meth:`close` and the staging rings closed)."""
         self.worker.stop()
+
+
+# ---- notifications --------------------------------------------------------------
+class Notifications:
+    """NOTIFY messages received, in order; undrained ones count against their peer's limits."""
+
+    def __init__(self, state: AgentState) -> None:
+        self._s = state
+        self._queue: collections.deque = collections.deque()
+
+    def handlers(self) -> dict:
+        return {Msg.NOTIFY: self._on_notify}
+
+    def _on_notify(self, peer, f: dict) -> None:
+        with self._s.lock:
+            peer.book.add_note(len(f["data"]))  # LimitExceeded closes this peer only
+            self._queue.append((peer, f["data"]))
+        self._s.metrics.inc("notifications")
+
+    def drain(self) -> list:
+        """``[(peer, bytes), ...]`` received since the last call, in order."""
+        with self._s.lock:
+            out = list(self._queue)
+            self._queue.clear()
+            for peer, data in out:
+                peer.book.drain_note(len(data))
+        return out
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+
+# ---- checks of a sender's pieces ------------------------------------------------
+def check_piece(op, layout, peer, f: dict):
+    """A DATA_DONE for recv ``op`` from ``peer``, against what ``op`` asked for.
+
+    Returns the positions of its blocks in the request (None: all of them, the
+    zero-copy case). Raises ProtocolError (wrong peer) or InvalidDescriptor.
+    """
+    if peer not in op.matched:
+        raise ProtocolError(f"DATA_DONE for {op.req!r} from {peer.name!r}, which never matched it")
+    layers, heads = f["layers"], tuple(f["heads"])
+    distinct = set(layers)
+    if not layers or len(distinct) != len(layers) or not distinct <= op.coverage.layers:
+        raise InvalidDescriptor(f"DATA_DONE layers {layers[:8]} are not part of {op.req!r}")
+    theirs = peer.geometry.head_range if peer.geometry is not None else (0, 0)
+    if not (max(op.heads[0], theirs[0]) <= heads[0] < heads[1] <= min(op.heads[1], theirs[1])):
+        raise InvalidDescriptor(f"DATA_DONE heads {heads} outside {op.heads} and the sender's {theirs}")
+    if f["pack"]:
+        pos = op.coverage.positions(f["blocks"])
+        if pos is None:
+            raise InvalidDescriptor(f"DATA_DONE names blocks that are not (distinct) blocks of {op.req!r}")
+        nblocks = len(pos)
+    else:
+        if f["blocks"]:
+            raise InvalidDescriptor("a zero-copy DATA_DONE covers the whole request and names no blocks")
+        pos, nblocks = None, len(op.blocks)
+    # = layout.wire_nbytes(nblocks, layers, heads): the layers are distinct layers of op,
+    # i.e. already resolved against this layout, so they need no second resolution
+    if len(layers) * nblocks * layout.block_nbytes(heads) != f["nbytes"]:
+        raise InvalidDescriptor(f"DATA_DONE of {f['nbytes']} B does not match its blocks, layers and heads")
+    return pos
+
+
+def check_chunk_shape(layout, f: dict) -> None:
+    """A pack chunk with no request (one-sided write): inside this pool, sized right."""
+    blocks, layers, heads = f["blocks"], f["layers"], tuple(f["heads"])
+    own = layout.head_range
+    if (not distinct_below(blocks, layout.num_blocks) or not distinct_below(layers, layout.num_layers)
+            or not own[0] <= heads[0] < heads[1] <= own[1]
+            or layout.wire_nbytes(len(blocks), layers, heads) != f["nbytes"]):
+        raise InvalidDescriptor("pack chunk outside this pool or of the wrong size")

@@ -1,0 +1,245 @@
+"""Authentication and admission of control connections: HMAC proofs, both halves of
+the handshake, and the pre-auth gate.
+
+Mutual challenge-response over a shared secret (HMAC-SHA256). Sequence (C connects, S accepts)::
+
+    C -> S  HELLO     nonce_c                     (fresh 32 random bytes)
+    S -> C  CHALLENGE nonce_s
+    C -> S  AUTH      HMAC(secret, "kvxfer-C" | nonce_s | nonce_c)
+    S -> C  AUTH_OK   HMAC(secret, "kvxfer-S" | nonce_c | nonce_s)   or AUTH_FAIL, close
+    C <-> S INFO      name, layout geometry, backend metadata (keys)
+
+The secret never crosses the wire; both MACs bind both nonces, so neither can be
+replayed into another session. S proves itself only after C did, so a client
+without the secret gets nothing but a random nonce: no MAC to attack offline,
+no layout, no keys. C checks S's proof before it sends its own INFO.
+
+The connecting side runs :func:`client_handshake` to completion on a blocking
+socket in the caller's thread. The accepting side is a :class:`ServerHandshake`
+state machine driven by the I/O thread one frame at a time, so a slow or
+hostile client never blocks other peers; the agent closes connections that do
+not finish within the handshake timeout.
+
+Admission of unauthenticated connections (:class:`HandshakeGate`): cheap, bounded,
+and never a lockout. Before a connection has proved the shared secret it may cost
+this agent little: it holds one of :data:`MAX_PENDING_HANDSHAKES` slots, at most
+:data:`MAX_PENDING_PER_SOURCE` of them per source address, must send its HELLO
+within :data:`HELLO_DEADLINE_S` and authenticate within the handshake timeout,
+and may buffer at most :data:`PREAUTH_MAX_FRAME` bytes. A connection frees its
+slot the moment it authenticates.
+
+A new connection is always admitted. When its source holds all its slots, the
+source's oldest pending connection is evicted to make room; when all slots are
+taken, the oldest of the source holding the most. Connections that have not sent
+their HELLO yet go first, so an honest client -- whose HELLO follows its connect
+at once and whose handshake takes milliseconds -- outlives any number of half-open
+or reconnecting ones, also from its own address. An evicted connection gets a
+REJECT (``code="busy"``) and is closed; its client raises
+:class:`~kvxfer.errors.ConnectionRefused`. A failed handshake costs the one
+connection that failed (it is closed at once) and nothing else: failures are not
+counted per address, so nobody can lock an address out. The gate runs on the I/O
+thread only.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import os
+import socket
+
+from ..errors import AuthenticationError, ConnectionRefused, KVXferError, LayoutMismatch, ProtocolError
+from ..framing import recv_frame
+from .protocol import Msg, decode, encode
+
+
+# ---- proofs of the shared secret -------------------------------------------------
+NONCE_BYTES = 32
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def client_mac(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    return hmac.new(secret, b"kvxfer-C" + nonce_s + nonce_c, hashlib.sha256).digest()
+
+
+def server_mac(secret: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
+    return hmac.new(secret, b"kvxfer-S" + nonce_c + nonce_s, hashlib.sha256).digest()
+
+
+def verify(expected: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(expected, got)
+
+
+MIN_SECRET_BYTES = 16
+SECRET_ENV = "KVXFER_SECRET"  # where deployments put the shared secret (text): worker, serve, vLLM
+
+
+def normalize_secret(secret) -> bytes:
+    """Accept ``bytes`` or ``str`` of at least :data:`MIN_SECRET_BYTES` bytes (ValueError
+    if shorter, TypeError if neither); e.g. ``secrets.token_bytes(32)``."""
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError("secret must be bytes or str")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
+
+
+# ---- the two halves -------------------------------------------------------------
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def _expect(sock, timeout: float, *kinds: Msg) -> tuple[Msg, dict]:
+    """The next frame, one of ``kinds``; a REJECT raises its typed error. A closed or
+    reset connection raises the builtin ConnectionError (never a KVXferError)."""
+    kind, fields = decode(*recv_frame(sock, timeout))
+    if kind == Msg.REJECT:
+        if fields["code"] == "busy":
+            raise ConnectionRefused(f"peer refused the connection: {fields['reason']}")
+        if fields["code"] == "layout":
+            raise LayoutMismatch(f"peer rejected our layout: {fields['reason']}")
+        raise ProtocolError(f"peer rejected the connection: {fields['code']}: {fields['reason']}")
+    if kind not in kinds:
+        raise ProtocolError(f"expected {'/'.join(k.name for k in kinds)}, got {kind.name}")
+    return kind, fields
+
+
+def client_handshake(sock: socket.socket, secret: bytes, info: dict, check_info, timeout: float) -> dict:
+    """Authenticate both ways, then swap INFO; return the peer's INFO fields.
+
+    ``check_info(fields)`` validates the peer's INFO (raises LayoutMismatch /
+    ProtocolError). Raises :class:`AuthenticationError` if either side's proof
+    fails -- including the server closing on us, which is how a server that
+    found our proof wrong may also answer.
+    """
+    nonce_c = new_nonce()
+    try:
+        sock.sendall(encode(Msg.HELLO, nonce=nonce_c))
+        _, fields = _expect(sock, timeout, Msg.CHALLENGE)
+    except KVXferError:  # a REJECT: its own error (ConnectionRefused is a ConnectionError too)
+        raise
+    except ConnectionError as exc:  # closed before it said anything: it took no handshake
+        raise ConnectionRefused(f"peer closed the connection before the handshake: {exc}") from None
+    nonce_s = fields["nonce"]
+    try:
+        sock.sendall(encode(Msg.AUTH, mac=client_mac(secret, nonce_s, nonce_c)))
+        kind, fields = _expect(sock, timeout, Msg.AUTH_OK, Msg.AUTH_FAIL)
+    except KVXferError:  # e.g. REJECT busy: evicted while it waited for our proof
+        raise
+    except ConnectionError:
+        raise AuthenticationError("peer closed the connection during authentication") from None
+    if kind == Msg.AUTH_FAIL:
+        raise AuthenticationError("peer refused our proof of the shared secret")
+    if not verify(server_mac(secret, nonce_c, nonce_s), fields["mac"]):
+        raise AuthenticationError("peer failed to prove the shared secret")
+    sock.sendall(encode(Msg.INFO, **info))
+    _, fields = _expect(sock, timeout, Msg.INFO)
+    try:
+        check_info(fields)
+    except LayoutMismatch as exc:
+        sock.sendall(encode(Msg.REJECT, code="layout", reason=str(exc)[:200]))
+        raise
+    return fields
+
+
+class ServerHandshake:
+    """Accepting side: HELLO -> CHALLENGE, AUTH -> AUTH_OK, INFO -> INFO, ready.
+
+    :meth:`on_frame` returns the frames to send and whether the peer is ready.
+    Failures raise; the agent then sends :attr:`reply_on_error` (if any) and closes.
+    """
+
+    def __init__(self, secret: bytes, make_info, check_info) -> None:
+        self._secret = secret
+        self._make_info = make_info
+        self._check_info = check_info
+        self._state = Msg.HELLO
+        self._nonce_c = self._nonce_s = b""
+        self.peer_info: dict | None = None
+        self.reply_on_error: bytes | None = None
+
+    @property
+    def state(self) -> Msg:
+        """The message expected next (HELLO, AUTH, INFO; REJECT once done)."""
+        return self._state
+
+    def on_frame(self, kind: Msg, fields: dict) -> tuple[list, bool]:
+        if kind != self._state:
+            raise ProtocolError(f"handshake expected {self._state.name}, got {kind.name}")
+        if kind == Msg.HELLO:
+            self._nonce_c, self._nonce_s = fields["nonce"], new_nonce()
+            self._state = Msg.AUTH
+            return [encode(Msg.CHALLENGE, nonce=self._nonce_s)], False
+        if kind == Msg.AUTH:
+            expected = client_mac(self._secret, self._nonce_s, self._nonce_c)
+            if not verify(expected, fields["mac"]):
+                self.reply_on_error = encode(Msg.AUTH_FAIL)
+                raise AuthenticationError("client failed the challenge")
+            self._state = Msg.INFO
+            return [encode(Msg.AUTH_OK, mac=server_mac(self._secret, self._nonce_c, self._nonce_s))], False
+        # INFO: the client is authenticated; only now do keys and layouts flow
+        try:
+            self._check_info(fields)
+        except LayoutMismatch as exc:
+            self.reply_on_error = encode(Msg.REJECT, code="layout", reason=str(exc)[:200])
+            raise
+        self.peer_info = fields
+        self._state = Msg.REJECT  # nothing more is expected from the handshake
+        return [encode(Msg.INFO, **self._make_info())], True
+
+
+# ---- pre-auth admission ---------------------------------------------------------
+MAX_PENDING_HANDSHAKES = 256
+MAX_PENDING_PER_SOURCE = 16
+HELLO_DEADLINE_S = 2.0
+PREAUTH_MAX_FRAME = 4096  # bytes of one frame before authentication (HELLO and AUTH are ~100)
+
+
+class HandshakeGate:
+    """The pending (unauthenticated) connections, oldest first per source. An entry is
+    any object with a ``source`` (address) and a ``said_hello`` (bool) attribute."""
+
+    def __init__(self, max_pending: int = MAX_PENDING_HANDSHAKES,
+                 max_per_source: int = MAX_PENDING_PER_SOURCE) -> None:
+        self.max_pending = max_pending
+        self.max_per_source = max_per_source
+        self.total = 0
+        self._pending: dict[str, collections.OrderedDict] = {}  # source -> {entry: None}, oldest first
+
+    def admit(self, entry) -> list:
+        """Give ``entry`` a slot; return the entries evicted for it (the caller closes them)."""
+        evicted = []
+        mine = self._pending.get(entry.source)
+        if mine is not None and len(mine) >= self.max_per_source:
+            evicted.append(self._evict(entry.source))
+        if self.total >= self.max_pending:
+            evicted.append(self._evict(max(self._pending, key=lambda s: len(self._pending[s]))))
+        self._pending.setdefault(entry.source, collections.OrderedDict())[entry] = None
+        self.total += 1
+        return evicted
+
+    def release(self, entry) -> bool:
+        """Free ``entry``'s slot (it authenticated, failed or closed); False if it held none."""
+        mine = self._pending.get(entry.source)
+        if mine is None or mine.pop(entry, False) is False:
+            return False
+        self.total -= 1
+        if not mine:
+            del self._pending[entry.source]
+        return True
+
+    def pending(self, source: str) -> list:
+        """The pending entries of ``source``, oldest first."""
+        return list(self._pending.get(source, ()))
+
+    def _evict(self, source: str):
+        mine = self._pending[source]
+        victim = next((e for e in mine if not e.said_hello), None)
+        if victim is None:
+            victim = next(iter(mine))
+        self.release(victim)
+        return victim

@@ -14,7 +14,8 @@ frames) and the I/O loop with its :class:`~kvxfer.agent.threads.BackendDriver`.
 
 Threads per agent: one I/O thread (control sockets, timers; blocks in ``select``),
 one send worker (pack, large writes) and one receive worker (unpack). A small
-zero-copy piece is written by the thread that matched it, without a hop. The I/O
+zero-copy piece is written by the thread that matched it, without a hop, where the
+backend's write completes by itself (never one that waits for the target). The I/O
 thread busy-polls for at most ``config.loop_spin_s`` after an event or a posted
 recv, and only while a send or recv is outstanding; an idle agent uses no CPU.
 """

@@ -100,19 +100,19 @@ class Agent:
 
     def _spin_if(self) -> bool:
         """Whether the I/O loop may poll: a transfer is outstanding (a peer's message comes
-        soon) and no bulk copy wants the cores (this agent's workers are idle, no pending
-        recv is one a sender's copy pool moves); read without the lock (a hint)."""
-        recv = self._receiver
-        if not (self._sender.shipper.worker.idle() and recv.worker.idle()) or recv.bulk_pending():
+        soon) and no bulk copy wants the cores (neither component's worker has a job, no
+        pending recv is one a sender's copy pool moves); read without the lock (a hint)."""
+        sender, receiver = self._sender, self._receiver
+        if sender.copying() or receiver.copying():
             return False
-        return bool(self._sender.sends) or bool(recv.recvs)
+        return sender.outstanding() or receiver.outstanding()
 
     def _handlers(self) -> dict:
-        """The dispatch table: each message to the part that owns it."""
+        """The dispatch table: each message to the component that owns it."""
         sender, receiver = self._sender, self._receiver
 
         def cancel(peer, f) -> None:  # CANCEL / FAIL: to_sender says which side it is for
-            (sender.posts.on_cancel if f["to_sender"] else receiver.on_sender_cancel)(peer, f)
+            (sender.on_cancel if f["to_sender"] else receiver.on_sender_cancel)(peer, f)
 
         return {**sender.handlers(), **receiver.handlers(), **self._notes.handlers(),
                 Msg.CANCEL: cancel, Msg.FAIL: cancel}

@@ -121,8 +121,8 @@ class Shipper:
             if isinstance(choice, Exception):
                 raise choice
             heads, path, nbytes = choice
-            op.handle.path = path
-            op.handle.nbytes += nbytes
+            op.completer.set_path(path)
+            op.completer.add_bytes(nbytes)
             if path == "zero_copy":
                 self._ship_zero_copy(op, layers, heads, nbytes, after)
             else:
@@ -240,7 +240,8 @@ class Shipper:
             self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
             req = self._s.backend.post(peer.bconn, "read", descs)
             self._wait(req, self._s.leases.default_ttl_s, handle.request_id, f"read from {peer.name!r}")
-            handle.path, handle.nbytes = "zero_copy", int(descs[:, 4].sum())
+            completer.set_path("zero_copy")
+            completer.add_bytes(int(descs[:, 4].sum()))
             self._s.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
             if not handle.done():
                 self._s.metrics.inc("transfers", kind="read", path="zero_copy")

@@ -67,15 +67,15 @@ class Pool:
 
 @dataclass(eq=False)
 class AgentState:
-    """Shared by every part of one agent (see module doc)."""
+    """Shared by every component of one agent (see module doc)."""
 
-    name: str
-    agent_id: str
+    name: str  # Agent.name
+    agent_id: str  # a fresh uuid (hex) per agent, sent in INFO
     config: AgentConfig
     backend: Backend
     metrics: Metrics
-    leases: LeaseTable
-    cost: CostModel
+    leases: LeaseTable  # every block lent to an in-flight transfer
+    cost: CostModel  # picks zero-copy or pack per piece
     device: Device | None = None  # the pool's unless given
     loop: IOLoop | None = None  # set once it runs
     pool: Pool | None = None

@@ -28,9 +28,9 @@ from ..errors import KVXferError, RegistrationError
 from ..kernels.device import device_for
 from ..lease import LeaseTable
 from ..metrics import Metrics
+from ..secrets import normalize_secret
 from ..timeouts import check_timeout
 from ..transport.paths import CostModel
-from .handshake import normalize_secret
 from .io_loop import IOLoop
 from .peers import Connections, Peer, listen as listen_socket, split_address
 from .pool import register_pool

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 
-from ..agent.handshake import normalize_secret
+from ..secrets import normalize_secret
 from ..errors import AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
 from ..handle import HandleCompleter
 from . import index as ix

@@ -1,14 +1,15 @@
-// The only file that talks to Python: exports, nothing else.
-// Each concept lives in its own translation unit and is bound here.
+// The only file that talks to Python: the exports, plus what marshalling needs --
+// argument checks on the way in (array shapes, kinds) and the dicts built on the
+// way out. Each concept lives in its own translation unit and is bound here.
 // C++ exceptions (kvxfer::Error subclasses, see errors.h) are translated to
-// the kvxfer.KVXferError hierarchy by the Python wrappers.
+// the kvxfer.errors classes of the same name here (the translator below).
 #include <pybind11/pybind11.h>
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include "checksum.h"
 #include "copy.h"
-#include "errors.h"      // registration and transfer engine
+#include "errors.h"
 #include "shared_mem.h"
 #include "spin.h"
 #include "ucx_engine.h"  // registration and transfer engine

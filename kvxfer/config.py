@@ -2,10 +2,12 @@
 
 Built once at the entry point and passed down: ``Agent(..., config=AgentConfig(...))``
 hands the transport knobs to the backend (and through it to ``kvxfer._C``), the
-per-peer limits to every peer's book and the timeouts to the I/O loop. Nothing
-below the entry point reads the environment: environment variables are only
-*overrides*, applied in one place, :meth:`AgentConfig.from_env` (documented in
-``docs/api.md``, "AgentConfig")::
+per-peer limits to every peer's book and the timeouts to the I/O loop. The
+``KVXFER_*`` variables are *overrides*, read in one place, :meth:`AgentConfig.from_env`
+(documented in ``docs/api.md``, "AgentConfig"), which an entry point calls -- and
+which ``Agent(config=None)`` calls for its default, so only an agent given a config
+reads none of them. (UCX reads its own ``UCX_*`` variables, and loading
+``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set.)::
 
     cfg = AgentConfig.from_env(staging_bytes=64 << 20)   # explicit fields, then KVXFER_* wins
     agent = kvxfer.Agent("p", secret=s, config=cfg)

@@ -12,7 +12,8 @@ runs a function once the handle is final (for engines that poll nothing).
 The agent side never touches a handle's fields: it creates a
 :class:`HandleCompleter`, gives the caller ``completer.handle`` and completes it
 through the completer's small interface (``succeed``, ``fail``, ``mark_layers``,
-``expect_layers``).
+``expect_layers``, and ``set_path``/``set_peer``/``add_bytes`` for what the caller
+reads while it runs).
 """
 from __future__ import annotations
 
@@ -233,6 +234,20 @@ class HandleCompleter:
     def fail(self, error: KVXferError) -> bool:
         """Final FAILED with ``error`` (raised by ``wait``)."""
         return self.handle._fail(error)
+
+    def set_path(self, path: str, *, keep: bool = False) -> None:
+        """``handle.path`` is ``path`` (``keep``: only if none is set yet)."""
+        if not keep or self.handle.path is None:
+            self.handle.path = path
+
+    def set_peer(self, name: str) -> None:
+        """``handle.peer`` is ``name`` unless the handle names its peer already."""
+        if self.handle.peer is None:
+            self.handle.peer = name
+
+    def add_bytes(self, nbytes: int) -> None:
+        """``nbytes`` more bytes moved (``handle.nbytes``)."""
+        self.handle.nbytes += nbytes
 
     def mark_layers(self, layers) -> None:
         """These layers landed (``wait(layer=l)`` returns for them)."""

@@ -87,12 +87,6 @@ class MemoryRegistry:
         rid = region.region_id if isinstance(region, Region) else _check_int("region", region)
         self._engine.deregister(rid)
 
-    def get(self, region_id: int) -> Region:
-        for r in self.regions():
-            if r.region_id == region_id:
-                return r
-        raise KeyError(region_id)
-
     def regions(self) -> list[Region]:
         """Live regions, by id."""
         return [Region._from_native(t) for t in self._engine.regions()]

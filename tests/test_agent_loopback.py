@@ -437,3 +437,51 @@ def test_backend_timeout_names_the_request_id():
     finally:
         p.close()
         d.close()
+
+
+class _TargetDrivenBackend(LoopbackBackend):
+    """Loopback that behaves like ``ucx:tcp+am-rma``: a write completes only once the
+    target answered (here: once the test opens ``gate``), and the transport needs the
+    target's progress. Records the thread each wait ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+        self.wait_threads: list = []
+
+    def needs_progress(self, conn) -> bool:
+        return True
+
+    def wait(self, request_id, timeout):
+        self.wait_threads.append(threading.current_thread())
+        self.waiting.set()
+        assert self.gate.wait(T)
+        return super().wait(request_id, timeout)
+
+
+def test_a_write_that_waits_for_its_target_never_blocks_the_io_thread():
+    """A small zero-copy piece is written inline only where ``post`` completes by itself:
+    on a transport whose write waits for the target, the I/O thread that matched the
+    RECV_POST must stay free for every other peer's frames (here: a handshake)."""
+    backend = _TargetDrivenBackend()
+    p = Agent("p", secret=SECRET, backend=backend, path="zero_copy")
+    d = Agent("d", secret=SECRET, backend="loopback")
+    other = Agent("other", secret=SECRET, backend="loopback")
+    try:
+        p.register_kv(make_pool("2 N B H D", 1))
+        d.register_kv(make_pool("2 N B H D", None))
+        other.register_kv(make_pool("2 N B H D", None))
+        peer = p.connect(d.address)
+        hs = p.send(peer, "r", [1])  # before the recv: P's I/O thread matches the RECV_POST
+        hr = d.recv("r", [2], timeout=T)
+        assert backend.waiting.wait(T)  # the write is in flight, waiting for its target
+        assert p._state.loop.thread not in backend.wait_threads
+        other.connect(p.address, timeout=5.0)  # P's I/O thread runs this handshake meanwhile
+        backend.gate.set()
+        hs.wait(T)
+        hr.wait(T)
+    finally:
+        backend.gate.set()
+        for agent in (p, d, other):
+            agent.close()

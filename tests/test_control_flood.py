@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvxfer import Agent, AgentConfig
-from kvxfer.agent import handshake as auth
+from kvxfer import secrets as kvsecrets
 from kvxfer.agent import handshake as gate
 from kvxfer.framing import recv_frame
 from kvxfer.agent.handshake import client_handshake
@@ -231,4 +231,4 @@ def test_short_secrets_are_refused():
             Agent("x", secret=secret, backend="loopback")
     with pytest.raises(TypeError):
         Agent("x", secret=12345678901234567890, backend="loopback")
-    assert len(auth.normalize_secret("s" * 16)) == 16
+    assert len(kvsecrets.normalize_secret("s" * 16)) == 16

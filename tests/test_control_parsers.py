@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxfer import secrets as kvsecrets
 from kvxfer.agent import handshake as auth
 from kvxfer.framing import HEADER, MAX_PAYLOAD, FrameReader, encode_frame
 from kvxfer.agent.handshake import ServerHandshake
@@ -156,9 +157,9 @@ def test_fuzz_geometry(patch):
 
 
 def test_secret_normalization():
-    assert auth.normalize_secret("abc" * 6) == b"abc" * 6
-    for short in (b"", "abc", b"x" * (auth.MIN_SECRET_BYTES - 1)):
+    assert kvsecrets.normalize_secret("abc" * 6) == b"abc" * 6
+    for short in (b"", "abc", b"x" * (kvsecrets.MIN_SECRET_BYTES - 1)):
         with pytest.raises(ValueError):
-            auth.normalize_secret(short)
+            kvsecrets.normalize_secret(short)
     with pytest.raises(TypeError):
-        auth.normalize_secret(None)
+        kvsecrets.normalize_secret(None)

@@ -14,7 +14,8 @@ frames) and the I/O loop with its :class:`~kvxfer.agent.threads.BackendDriver`.
 
 Threads per agent: one I/O thread (control sockets, timers; blocks in ``select``),
 one send worker (pack, large writes) and one receive worker (unpack). A small
-zero-copy piece is written by the thread that matched it, without a hop. The I/O
+zero-copy piece is written by the thread that matched it, without a hop, where the
+backend's write completes by itself (never one that waits for the target). The I/O
 thread busy-polls for at most ``config.loop_spin_s`` after an event or a posted
 recv, and only while a send or recv is outstanding; an idle agent uses no CPU.
 """
@@ -27,9 +28,9 @@ from ..errors import KVXferError, RegistrationError
 from ..kernels.device import device_for
 from ..lease import LeaseTable
 from ..metrics import Metrics
+from ..secrets import normalize_secret
 from ..timeouts import check_timeout
 from ..transport.paths import CostModel
-from .handshake import normalize_secret
 from .io_loop import IOLoop
 from .peers import Connections, Peer, listen as listen_socket, split_address
 from .pool import register_pool
@@ -99,19 +100,19 @@ class Agent:
 
     def _spin_if(self) -> bool:
         """Whether the I/O loop may poll: a transfer is outstanding (a peer's message comes
-        soon) and no bulk copy wants the cores (this agent's workers are idle, no pending
-        recv is one a sender's copy pool moves); read without the lock (a hint)."""
-        recv = self._receiver
-        if not (self._sender.shipper.worker.idle() and recv.worker.idle()) or recv.bulk_pending():
+        soon) and no bulk copy wants the cores (neither component's worker has a job, no
+        pending recv is one a sender's copy pool moves); read without the lock (a hint)."""
+        sender, receiver = self._sender, self._receiver
+        if sender.copying() or receiver.copying():
             return False
-        return bool(self._sender.sends) or bool(recv.recvs)
+        return sender.outstanding() or receiver.outstanding()
 
     def _handlers(self) -> dict:
-        """The dispatch table: each message to the part that owns it."""
+        """The dispatch table: each message to the component that owns it."""
         sender, receiver = self._sender, self._receiver
 
         def cancel(peer, f) -> None:  # CANCEL / FAIL: to_sender says which side it is for
-            (sender.posts.on_cancel if f["to_sender"] else receiver.on_sender_cancel)(peer, f)
+            (sender.on_cancel if f["to_sender"] else receiver.on_sender_cancel)(peer, f)
 
         return {**sender.handlers(), **receiver.handlers(), **self._notes.handlers(),
                 Msg.CANCEL: cancel, Msg.FAIL: cancel}

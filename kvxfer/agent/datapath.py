@@ -28,7 +28,7 @@ from .threads import Worker
 
 log = logging.getLogger("kvxfer")
 
-INLINE_BYTES = 4 << 20  # zero-copy pieces up to this size are posted by the matching thread
+INLINE_BYTES = 4 << 20  # zero-copy pieces up to this size are posted by the matching thread (see ship)
 
 
 class _GrantWait:
@@ -57,7 +57,11 @@ class Shipper:
 
     def ship(self, op: SendOp, layers: list, matched: bytes | None = None) -> None:
         """Queue a piece for the send worker; a small zero-copy piece runs right here
-        (lock held, no waiting on the peer), saving a thread hop on the latency path.
+        (lock held), saving a thread hop on the latency path, but only where the
+        backend's write completes by itself (``not backend.needs_progress``: the vm
+        path, loopback). Where it completes only once the target answers
+        (``ucx:tcp+am-rma``) it goes to the worker, so this thread -- often the I/O
+        thread, which matched a RECV_POST -- never waits on a peer.
         ``matched``: the MATCHED frame to send first. Ahead of an inline piece it goes
         out with ``MSG_MORE``, so it shares a segment with the DATA_DONE that follows
         (one wake-up on D instead of two); it is in the kernel before the write starts,
@@ -73,7 +77,8 @@ class Shipper:
         except (ValueError, TypeError, IndexError, KeyError) as exc:
             choice = InvalidDescriptor(f"cannot choose a path for {op.key[1]!r}: {exc!r}")
         inline = not isinstance(choice, Exception) and choice[1] == "zero_copy" and choice[2] <= INLINE_BYTES
-        inline = inline and all(self._s.device.query(t) for t in after)  # never wait with the lock held
+        inline = (inline and not self._s.backend.needs_progress(op.peer.bconn)  # completes in post
+                  and all(self._s.device.query(t) for t in after))  # never wait with the lock held
         if matched is not None:
             op.peer.send(matched, more=inline)
         if inline:
@@ -116,8 +121,8 @@ class Shipper:
             if isinstance(choice, Exception):
                 raise choice
             heads, path, nbytes = choice
-            op.handle.path = path
-            op.handle.nbytes += nbytes
+            op.completer.set_path(path)
+            op.completer.add_bytes(nbytes)
             if path == "zero_copy":
                 self._ship_zero_copy(op, layers, heads, nbytes, after)
             else:
@@ -235,7 +240,8 @@ class Shipper:
             self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="zero_copy")
             req = self._s.backend.post(peer.bconn, "read", descs)
             self._wait(req, self._s.leases.default_ttl_s, handle.request_id, f"read from {peer.name!r}")
-            handle.path, handle.nbytes = "zero_copy", int(descs[:, 4].sum())
+            completer.set_path("zero_copy")
+            completer.add_bytes(int(descs[:, 4].sum()))
             self._s.metrics.inc("bytes_received", handle.nbytes, path="zero_copy")
             if not handle.done():
                 self._s.metrics.inc("transfers", kind="read", path="zero_copy")

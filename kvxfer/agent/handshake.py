@@ -73,22 +73,6 @@ def verify(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
 
 
-MIN_SECRET_BYTES = 16
-SECRET_ENV = "KVXFER_SECRET"  # where deployments put the shared secret (text): worker, serve, vLLM
-
-
-def normalize_secret(secret) -> bytes:
-    """Accept ``bytes`` or ``str`` of at least :data:`MIN_SECRET_BYTES` bytes (ValueError
-    if shorter, TypeError if neither); e.g. ``secrets.token_bytes(32)``."""
-    if isinstance(secret, str):
-        secret = secret.encode("utf-8")
-    if not isinstance(secret, (bytes, bytearray)):
-        raise TypeError("secret must be bytes or str")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-    return bytes(secret)
-
-
 # ---- the two halves -------------------------------------------------------------
 HANDSHAKE_TIMEOUT_S = 10.0
 

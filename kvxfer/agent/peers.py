@@ -190,6 +190,37 @@ def listen(address: str) -> tuple[socket.socket, str]:
     return lsock, f"{host}:{lsock.getsockname()[1]}"
 
 
+def open_authenticated(address: str, secret: bytes, info: dict, check_info, timeout: float, *,
+                       what: str = "") -> tuple[socket.socket, dict]:
+    """Connect to ``address`` ("host:port") and run the client handshake (``info``: our
+    INFO, ``check_info``: see :func:`~kvxfer.agent.handshake.client_handshake`); the
+    blocking socket and the peer's INFO fields. Raises TransferTimeout, PeerDisconnected
+    or the handshake's typed error, having closed the socket. ``what``: how errors name
+    the peer (e.g. "store node ")."""
+    host, port = split_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        raise TransferTimeout(f"connecting to {what}{address} timed out") from None
+    except OSError as exc:
+        raise PeerDisconnected(f"cannot reach {what}{address}: {exc}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, client_handshake(sock, secret, info, check_info, timeout)
+    except socket.timeout:
+        sock.close()
+        raise TransferTimeout(f"handshake with {what}{address} timed out") from None
+    except KVXferError:
+        sock.close()
+        raise
+    except (ConnectionError, OSError) as exc:
+        sock.close()
+        raise PeerDisconnected(f"{what}{address} closed the connection during the handshake: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
 class Connections:
     """``handlers``: ``{Msg: fn(peer, fields)}`` after the handshake (built once by the
     agent); ``on_ready(peer)`` runs with the state's lock held once a peer is usable;
@@ -217,26 +248,9 @@ class Connections:
     # ---- outbound -------------------------------------------------------------------
     def connect(self, address: str, timeout: float) -> Peer:
         self._s.check_open()
-        host, port = split_address(address)
+        sock, fields = open_authenticated(address, self._secret, local_info(self._s), self.parse_info, timeout)
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except socket.timeout:
-            raise TransferTimeout(f"connecting to {address} timed out") from None
-        except OSError as exc:
-            raise PeerDisconnected(f"cannot reach {address}: {exc}") from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            fields = client_handshake(sock, self._secret, local_info(self._s), self.parse_info, timeout)
             peer = self.make_peer(fields, address)
-        except socket.timeout:
-            sock.close()
-            raise TransferTimeout(f"handshake with {address} timed out") from None
-        except KVXferError:
-            sock.close()
-            raise
-        except (ConnectionError, OSError) as exc:
-            sock.close()
-            raise PeerDisconnected(f"{address} closed the connection during the handshake: {exc}") from None
         except BaseException:
             sock.close()
             raise

@@ -54,6 +54,15 @@ class Receiver:
         """A pending recv is large: a sender's copy threads may be working on it now."""
         return any(op.bulk for op in list(self.recvs.values()))
 
+    def outstanding(self) -> bool:
+        """A recv is pending (a hint: read without the lock)."""
+        return bool(self.recvs)
+
+    def copying(self) -> bool:
+        """The receive worker has a job, or a pending recv is one a sender's copy pool
+        moves (a hint: read without the lock)."""
+        return not self.worker.idle() or self.bulk_pending()
+
     def busy(self) -> bool:
         """Something waits for a sender (the backend driver progresses faster then)."""
         return bool(self.recvs or self.grants or self.quiet_wait)
@@ -129,7 +138,7 @@ class Receiver:
             pos = None if blocks is None else cov.positions(blocks)
             if blocks is not None and pos is None:
                 return
-            op.handle.nbytes += nbytes
+            op.completer.add_bytes(nbytes)
             landed = cov.add(layers, lo, hi, pos)
             if not cov.complete:
                 op.completer.mark_layers(landed)
@@ -172,7 +181,7 @@ class Receiver:
             op = self.recvs.get(f["req"])
             if op is not None and op.xid == f["xid"]:
                 op.matched.add(peer)
-                op.handle.peer = peer.name if op.handle.peer is None else op.handle.peer
+                op.completer.set_peer(peer.name)
 
     def _on_stage_req(self, peer, f) -> None:
         if self._s.layout is None or f["nbytes"] > self._s.staging_bytes // 2 or f["nbytes"] == 0:
@@ -224,7 +233,7 @@ class Receiver:
                 else:
                     try:
                         check_piece(op, self._s.layout, peer, f)
-                        op.handle.path = op.handle.path or ("pack" if f["pack"] else "zero_copy")
+                        op.completer.set_path("pack" if f["pack"] else "zero_copy", keep=True)
                     except KVXferError as exc:
                         error = exc
         if req and op is None or error is not None:

@@ -7,8 +7,10 @@ packed through the staging buffers, and reported to D with DATA_DONE only after
 the backend completed (data visible). The op completes when every layer D asked
 for is visible: zero-copy at write completion, pack when D ACKs the unpack.
 
-The :class:`Sender` owns its sends (``sends``); the shipper and the post matcher
-reach them only through the methods below marked *internal interface*.
+The :class:`Sender` owns its sends (``sends``); the shipper reaches them only
+through the methods below marked *internal interface*; the post matcher (this
+module's other half of the P side) also looks ops up in ``sends``, and nothing
+outside this module touches them.
 
 
 :class:`PostMatcher` holds D's RECV_POSTs as this agent sees them, and D's cancels.
@@ -46,6 +48,18 @@ class Sender:
         ``to_sender`` set go to :meth:`PostMatcher.on_cancel`)."""
         return {Msg.RECV_POST: self.posts.on_recv_post, Msg.STAGE_GRANT: self.shipper.on_stage_grant,
                 Msg.ACK: self.shipper.on_ack}
+
+    def on_cancel(self, peer, fields: dict) -> None:
+        """CANCEL or FAIL from D for one of our sends (``to_sender``; I/O thread)."""
+        self.posts.on_cancel(peer, fields)
+
+    def outstanding(self) -> bool:
+        """A send waits for its receiver or is moving (a hint: read without the lock)."""
+        return bool(self.sends)
+
+    def copying(self) -> bool:
+        """The send worker has a job queued or running (a hint: read without the lock)."""
+        return not self.shipper.worker.idle()
 
     # ---- public API (see Agent) -------------------------------------------------------
     def send(self, peer, request_id: str, block_ids, *, layers=None, lease_timeout=None, after=None):
@@ -180,7 +194,7 @@ class Sender:
     def bind(op: SendOp, peer) -> None:
         """A ``send(None, ...)`` learns its receiver."""
         op.peer = peer
-        op.handle.peer = peer.name
+        op.completer.set_peer(peer.name)
 
     def match(self, op: SendOp, post: Post, send_matched: bool = True) -> None:
         """Both halves known: validate, tell D, queue the pieces."""

@@ -7,7 +7,8 @@ I/O loop, metrics, leases, the connected peers and the registered pool. Each
 component keeps its own book-keeping (sends, recvs, grants) to itself; what they
 share lives here and nowhere else. The in-flight records (:class:`Post`,
 :class:`SendOp`, :class:`RecvOp`) and a recv's landed cells (:class:`Coverage`)
-live here too; the component that owns an op is the only one that changes it.
+live here too: the sender (with the shipper it owns) changes a SendOp, the receiver
+a RecvOp, nothing else.
 
 Lock order: ``AgentState.lock`` may be held while taking a handle's, a peer
 connection's send lock or the I/O loop's lock, never the other way round.
@@ -17,12 +18,29 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import KVXferError
 from ..runs import check_block_ids
 from .protocol import MAX_STR
+
+if TYPE_CHECKING:  # types only: these modules import this one, or are heavy
+    import torch
+
+    from ..config import AgentConfig
+    from ..handle import HandleCompleter
+    from ..kernels.device import Device
+    from ..layout import KVLayout
+    from ..lease import LeaseTable
+    from ..metrics import Metrics
+    from ..transport.base import Backend
+    from ..transport.descriptors import Geometry
+    from ..transport.paths import CostModel
+    from .io_loop import IOLoop, Timer
+    from .peers import Peer
+    from .pool import StagingRing
 
 
 @dataclass(eq=False)
@@ -34,32 +52,32 @@ class Pool:
     allocators; ``*_region`` their first region id.
     """
 
-    layout: object  # kvxfer.KVLayout
-    geometry: object  # kvxfer.transport.descriptors.Geometry
+    layout: KVLayout
+    geometry: Geometry
     region_ids: list  # per region of the layout, its first part's id
     registered: list  # every part of every region and staging buffer
     parts: dict  # regions registered in several parts (see kvxfer/agent/pool.py)
-    stage_in_t: object
-    stage_out_t: object
+    stage_in_t: torch.Tensor
+    stage_out_t: torch.Tensor
     stage_in_region: int
     stage_out_region: int
-    stage_in: object = None  # kvxfer.agent.pool.StagingRing
-    stage_out: object = None
+    stage_in: StagingRing | None = None
+    stage_out: StagingRing | None = None
 
 
 @dataclass(eq=False)
 class AgentState:
-    """Shared by every part of one agent (see module doc)."""
+    """Shared by every component of one agent (see module doc)."""
 
-    name: str
-    agent_id: str
-    config: object  # kvxfer.config.AgentConfig
-    backend: object  # kvxfer.transport.base.Backend
-    metrics: object  # kvxfer.metrics.Metrics
-    leases: object  # kvxfer.lease.LeaseTable
-    cost: object  # kvxfer.transport.paths.CostModel
-    device: object = None  # kvxfer.kernels.device.Device; the pool's unless given
-    loop: object = None  # kvxfer.agent.io_loop.IOLoop, set once it runs
+    name: str  # Agent.name
+    agent_id: str  # a fresh uuid (hex) per agent, sent in INFO
+    config: AgentConfig
+    backend: Backend
+    metrics: Metrics
+    leases: LeaseTable  # every block lent to an in-flight transfer
+    cost: CostModel  # picks zero-copy or pack per piece
+    device: Device | None = None  # the pool's unless given
+    loop: IOLoop | None = None  # set once it runs
     pool: Pool | None = None
     peers: dict = field(default_factory=dict)  # serial -> Peer, connected and ready
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -137,11 +155,11 @@ class Post:
 class SendOp:
     """P side of a send, streaming send, or one-sided write."""
 
-    peer: object
+    peer: Peer | None  # None until a send(None, ...) is matched
     key: tuple  # (peer serial, request id) in Sender.sends; (None, id) for send(None, ...)
     wire_req: str  # request id on the wire ("" for one-sided writes)
     ids: tuple  # P's block ids (after matching: only the ones shipped, ids[post.skip:])
-    completer: object  # kvxfer.handle.HandleCompleter of the caller's handle
+    completer: HandleCompleter  # of the caller's handle
     ready: list | None  # layers the caller released for shipping; None: all D asks for
     streaming: bool = False
     notify: bytes | None = None
@@ -155,7 +173,7 @@ class SendOp:
     ack_owed: bool = False  # D asked to cancel; answer once quiet
     started: float = field(default_factory=time.monotonic)
     after: list = field(default_factory=list)  # producer tokens (send(after=)) every piece waits for
-    timer: object = None  # the loop's lease-expiry timer, cancelled once the lease is released
+    timer: Timer | None = None  # the loop's lease-expiry timer, cancelled once the lease is released
 
     @property
     def handle(self):
@@ -171,7 +189,7 @@ class RecvOp:
     blocks: tuple
     layers: tuple
     heads: tuple  # this rank's global (start, stop)
-    completer: object  # kvxfer.handle.HandleCompleter of the caller's handle
+    completer: HandleCompleter  # of the caller's handle
     skip: int = 0  # the sender's first `skip` blocks are not moved (D holds them already)
     coverage: Coverage | None = None  # which (layer, head, block) cells landed
     posted_to: set = field(default_factory=set)  # peers holding our RECV_POST
@@ -181,7 +199,7 @@ class RecvOp:
     started: float = field(default_factory=time.monotonic)
     post_frame: bytes = b""  # the encoded RECV_POST (the same frame goes to every peer)
     unpacking: int = 0  # chunks the device may still be scattering into `blocks`
-    timer: object = None  # the loop's lease-expiry timer, cancelled once the recv ended
+    timer: Timer | None = None  # the loop's lease-expiry timer, cancelled once the recv ended
     bulk: bool = False  # more bytes than one thread copies inline: a sender's copy pool works on it
 
     @property

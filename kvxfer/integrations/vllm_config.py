@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..agent.handshake import MIN_SECRET_BYTES, SECRET_ENV
+from ..secrets import MIN_SECRET_BYTES, SECRET_ENV
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 
-from ..agent.handshake import normalize_secret
+from ..secrets import normalize_secret
 from ..errors import AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
 from ..handle import HandleCompleter
 from . import index as ix
@@ -342,7 +342,7 @@ class KVStore:
                 except (PeerDisconnected, TransferTimeout) as exc:
                     self._mark_down(addr, exc)
                     raise
-        done.handle.nbytes = self._moved
+        done.add_bytes(self._moved)
         done.succeed()
 
     def _put_batch(self, c: NodeConn, keys, ids, fmt, size) -> None:
@@ -434,7 +434,7 @@ class KVStore:
             loaded += 1
         self.counters["get_objects"] += sum(good)
         self.counters["get_misses"] += len(keys) - sum(good)
-        done.handle.nbytes = self._moved
+        done.add_bytes(self._moved)
         if loaded == len(keys):
             done.succeed()
             return

@@ -17,8 +17,7 @@ import threading
 import uuid
 
 from ..framing import HEADER, parse_header
-from ..agent.handshake import client_handshake
-from ..agent.peers import split_address
+from ..agent.peers import open_authenticated
 from ..errors import KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
 from .node import CLIENT_INFO, STORE_INFO
 from .protocol import MAX_REQUEST_BYTES, REPLY, encode
@@ -55,13 +54,6 @@ class NodeConn:
 
     @classmethod
     def open(cls, address: str, secret: bytes, backend, timeout: float) -> "NodeConn":
-        host, port = split_address(address)
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except socket.timeout:
-            raise TransferTimeout(f"connecting to store node {address} timed out") from None
-        except OSError as exc:
-            raise PeerDisconnected(f"cannot reach store node {address}: {exc}") from None
         info = {"name": "kvxfer-store-client", "agent_id": uuid.uuid4().hex, "backend": b"", "staging": 0,
                 "layout": {"kind": CLIENT_INFO}}
         seen: dict = {}
@@ -75,19 +67,12 @@ class NodeConn:
                     raise ProtocolError(f"store node {address} sent a bad {k}")
             seen.update(lay)
 
+        sock, fields = open_authenticated(address, secret, info, check, timeout, what="store node ")
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            fields = client_handshake(sock, secret, info, check, timeout)
             bconn = backend.connect(fields["backend"])
-        except socket.timeout:
-            sock.close()
-            raise TransferTimeout(f"handshake with store node {address} timed out") from None
-        except KVXferError:
+        except BaseException:
             sock.close()
             raise
-        except (ConnectionError, OSError) as exc:
-            sock.close()
-            raise PeerDisconnected(f"store node {address} closed the connection: {exc}") from None
         try:
             return cls(address, sock, backend, bconn, seen)
         except BaseException:

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 
-from ..agent.handshake import normalize_secret
+from ..secrets import normalize_secret
 from ..framing import FrameReader
 from ..agent.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
 from ..agent.protocol import Msg, decode

@@ -21,8 +21,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-DESC_FIELDS = ("local_region", "local_offset", "remote_region", "remote_offset", "length")
-
 
 @dataclass(frozen=True)
 class Capabilities:

@@ -35,7 +35,7 @@ import logging
 from dataclasses import dataclass
 
 from ..errors import KVXferError
-from ..memory import MemoryRegistry, Region
+from ..memory import MemoryRegistry
 from .base import Backend, Capabilities, Connection
 
 log = logging.getLogger("kvxfer.transport")
@@ -144,9 +144,6 @@ class UcxBackend(Backend):
     def register_tensor(self, tensor) -> int:
         """Register a tensor's storage span; return its region id."""
         return self.registry.register_tensor(tensor).region_id
-
-    def region(self, region_id: int) -> Region:
-        return self.registry.get(region_id)
 
     def deregister(self, region_id: int) -> None:
         self.registry.deregister(region_id)

@@ -33,7 +33,7 @@ import select
 import socket
 import threading
 
-from ...agent.handshake import MIN_SECRET_BYTES
+from ...secrets import MIN_SECRET_BYTES
 from ...errors import AuthenticationError, ProtocolError
 from .ipc import RouterChannel, encode, recv_message, recv_message_async
 

@@ -23,7 +23,7 @@ import os
 import queue
 import sys
 
-from ...agent.handshake import MIN_SECRET_BYTES, SECRET_ENV as USER_SECRET_ENV
+from ...secrets import MIN_SECRET_BYTES, SECRET_ENV as USER_SECRET_ENV
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 

@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 from vllm_procs import BLOCK_SIZE, VllmServer, baseline_tokens, start_all  # noqa: E402
+from waiting import within  # noqa: E402
 
 MAX_TOKENS = 8
 B = BLOCK_SIZE
@@ -93,15 +94,6 @@ def _failed(resp) -> bool:
     return resp["choices"][0].get("finish_reason") == "error"
 
 
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.5)
-    return pred()
-
-
 def test_export_matches_kvxfer_model(baseline):
     from kvxfer.serving.engine.config import EngineConfig
     from kvxfer.serving.engine.engine import Engine
@@ -129,7 +121,7 @@ def test_decode_after_transfer_equals_baseline(engines, baseline, budget):
         local = 3 * B if name == "shared_prefix" else 0  # D's own prefix cache had the long prompt's blocks
         external += len(prompt) - local
         # P freed the request's blocks once D had them (lease ended "done")
-        assert _wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0, budget), name
+        assert within(lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0, budget), name
     assert d.metric("vllm:external_prefix_cache_hits_total") - ext_before == external
 
 
@@ -152,7 +144,7 @@ def test_proxy_streams_the_decode_answer(engines, baseline, budget):
                              env=dict(os.environ, PYTHONPATH=os.getcwd()))
     try:
         url = f"http://127.0.0.1:{port}"
-        assert _wait_for(lambda: _healthy(url), timeout=120.0)
+        assert within(lambda: _healthy(url), timeout=120.0)
         body = dict(CHAT, model=baseline["model_name"], stream=True)
         pieces = []
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=4 * budget) as r:

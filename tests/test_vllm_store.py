@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 from store_cases import start_node, stop_node  # noqa: E402
 from vllm_procs import BLOCK_SIZE, SECRET, VllmServer, start_all, timed_prefill  # noqa: E402
+from waiting import within  # noqa: E402
 
 B = BLOCK_SIZE
 MAX_TOKENS = 8
@@ -91,22 +92,13 @@ def _pool_objects(addr) -> int:
         return store.stats()["objects"]
 
 
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.5)
-    return pred()
-
-
 def _serve_and_pool(a, addr, prompt, budget) -> list:
     """A serves ``prompt`` cold (its full blocks go into the pool), then again from its own
     prefix cache; returns that second answer's tokens (the reference)."""
     before = _pool_objects(addr)
     _answer(a.complete(prompt, MAX_TOKENS, timeout=4 * budget))
     blocks = len(prompt) // B
-    assert _wait_for(lambda: _pool_objects(addr) >= before + blocks, budget), "A's blocks never reached the pool"
+    assert within(lambda: _pool_objects(addr) >= before + blocks, budget), "A's blocks never reached the pool"
     hits0 = a.metric("vllm:prefix_cache_hits_total")
     ref, cached = _answer(a.complete(prompt, MAX_TOKENS, timeout=4 * budget))
     # the reference really is a prefix-cache run: all full blocks but the last token's
@@ -128,7 +120,7 @@ def test_fresh_engine_serves_the_prompt_from_the_pool(engines, node, budget):
     assert b.metric("vllm:external_prefix_cache_hits_total") - before["vllm:external_prefix_cache_hits_total"] \
         == pooled_tokens
     assert b.metric("vllm:prefix_cache_hits_total") == before["vllm:prefix_cache_hits_total"]
-    assert _wait_for(lambda: b.metric("kvxfer:store_hit_tokens_total") - before["kvxfer:store_hit_tokens_total"]
+    assert within(lambda: b.metric("kvxfer:store_hit_tokens_total") - before["kvxfer:store_hit_tokens_total"]
                      == pooled_tokens, budget)
     assert b.metric("kvxfer:store_load_blocks_total") - before["kvxfer:store_load_blocks_total"] == pooled_tokens // B
 
@@ -142,13 +134,13 @@ def test_prefill_engine_consults_the_pool_before_prefilling(engines, node, budge
     pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, timeout=4 * budget)
     _, cached = _answer(pr)
     assert cached == 2 * B  # P loaded two blocks from the pool and computed the last token
-    assert _wait_for(lambda: p.metric("kvxfer:store_hit_tokens_total") - hits0 == 2 * B, budget)
+    assert within(lambda: p.metric("kvxfer:store_hit_tokens_total") - hits0 == 2 * B, budget)
     tokens, _ = _answer(d.complete(prompt, MAX_TOKENS, kv_transfer_params=pr["kv_transfer_params"],
                                    timeout=4 * budget))
     assert tokens == ref
     # P's blocks go back once D has them and its puts (none: every block it computed was
     # pooled already or the partial last one) ended
-    assert _wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0, budget)
+    assert within(lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0, budget)
 
 
 def test_store_node_killed_engine_recomputes(engines, node, budget):

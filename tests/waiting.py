@@ -39,3 +39,14 @@ def until_closed(s, deadline: float) -> bytes:
             got += data
     finally:
         s.close()
+
+
+def within(predicate, timeout: float, interval: float = 0.5) -> bool:
+    """Whether ``predicate()`` turns truthy within ``timeout`` seconds (polled every
+    ``interval`` s, once more at the end): for ``assert within(...), why``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -8,6 +8,10 @@ posted, so the write starts at once) and report ``sent`` with the handle's
 send -> done time as soon as it completes. The blocks are held
 until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
+
+Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim.link`): the write is
+posted when this worker's modelled egress can start it, and the send counts as
+done (``sent``, blocks freed) at the modelled end, never before the real write.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ class Outgoing:
     seq: Sequence
     handle: object  # kvxfer.TransferHandle
     posted_at: float
+    ready_at: float = 0.0  # token 0 sampled: the transfer may start (perf_counter)
+    settle_at: float = 0.0  # simulated engine: the modelled end of the transfer
 
 
 class PrefillWorker(WorkerLoop):
@@ -37,6 +43,8 @@ class PrefillWorker(WorkerLoop):
         self.jobs: dict[str, dict] = {}  # rid -> prefill message, until token 0
         self.seqs: dict[str, Sequence] = {}
         self.outgoing: dict[str, Outgoing] = {}
+        # simulated engine: (start_at, settle_at, ready_at, seq, msg) waiting for the modelled egress
+        self.delayed: list[tuple[float, float, float, Sequence, dict]] = []
         self.peers = ctx.peers  # decode agent address -> kvxfer.Peer (kept across role switches)
         self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
 
@@ -51,6 +59,7 @@ class PrefillWorker(WorkerLoop):
         self.jobs.pop(rid, None)
         if rid in self.outgoing:
             return  # the decode side waits on it; the lease bounds how long we hold it
+        self.delayed = [d for d in self.delayed if d[3].request_id != rid]
         seq = self.seqs.pop(rid, None)
         if seq is not None:
             self.runtime.release(seq)
@@ -62,6 +71,8 @@ class PrefillWorker(WorkerLoop):
         return self.runtime.scheduler.has_work()
 
     def tick(self) -> None:
+        if self.delayed:
+            self._post_delayed()
         self._poll_sends()
         step = self.runtime.step()
         for (seq, token), logprobs in zip(step.produced, step.logprobs):
@@ -84,6 +95,27 @@ class PrefillWorker(WorkerLoop):
         return peer
 
     def _post_send(self, seq: Sequence, msg: dict) -> None:
+        nic, now = self.runtime.nic, time.perf_counter()
+        if nic is None:
+            self._start_send(seq, msg, now, 0.0)
+            return
+        num_blocks = len(seq.block_table) - int(msg.get("skip_blocks", 0))
+        start, settle_at = nic.reserve(now, self.runtime.transfer_bytes(num_blocks))
+        if start > now:
+            self.delayed.append((start, settle_at, now, seq, msg))
+        else:
+            self._start_send(seq, msg, now, settle_at)
+
+    def _post_delayed(self) -> None:
+        now, waiting = time.perf_counter(), []
+        for item in self.delayed:
+            if item[0] <= now:
+                self._start_send(item[3], item[4], item[2], item[1])
+            else:
+                waiting.append(item)
+        self.delayed = waiting
+
+    def _start_send(self, seq: Sequence, msg: dict, ready_at: float, settle_at: float) -> None:
         rid = seq.request_id
         block_ids = seq.block_table[int(msg.get("skip_blocks", 0)):]
         try:
@@ -93,8 +125,9 @@ class PrefillWorker(WorkerLoop):
                 self.peers.pop(msg["dst"], None)
             self._settle(seq, f"{type(exc).__name__}: {exc}")
             return
-        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter())
-        handle.add_done_callback(functools.partial(self._report_sent, rid))
+        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter(), ready_at, settle_at)
+        if self.runtime.nic is None:  # simulated: reported at the modelled end (_settle)
+            handle.add_done_callback(functools.partial(self._report_sent, rid))
 
     def _report_sent(self, rid: str, handle) -> None:
         """Done callback, on the agent's thread: ``sent`` goes out as soon as the data
@@ -116,6 +149,8 @@ class PrefillWorker(WorkerLoop):
                     self._settle(out.seq, "lease expired", out)
                 continue
             if out.handle.state == "done":
+                if now < out.settle_at:
+                    continue  # simulated: the modelled transfer is still on the wire
                 self._settle(out.seq, None, out)
             else:
                 error = out.handle.error
@@ -126,9 +161,12 @@ class PrefillWorker(WorkerLoop):
         self.outgoing.pop(rid, None)
         self.seqs.pop(rid, None)
         self.runtime.release(seq, "stop")
-        if error is None:  # "sent" went out from _report_sent already
+        if error is None:  # real engine: "sent" went out from _report_sent already
             self.counters["sends_ok"] += 1
             self.counters["kv_bytes_sent"] += out.handle.nbytes
+            if self.runtime.nic is not None:
+                self.send({"ev": "sent", "rid": rid, "kv_bytes": out.handle.nbytes,
+                           "transfer_ms": (out.settle_at - out.ready_at) * 1e3})
         else:
             self.counters["sends_failed"] += 1
             log.warning("%s: KV send failed: %s", rid, error)
@@ -137,4 +175,4 @@ class PrefillWorker(WorkerLoop):
     def stats(self) -> dict:
         sched = self.runtime.scheduler
         return {"waiting": len(sched.waiting), "running": len(sched.running),
-                "sending": len(self.outgoing), "free_blocks": self.runtime.blocks.num_free_blocks}
+                "sending": len(self.outgoing) + len(self.delayed), "free_blocks": self.runtime.blocks.num_free_blocks}

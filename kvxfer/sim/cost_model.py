@@ -65,11 +65,13 @@ class StepCostModel:
         return cls(tuple(raw[t] for t in TERMS))
 
     @classmethod
-    def fit(cls, steps: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> "StepCostModel":
+    def fit(cls, steps: Sequence[tuple[Sequence[tuple[int, int]], float]],
+            terms: Sequence[str] = TERMS) -> "StepCostModel":
         """Least squares on relative error over ``(chunks, seconds)`` points, with every
         coefficient >= 0 (a term fitted negative is dropped and the rest refitted).
 
-        Relative error, so a 20 ms decode step weighs as much as a 2 s prefill."""
+        Relative error, so a 20 ms decode step weighs as much as a 2 s prefill.
+        Only ``terms`` are fitted; the others stay 0 (for data that cannot tell them)."""
         import numpy as np
 
         if len(steps) < len(TERMS):
@@ -79,7 +81,10 @@ class StepCostModel:
         if not np.all(y > 0):
             raise ValueError("measured step times must be > 0")
         xw, yw = x / y[:, None], np.ones_like(y)
-        active = [i for i in range(len(TERMS)) if np.any(x[:, i])]
+        unknown = set(terms) - set(TERMS)
+        if unknown:
+            raise ValueError(f"unknown terms {sorted(unknown)}; terms are {TERMS}")
+        active = [i for i, t in enumerate(TERMS) if t in terms and np.any(x[:, i])]
         while True:
             sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
             if np.all(sol >= 0):

@@ -22,17 +22,17 @@ def _model(*coefs):
 
 def test_features_reduce_to_distserve_forms():
     # prefill without prefix: a + b*sum(len) + c*sum(len^2)
-    assert features([(100, 0), (20, 0)]) == (1.0, 120.0, 100 * 100 + 20 * 20, 0.0, 0.0)
+    assert features([(100, 0), (20, 0)]) == (1.0, 120.0, 100 * 100 + 20 * 20, 0.0, 0.0, 0.0)
     # decode: a + d*batch + e*sum(ctx); a one-token chunk at start s has context s + 1
-    assert features([(1, 9), (1, 99)]) == (1.0, 0.0, 0.0, 2.0, 110.0)
+    assert features([(1, 9), (1, 99)]) == (0.0, 0.0, 0.0, 1.0, 2.0, 110.0)
     # mixed, with a cached prefix of 32 tokens under a 16-token chunk
-    assert features([(1, 9), (16, 32)]) == (1.0, 16.0, 16 * 48, 1.0, 10.0)
+    assert features([(1, 9), (16, 32)]) == (1.0, 16.0, 16 * 48, 0.0, 1.0, 10.0)
     with pytest.raises(ValueError):
         features([(0, 0)])
 
 
 def test_fit_recovers_known_coefficients():
-    truth = _model(0.01, 2e-4, 3e-8, 5e-4, 4e-6)
+    truth = _model(0.01, 2e-4, 3e-8, 0.02, 5e-4, 4e-6)
     steps = [[(n, p)] for n in (16, 64, 256, 512) for p in (0, 128, 1024)]
     steps += [[(1, c - 1)] * b for b in (1, 4, 16) for c in (32, 512, 2048)]
     steps += [[(1, 255)] * 8 + [(n, 0)] for n in (32, 128)]
@@ -51,11 +51,11 @@ def test_fit_keeps_coefficients_non_negative():
     with pytest.raises(ValueError):
         StepCostModel.fit(steps[:3])
     with pytest.raises(ValueError):
-        _model(0.1, -1, 0, 0, 0)
+        _model(0.1, -1, 0, 0, 0, 0)
 
 
 def _profile(**kw) -> Profile:
-    fit = _model(0.01, 1e-4, 0, 1e-3, 1e-6)
+    fit = _model(0.01, 1e-4, 0, 0.005, 1e-3, 1e-6)
     points = [{"kind": "prefill", "chunks": [[64, 0]], "seconds": 0.02},
               {"kind": "decode", "chunks": [[1, 10]] * 2, "seconds": 0.013}]
     args = dict(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
@@ -85,7 +85,7 @@ def test_bad_profiles_raise_typed_errors(tmp_path):
     with pytest.raises(ProfileError, match="not JSON"):
         load_profile(str(bad))
     raw = _profile().as_dict()
-    for mutate in (lambda r: r.pop("fit"), lambda r: r["fit"].update(a=-1.0),
+    for mutate in (lambda r: r.pop("fit"), lambda r: r["fit"].update(a_prefill=-1.0),
                    lambda r: r.update(block_size=0), lambda r: r["link"].update(bandwidth_bytes_per_s=0),
                    lambda r: r["points"].append({"kind": "warp", "chunks": [[1, 0]], "seconds": 1})):
         doc = json.loads(json.dumps(raw))

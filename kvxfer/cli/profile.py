@@ -3,6 +3,7 @@
     kvxfer profile --out my-cpu.json [--threads 1] [--repeats 3] [--model PATH.gguf]
     kvxfer profile --list               # shipped profiles, one name a line
     kvxfer profile --show NAME|FILE     # a profile's fit and residuals
+    kvxfer profile --refit FILE [--hold TERM]   # fit FILE's measured points again, in place
 
 The profile feeds the simulated engine: ``kvxfer serve --engine sim --profile NAME|FILE``.
 """
@@ -18,6 +19,10 @@ def add_parser(sub) -> None:
     p.add_argument("--list", action="store_true", help="print the shipped profiles' names")
     p.add_argument("--show", metavar="NAME|FILE", help="print a profile's fit and residuals")
     p.add_argument("--out", metavar="FILE.json", help="measure this machine and write the profile")
+    p.add_argument("--refit", metavar="FILE.json",
+                   help="fit the file's measured points again with this version's cost model")
+    p.add_argument("--hold", nargs="*", default=[], metavar="TERM",
+                   help="--refit: keep these terms at 0 (data that cannot tell them)")
     p.add_argument("--name", default=None, help="the profile's name (default: the file's stem)")
     p.add_argument("--model", default=None, metavar="PATH.gguf",
                    help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct)")
@@ -53,9 +58,34 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in prof.as_dict().items() if k != "points"}, indent=1))
         print(f"{len(prof.points)} measured points")
         return 0
+    if args.refit:
+        return _refit(args.refit, args.hold)
     if not args.out:
-        raise SystemExit("kvxfer profile: give --out FILE.json, --list or --show NAME")
+        raise SystemExit("kvxfer profile: give --out FILE.json, --list, --show NAME or --refit FILE")
     return _measure(args)
+
+
+def _refit(path: str, hold: list[str]) -> int:
+    """Fit the file's points again; every other field is kept (the fit of an older
+    version's cost model need not parse)."""
+    from kvxfer.sim.cost_model import TERMS, StepCostModel
+    from kvxfer.sim.profile import Profile, ProfileError, residuals
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        raw["fit"] = dict.fromkeys(TERMS, 0.0)
+        prof = Profile.from_dict(raw, path)
+        fit = StepCostModel.fit([(p["chunks"], p["seconds"]) for p in prof.points],
+                                terms=[t for t in TERMS if t not in hold])
+    except (OSError, json.JSONDecodeError, ProfileError, ValueError) as exc:
+        raise SystemExit(f"kvxfer profile: {exc}") from None
+    raw.update(fit=fit.as_dict(), residuals=residuals(fit, prof.points))
+    with open(path, "w") as f:
+        json.dump(raw, f, indent=1)
+        f.write("\n")
+    print(f"refitted {path}: {fit.as_dict()}; residuals {raw['residuals']['all']}")
+    return 0
 
 
 def _measure(args: argparse.Namespace) -> int:

@@ -4,12 +4,14 @@ A step runs prompt chunks (``n`` tokens over a cached prefix of ``p`` tokens)
 and one-token decode chunks (context ``c``: the tokens the new one attends to,
 itself included). Its time is modelled as::
 
-    t = a + b * sum(n) + c * sum(n * (p + n)) + d * batch + e * sum(ctx)
+    t = a_prefill + b * sum(n) + c * sum(n * (p + n)) + d * batch + e * sum(ctx)
 
-so a prefill step without prefix is DistServe's ``a + b*sum(len) + c*sum(len^2)``
-and a decode step DistServe's ``a + e*sum(ctx) + d*batch``; a mixed
-(chunked-prefill) step adds both. One-token chunks count as decode chunks,
-as the embedded model runs them on its batched decode path.
+with ``a_decode`` in place of ``a_prefill`` when the step holds no prompt
+chunk. A prefill step without prefix is DistServe's ``a + b*sum(len) +
+c*sum(len^2)`` and a decode step DistServe's ``a + e*sum(ctx) + d*batch``; a
+mixed (chunked-prefill) step adds the decode chunks' terms to the prefill
+form. One-token chunks count as decode chunks, as the embedded model runs
+them on its batched decode path.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-TERMS = ("a", "b_prefill_tokens", "c_prefill_attention", "d_decode_batch", "e_decode_context")
+TERMS = ("a_prefill", "b_prefill_tokens", "c_prefill_attention", "a_decode", "d_decode_batch",
+         "e_decode_context")
 
 
 def features(chunks: Iterable[tuple[int, int]]) -> tuple[float, ...]:
@@ -32,7 +35,9 @@ def features(chunks: Iterable[tuple[int, int]]) -> tuple[float, ...]:
         else:
             tokens += n
             attention += n * (start + n)
-    return (1.0, float(tokens), float(attention), float(batch), float(context))
+    has_prompt = 1.0 if tokens else 0.0
+    return (has_prompt, float(tokens), float(attention), 1.0 - has_prompt, float(batch),
+            float(context))
 
 
 @dataclass(frozen=True)

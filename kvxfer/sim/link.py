@@ -4,9 +4,12 @@ Each worker has one NIC, modelled as a FIFO: a transfer occupies the
 sender's egress and then the receiver's ingress for ``bytes / bandwidth``,
 after ``latency``. Transfers sharing a NIC queue behind each other (the
 contention of several requests leaving one prefill worker, or landing on one
-decode worker). The sender keeps its own egress queue and posts the real
-(scaled-down) write when the modelled transfer may start; the receiver's
-ingress queue decides when the data counts as landed.
+decode worker). The sender posts the real (scaled-down) write at once and
+books it on its egress queue (its blocks are freed, and ``sent`` reports, at
+the modelled end); the receiver books it on its ingress queue when the real
+write has landed, which decides when the data counts as arrived. The
+receiver does not see the sender's queue: a transfer that waited on a busy
+egress is not delayed at the receiver by that wait.
 """
 from __future__ import annotations
 

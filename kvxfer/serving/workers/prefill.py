@@ -10,8 +10,9 @@ until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
 
 Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim.link`): the write is
-posted when this worker's modelled egress can start it, and the send counts as
-done (``sent``, blocks freed) at the modelled end, never before the real write.
+posted at once; the transfer is booked on this worker's modelled egress, its
+blocks are freed at the modelled end (never before the real write is done),
+and ``sent`` reports the modelled time (egress queueing included).
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ class Outgoing:
     seq: Sequence
     handle: object  # kvxfer.TransferHandle
     posted_at: float
-    ready_at: float = 0.0  # token 0 sampled: the transfer may start (perf_counter)
     settle_at: float = 0.0  # simulated engine: the modelled end of the transfer
 
 
@@ -43,8 +43,6 @@ class PrefillWorker(WorkerLoop):
         self.jobs: dict[str, dict] = {}  # rid -> prefill message, until token 0
         self.seqs: dict[str, Sequence] = {}
         self.outgoing: dict[str, Outgoing] = {}
-        # simulated engine: (start_at, settle_at, ready_at, seq, msg) waiting for the modelled egress
-        self.delayed: list[tuple[float, float, float, Sequence, dict]] = []
         self.peers = ctx.peers  # decode agent address -> kvxfer.Peer (kept across role switches)
         self.counters.update(sends_ok=0, sends_failed=0, leases_expired=0, kv_bytes_sent=0)
 
@@ -59,7 +57,6 @@ class PrefillWorker(WorkerLoop):
         self.jobs.pop(rid, None)
         if rid in self.outgoing:
             return  # the decode side waits on it; the lease bounds how long we hold it
-        self.delayed = [d for d in self.delayed if d[3].request_id != rid]
         seq = self.seqs.pop(rid, None)
         if seq is not None:
             self.runtime.release(seq)
@@ -71,8 +68,6 @@ class PrefillWorker(WorkerLoop):
         return self.runtime.scheduler.has_work()
 
     def tick(self) -> None:
-        if self.delayed:
-            self._post_delayed()
         self._poll_sends()
         step = self.runtime.step()
         for (seq, token), logprobs in zip(step.produced, step.logprobs):
@@ -95,29 +90,11 @@ class PrefillWorker(WorkerLoop):
         return peer
 
     def _post_send(self, seq: Sequence, msg: dict) -> None:
-        nic, now = self.runtime.nic, time.perf_counter()
-        if nic is None:
-            self._start_send(seq, msg, now, 0.0)
-            return
-        num_blocks = len(seq.block_table) - int(msg.get("skip_blocks", 0))
-        start, settle_at = nic.reserve(now, self.runtime.transfer_bytes(num_blocks))
-        if start > now:
-            self.delayed.append((start, settle_at, now, seq, msg))
-        else:
-            self._start_send(seq, msg, now, settle_at)
-
-    def _post_delayed(self) -> None:
-        now, waiting = time.perf_counter(), []
-        for item in self.delayed:
-            if item[0] <= now:
-                self._start_send(item[3], item[4], item[2], item[1])
-            else:
-                waiting.append(item)
-        self.delayed = waiting
-
-    def _start_send(self, seq: Sequence, msg: dict, ready_at: float, settle_at: float) -> None:
         rid = seq.request_id
         block_ids = seq.block_table[int(msg.get("skip_blocks", 0)):]
+        nic, ready_at, settle_at = self.runtime.nic, time.perf_counter(), 0.0
+        if nic is not None:
+            _, settle_at = nic.reserve(ready_at, self.runtime.transfer_bytes(len(block_ids)))
         try:
             handle = self.agent.send(self._peer(msg["dst"]), rid, block_ids)
         except KVXferError as exc:
@@ -125,11 +102,11 @@ class PrefillWorker(WorkerLoop):
                 self.peers.pop(msg["dst"], None)
             self._settle(seq, f"{type(exc).__name__}: {exc}")
             return
-        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter(), ready_at, settle_at)
-        if self.runtime.nic is None:  # simulated: reported at the modelled end (_settle)
-            handle.add_done_callback(functools.partial(self._report_sent, rid))
+        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter(), settle_at)
+        handle.add_done_callback(functools.partial(self._report_sent, rid,
+                                                   (settle_at - ready_at) * 1e3 if nic else None))
 
-    def _report_sent(self, rid: str, handle) -> None:
+    def _report_sent(self, rid: str, modelled_ms: float | None, handle) -> None:
         """Done callback, on the agent's thread: ``sent`` goes out as soon as the data
         landed, even while the main loop is inside a seconds-long prefill step (the
         channel's send is one short locked ``sendall``). Failures and expiry are the
@@ -137,7 +114,8 @@ class PrefillWorker(WorkerLoop):
         if handle.state != "done":
             return
         self.send({"ev": "sent", "rid": rid, "kv_bytes": handle.nbytes,
-                   "transfer_ms": (handle.finished - handle.created) * 1e3})
+                   "transfer_ms": modelled_ms if modelled_ms is not None
+                   else (handle.finished - handle.created) * 1e3})
 
     def _poll_sends(self) -> None:
         now = time.perf_counter()
@@ -161,12 +139,9 @@ class PrefillWorker(WorkerLoop):
         self.outgoing.pop(rid, None)
         self.seqs.pop(rid, None)
         self.runtime.release(seq, "stop")
-        if error is None:  # real engine: "sent" went out from _report_sent already
+        if error is None:  # "sent" went out from _report_sent already
             self.counters["sends_ok"] += 1
             self.counters["kv_bytes_sent"] += out.handle.nbytes
-            if self.runtime.nic is not None:
-                self.send({"ev": "sent", "rid": rid, "kv_bytes": out.handle.nbytes,
-                           "transfer_ms": (out.settle_at - out.ready_at) * 1e3})
         else:
             self.counters["sends_failed"] += 1
             log.warning("%s: KV send failed: %s", rid, error)
@@ -175,4 +150,4 @@ class PrefillWorker(WorkerLoop):
     def stats(self) -> dict:
         sched = self.runtime.scheduler
         return {"waiting": len(sched.waiting), "running": len(sched.running),
-                "sending": len(self.outgoing) + len(self.delayed), "free_blocks": self.runtime.blocks.num_free_blocks}
+                "sending": len(self.outgoing), "free_blocks": self.runtime.blocks.num_free_blocks}

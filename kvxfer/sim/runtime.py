@@ -49,13 +49,10 @@ class SimRuntime(Runtime):
         self.pool = SimPool(config.num_blocks, config.block_size, profile.block_bytes, kv_scale,
                             tag=f"sim-{profile.name}")
         super().__init__(None, config, cache=self.pool.cache)
+        self.matmul_dtype = f"sim:{profile.name}"
         self.nic = NicQueue(profile.link)
         self.modelled_s = 0.0  # total modelled forward time
         self.overrun_s = 0.0  # time steps ran past their modelled end (host too slow)
-
-    @property
-    def matmul_dtype(self) -> str:
-        return f"sim:{self.profile.name}"
 
     def transfer_bytes(self, num_blocks: int) -> int:
         """The real model's bytes for ``num_blocks`` blocks: what the modelled link carries."""

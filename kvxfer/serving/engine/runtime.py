@@ -57,6 +57,8 @@ class Runtime:
         self.model = model
         self.config = config
         self.cache = cache if cache is not None else model.kv_cache
+        # the projections' resolved dtype, reported in the worker's ``ready``
+        self.matmul_dtype = model.matmul_dtype if model is not None else ""
         self.blocks = BlockManager(config.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
@@ -71,11 +73,6 @@ class Runtime:
                                      block_size=config.block_size,
                                      matmul_dtype=config.matmul_dtype)
         return cls(model, config)
-
-    @property
-    def matmul_dtype(self) -> str:
-        """The projections' resolved dtype (reported in the worker's ``ready``)."""
-        return self.model.matmul_dtype
 
     @property
     def block_size(self) -> int:

@@ -50,6 +50,7 @@ def add_parser(sub) -> None:
                         "priority) than decode workers, so a decode worker sharing their CPU "
                         "group (one --cpus group for all) takes the CPU first (0: off)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    add_engine_args(p)
     p.add_argument("--retries", type=int, default=0, metavar="N",
                    help="place a request again (up to N times) on another worker of the same "
                         "role when its worker dies or fails before any token was streamed")
@@ -98,6 +99,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_engine_args(p) -> None:
+    """``--engine real|sim``, ``--profile``, ``--sim-kv-scale`` (serve and worker)."""
+    p.add_argument("--engine", choices=("real", "sim"), default="real",
+                   help="sim: simulated accelerators, the forward pass modelled by --profile "
+                        "(docs/simulate.md); everything else is the real stack")
+    p.add_argument("--profile", default=None, metavar="NAME|FILE",
+                   help="--engine sim: a cost profile (kvxfer profile --list, or a JSON file)")
+    p.add_argument("--sim-kv-scale", type=float, default=None, metavar="S",
+                   help="--engine sim: pool blocks hold the real model's block bytes / S "
+                        "(default 256)")
+
+
 def config_from_args(args: argparse.Namespace):
     from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
 
@@ -125,7 +138,8 @@ def config_from_args(args: argparse.Namespace):
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, limit_concurrency=args.limit_concurrency,
         adaptive=_adaptive_policy(args) if args.adaptive else None,
-        adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None)
+        adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None,
+        engine=args.engine, profile=args.profile, sim_kv_scale=args.sim_kv_scale)
 
 
 def _pair(text: str, flag: str) -> tuple[float, float]:
@@ -184,6 +198,7 @@ def _local_workers(args: argparse.Namespace, config):
     (:mod:`kvxfer.serving.server.local_workers`) and drained when it exits."""
     import sys
 
+    from kvxfer.serving.server.launcher import sim_args
     from kvxfer.serving.server.local_workers import LocalWorkers
     from kvxfer.serving.server.serve_config import parse_cpu_group
 
@@ -204,6 +219,7 @@ def _local_workers(args: argparse.Namespace, config):
                 "--matmul-dtype", args.matmul_dtype,
                 "--transfer-timeout", str(args.transfer_timeout),
                 "--on-transfer-failure", args.on_transfer_failure, "--log-level", args.log_level]
+        argv += sim_args(config)
         for flag, value in (("--model", args.model), ("--secret-file", args.secret_file), ("--store", args.store),
                             ("--threads", args.threads and str(args.threads)),
                             ("--cpus", args.cpus[i if len(groups) > 1 else 0] if groups else None)):

@@ -14,6 +14,7 @@ import os
 import socket
 
 from kvxfer.serving.engine.config import EngineConfig
+from kvxfer.cli.serve import add_engine_args
 from kvxfer.serving.model.config import MATMUL_DTYPES
 
 
@@ -45,6 +46,7 @@ def add_parser(sub) -> None:
                    help="projection dtype: auto (bf16 where the CPU has AMX, else fp32), fp32 "
                         "or bf16; must resolve to the same as the workers it exchanges KV with")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    add_engine_args(p)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
@@ -64,10 +66,11 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
             "--matmul-dtype", args.matmul_dtype,
             "--transfer-timeout", str(args.transfer_timeout),
             "--on-transfer-failure", args.on_transfer_failure, "--ttl", str(args.ttl),
-            "--log-level", args.log_level]
+            "--log-level", args.log_level, "--engine", args.engine]
     for flag, value in (("--discovery", args.discovery), ("--agent-listen", args.agent_listen),
                         ("--secret-file", args.secret_file), ("--model", args.model),
-                        ("--cpus", args.cpus), ("--store", args.store)):
+                        ("--cpus", args.cpus), ("--store", args.store), ("--profile", args.profile),
+                        ("--sim-kv-scale", args.sim_kv_scale and str(args.sim_kv_scale))):
         if value:
             argv += [flag, value]
     return argv

@@ -9,15 +9,16 @@ token; its owner keeps the request lifecycle: the worker loops
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from ..model.attention import Chunk
-from ..model.model import LlamaModel
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .sampling import SamplingParams, sample_row, token_logprobs
-from .scheduler import Scheduler
+from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the model is imported where it is built (load), not by the simulated engine
+    from ..model.model import LlamaModel
 
 
 def sampling_params(raw: dict) -> SamplingParams:
@@ -50,16 +51,24 @@ class Step(NamedTuple):
 
 
 class Runtime:
-    def __init__(self, model: LlamaModel, config: EngineConfig):
+    def __init__(self, model: "LlamaModel | None", config: EngineConfig, cache=None):
+        """``cache``: the KV pool, by default ``model.kv_cache`` (the simulated engine has
+        no model and passes its own)."""
         self.model = model
         self.config = config
-        self.cache = model.kv_cache
+        self.cache = cache if cache is not None else model.kv_cache
+        # the projections' resolved dtype, reported in the worker's ``ready``
+        self.matmul_dtype = model.matmul_dtype if model is not None else ""
         self.blocks = BlockManager(config.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
 
+    nic = None  # the modelled NIC (kvxfer.sim.link.NicQueue) of a simulated engine; None: real
+
     @classmethod
     def load(cls, config: EngineConfig) -> "Runtime":
+        from ..model.model import LlamaModel
+
         model = LlamaModel.from_gguf(config.model_path, num_blocks=config.num_blocks,
                                      block_size=config.block_size,
                                      matmul_dtype=config.matmul_dtype)
@@ -81,9 +90,7 @@ class Runtime:
         chunks, is_prefill = self.scheduler.schedule()
         if not chunks:
             return Step([], False, 0)
-        logits = self.model.forward(
-            [Chunk(tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
-                   tuple(c.seq.block_table)) for c in chunks])
+        pick = self._forward(chunks)
         produced, logprobs = [], []
         for row, c in enumerate(chunks):
             seq = c.seq
@@ -91,12 +98,26 @@ class Runtime:
             self.blocks.cache_full_blocks(seq)
             if c.completes_prefill:
                 seq.status = SequenceStatus.DECODING
-                token = sample_row(logits[row], seq.params, seq.generator)
+                token, token_lp = pick(row, seq)
                 produced.append((seq, token))
-                num_top = seq.params.logprobs
-                logprobs.append(None if num_top is None
-                                else token_logprobs(logits[row], token, num_top))
+                logprobs.append(token_lp)
         return Step(produced, is_prefill, sum(c.num_tokens for c in chunks), logprobs)
+
+    def _forward(self, chunks: list[ScheduledChunk]):
+        """Run the model over ``chunks`` (writing their KV); returns ``pick(row, seq) ->
+        (token, logprobs or None)`` that samples chunk ``row``'s next token."""
+        from ..model.attention import Chunk
+
+        logits = self.model.forward(
+            [Chunk(tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
+                   tuple(c.seq.block_table)) for c in chunks])
+
+        def pick(row: int, seq: Sequence) -> tuple[int, dict | None]:
+            token = sample_row(logits[row], seq.params, seq.generator)
+            num_top = seq.params.logprobs
+            return token, None if num_top is None else token_logprobs(logits[row], token, num_top)
+
+        return pick
 
     def release(self, seq: Sequence, reason: str = "abort") -> None:
         """Free ``seq``'s blocks, wherever it is (scheduler queues or held by the worker)."""

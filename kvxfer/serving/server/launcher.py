@@ -44,6 +44,16 @@ class WorkerStartError(KVXferError):
     """A worker process exited or stayed silent before reporting ready."""
 
 
+def sim_args(config) -> list[str]:
+    """The worker flags of ``--engine sim`` (empty for the real engine)."""
+    if config.engine != "sim":
+        return []
+    args = ["--engine", "sim", "--profile", config.profile]
+    if config.sim_kv_scale:
+        args += ["--sim-kv-scale", str(config.sim_kv_scale)]
+    return args
+
+
 class WorkerProcess(WorkerRef):
     """One worker: its process, its channel, and the requests it holds."""
 
@@ -99,6 +109,7 @@ class WorkerProcess(WorkerRef):
             args += ["--store", config.store]
             if config.secret_file:
                 args += ["--store-secret-file", config.secret_file]
+        args += sim_args(config)
         env = dict(os.environ)
         env.update(config.worker_env)
         env[AGENT_SECRET_ENV] = secret.hex()

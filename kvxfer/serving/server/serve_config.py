@@ -14,6 +14,7 @@ from ..model.config import MATMUL_DTYPES
 from .adaptive_policy import AdaptivePolicy
 
 TRANSFER_POLICIES = ("fail", "recompute")
+ENGINES = ("real", "sim")
 
 
 def parse_cpu_group(text: str) -> tuple[int, ...]:
@@ -94,6 +95,9 @@ class ServeConfig:
     adaptive: AdaptivePolicy | None = None  # --adaptive: move workers between P and D
     adaptive_slo_ms: tuple[float, float] | None = None  # (TTFT, TPOT) the rebalancer watches
     retries: int = 0  # place a request again this often if its worker dies before token 0
+    engine: str = "real"  # "sim": every worker runs the simulated engine (kvxfer.sim)
+    profile: str | None = None  # --engine sim: the cost profile, a shipped name or a file
+    sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
 
     def __post_init__(self) -> None:
         if self.store is not None and not self.discovery and not (self.secret_file or os.environ.get("KVXFER_SECRET")):
@@ -137,6 +141,10 @@ class ServeConfig:
         num_workers = self.num_colocated or self.num_prefill + self.num_decode
         if self.retries < 0:
             raise ValueError("retries must be >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if (self.engine == "sim") != (self.profile is not None):
+            raise ValueError("--engine sim needs --profile (and --profile needs --engine sim)")
         if self.adaptive is not None:
             if self.discovery or self.num_colocated:
                 raise ValueError("--adaptive moves local prefill/decode workers: not with "

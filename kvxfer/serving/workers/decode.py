@@ -16,6 +16,11 @@ Block safety: blocks of a recv that ended without its data (cancelled,
 failed, timed out) stay held by a placeholder until the agent releases the
 recv's lease (``on_release``: no peer can still write into them), so a late
 one-sided write never lands in another request's KV.
+
+Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim`): every received
+block is checked against the content the prefill worker's simulated forward
+wrote (a mismatch is a failed transfer), and the KV counts as landed when
+this worker's modelled ingress has carried the real model's bytes.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ class RemoteJob:
     token_at: float = 0.0  # time.monotonic() when token 0 arrived: the send is under way
     is_kv_ready: bool = False
     is_released: bool = False  # the agent released the recv's lease
+    skip_blocks: int = 0  # prefix blocks this worker had cached: not received
+    landed_at: float | None = None  # simulated engine: modelled end of the ingress (perf_counter)
 
 
 class DecodeWorker(WorkerLoop):
@@ -52,6 +59,8 @@ class DecodeWorker(WorkerLoop):
         self.quarantine: dict[str, Sequence] = {}  # placeholders holding blocks of dead recvs
         self.counters.update(recv_ok=0, recv_failed=0, recomputed=0, kv_bytes_received=0,
                              local_prefills=0)
+        if self.runtime.nic is not None:
+            self.counters.update(kv_verified=0, kv_mismatched=0)
 
     # ---- messages ---------------------------------------------------------
     def on_admit(self, msg: dict) -> None:
@@ -84,7 +93,7 @@ class DecodeWorker(WorkerLoop):
                 self.counters["local_prefills"] += 1
                 self.send({"ev": "admitted", "rid": rid, "cached_blocks": skip, "local": True})
                 continue
-            job = self.remote[rid] = RemoteJob(seq)
+            job = self.remote[rid] = RemoteJob(seq, skip_blocks=skip)
             # The agent's timeout is only a backstop: the prefill queue ahead of
             # this request is unbounded; _poll_transfers times the transfer itself.
             try:
@@ -144,6 +153,9 @@ class DecodeWorker(WorkerLoop):
         for rid, job in list(self.remote.items()):
             if job.handle is not None and job.handle.done() and not job.is_kv_ready:
                 handle = job.handle
+                if handle.state == "done" and self.runtime.nic is not None \
+                        and not self._landed(job):
+                    continue
                 if handle.state == "done":
                     job.is_kv_ready = True
                     self.counters["recv_ok"] += 1
@@ -162,6 +174,23 @@ class DecodeWorker(WorkerLoop):
                 continue
             if job.is_kv_ready and job.first_token is not None:
                 self._start_decoding(job)
+
+    def _landed(self, job: RemoteJob) -> bool:
+        """Simulated engine: verify the received bytes once, then wait for the modelled
+        ingress; False while the transfer is still on the modelled wire (or failed)."""
+        seq, runtime = job.seq, self.runtime
+        if job.landed_at is None:
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            if not runtime.pool.verify(prompt, seq.block_table, job.skip_blocks):
+                self.counters["kv_mismatched"] += 1
+                self._retire_recv(job)
+                self._transfer_failed(job, "received KV does not match what was sent")
+                return False
+            self.counters["kv_verified"] += 1
+            num_blocks = len(seq.block_table) - job.skip_blocks
+            _, job.landed_at = runtime.nic.reserve(time.perf_counter(),
+                                                   runtime.transfer_bytes(num_blocks))
+        return time.perf_counter() >= job.landed_at
 
     def _transfer_failed(self, job: RemoteJob, error: str) -> None:
         rid = job.seq.request_id

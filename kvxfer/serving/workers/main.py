@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--schedule", choices=SCHEDULES, default=EngineConfig.schedule)
     p.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=EngineConfig.matmul_dtype)
+    p.add_argument("--engine", choices=("real", "sim"), default="real",
+                   help="sim: the simulated engine (kvxfer.sim), forward pass modelled by --profile")
+    p.add_argument("--profile", default=None, metavar="NAME|FILE", help="--engine sim: cost profile")
+    p.add_argument("--sim-kv-scale", type=float, default=None, metavar="S",
+                   help="--engine sim: the pool's blocks hold the real block bytes / S (default 256)")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
@@ -84,10 +89,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give exactly one of --ipc-fd and --listen")
     if args.listen is not None and args.role == "colocated":
         p.error("--listen workers are prefill or decode")
+    if (args.engine == "sim") != (args.profile is not None):
+        p.error("--engine sim needs --profile NAME|FILE (and --profile needs --engine sim)")
     return args
 
 
-def _pin(cpus: str | None, num_threads: int) -> None:
+def pin_threads(cpus: str | None, num_threads: int) -> None:
+    """Pin this process to ``cpus`` (a CPU group, e.g. ``"0-3"``) and torch to ``num_threads`` threads."""
     import torch
 
     from ..server.serve_config import parse_cpu_group
@@ -136,16 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     registration = None
     ctx = None
     try:
-        _pin(args.cpus, args.threads)
+        pin_threads(args.cpus, args.threads)
         from .loop import WorkerContext
-        from ..engine.runtime import Runtime
 
         config = EngineConfig(model_path=args.model, num_blocks=args.num_blocks,
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               schedule=args.schedule, matmul_dtype=args.matmul_dtype,
                               num_threads=args.threads)
-        runtime = Runtime.load(config)
+        runtime = _runtime(config, args)
         released: queue.SimpleQueue = queue.SimpleQueue()
         if args.role != "colocated":
             agent_listen = args.agent_listen or (
@@ -171,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
              "agent_address": agent.address if agent is not None else None,
              "transport": _transport(agent), "model": runtime_model_name(args.model),
              "num_blocks": config.num_blocks, "block_size": config.block_size,
-             "threads": args.threads, "matmul": runtime.model.matmul_dtype,
+             "threads": args.threads, "matmul": runtime.matmul_dtype,
              "kv_fingerprint": runtime.cache.kv_layout().fingerprint(),
-             "cpus": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+             "cpus": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+             "engine": args.engine}
     channel.send(ready)
     try:
         if args.discovery:
@@ -201,8 +209,27 @@ def _open_pool(args, secret: bytes, runtime):
     where = ({"discovery": args.store} if args.store.startswith("etcd://")
              else {"nodes": [a.strip() for a in args.store.split(",") if a.strip()]})
     store = KVStore(**where, secret=secret)
-    salt = model_salt(runtime_model_name(args.model), runtime.model.matmul_dtype, runtime.cache.kv_layout())
+    salt = model_salt(runtime_model_name(args.model), runtime.matmul_dtype, runtime.cache.kv_layout())
     return PrefillPool(store, runtime, salt)
+
+
+def _runtime(config: EngineConfig, args):
+    """The engine core: the model (``--engine real``) or the simulated engine."""
+    if args.engine == "sim":
+        from ...sim.pool import DEFAULT_KV_SCALE
+        from ...sim.profile import load_profile
+        from ...sim.runtime import SimRuntime
+
+        runtime = SimRuntime(config, load_profile(args.profile),
+                             args.sim_kv_scale or DEFAULT_KV_SCALE)
+        logging.info("simulated engine: profile %s (%s, %s); KV pool %d B/block = real %d B / "
+                     "%.1f", runtime.profile.name, runtime.profile.model,
+                     runtime.profile.hardware, runtime.cache.bytes_per_block,
+                     runtime.profile.block_bytes, runtime.pool.scale)
+        return runtime
+    from ..engine.runtime import Runtime
+
+    return Runtime.load(config)
 
 
 def _role_loop(ctx):

@@ -12,6 +12,11 @@ until the send completes, fails, or outlives its lease
 With a KV pool (``--store``, :class:`~kvxfer.serving.workers.pool.PrefillPool`), a new
 prompt loads its pool hits before it is scheduled, and its computed full blocks are
 put into the pool after its prefill (async; the blocks are freed once the put ended).
+
+Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim.link`): the write is
+posted at once; the transfer is booked on this worker's modelled egress, its
+blocks are freed at the modelled end (never before the real write is done),
+and ``sent`` reports the modelled time (egress queueing included).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class Outgoing:
     seq: Sequence
     handle: object  # kvxfer.TransferHandle
     posted_at: float
+    settle_at: float = 0.0  # simulated engine: the modelled end of the transfer
 
 
 class PrefillWorker(WorkerLoop):
@@ -101,6 +107,9 @@ class PrefillWorker(WorkerLoop):
     def _post_send(self, seq: Sequence, msg: dict) -> None:
         rid = seq.request_id
         block_ids = seq.block_table[int(msg.get("skip_blocks", 0)):]
+        nic, ready_at, settle_at = self.runtime.nic, time.perf_counter(), 0.0
+        if nic is not None:
+            _, settle_at = nic.reserve(ready_at, self.runtime.transfer_bytes(len(block_ids)))
         try:
             handle = self.agent.send(self._peer(msg["dst"]), rid, block_ids)
         except KVXferError as exc:
@@ -108,10 +117,11 @@ class PrefillWorker(WorkerLoop):
                 self.peers.pop(msg["dst"], None)
             self._settle(seq, f"{type(exc).__name__}: {exc}")
             return
-        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter())
-        handle.add_done_callback(functools.partial(self._report_sent, rid))
+        self.outgoing[rid] = Outgoing(seq, handle, time.perf_counter(), settle_at)
+        handle.add_done_callback(functools.partial(self._report_sent, rid,
+                                                   (settle_at - ready_at) * 1e3 if nic else None))
 
-    def _report_sent(self, rid: str, handle) -> None:
+    def _report_sent(self, rid: str, modelled_ms: float | None, handle) -> None:
         """Done callback, on the agent's thread: ``sent`` goes out as soon as the data
         landed, even while the main loop is inside a seconds-long prefill step (the
         channel's send is one short locked ``sendall``). Failures and expiry are the
@@ -119,7 +129,8 @@ class PrefillWorker(WorkerLoop):
         if handle.state != "done":
             return
         self.send({"ev": "sent", "rid": rid, "kv_bytes": handle.nbytes,
-                   "transfer_ms": (handle.finished - handle.created) * 1e3})
+                   "transfer_ms": modelled_ms if modelled_ms is not None
+                   else (handle.finished - handle.created) * 1e3})
 
     def _poll_sends(self) -> None:
         now = time.perf_counter()
@@ -131,6 +142,8 @@ class PrefillWorker(WorkerLoop):
                     self._settle(out.seq, "lease expired", out)
                 continue
             if out.handle.state == "done":
+                if now < out.settle_at:
+                    continue  # simulated: the modelled transfer is still on the wire
                 self._settle(out.seq, None, out)
             else:
                 error = out.handle.error

@@ -1,0 +1,157 @@
+"""The simulated engine against the real one: same trace slice, same configurations.
+
+    python benchmarks/sim_validate.py --profile cpu-smollm2 --out benchmarks/results/sim_validate.json
+
+For each configuration (1P1D on one core each, 2 colocated on one core each,
+2P1D sharing both cores) it starts ``kvxfer serve`` with the real embedded
+engine, replays the trace slice with ``kvxfer loadgen``, stops it, then does
+the same with ``--engine sim --profile P`` and the same flags. It prints TTFT
+and TPOT p50/p90 of both and the sim/real ratio, with the load average beside
+each run. ``--scale`` instead runs only the simulated engine with many workers
+(e.g. ``--scale 16,16``) and reports the router's and workers' CPU use.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+CONFIGS = {"1P1D": ["--prefill", "1", "--decode", "1", "--cpus", "0", "1", "--threads", "1"],
+           "2colocated": ["--colocated", "2", "--cpus", "0", "1", "--threads", "1"],
+           "2P1D": ["--prefill", "2", "--decode", "1", "--cpus", "0-1", "--threads", "1"]}
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvxfer serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if json.load(r).get("status") == "ok":
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("server not healthy")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (from /proc; clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker_pids(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return {w["name"]: w["pid"] for w in json.load(r)["workers"]}
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: str,
+            out_dir: str) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvxfer.cli", "serve", "--port", str(port),
+           "--log-level", "warning", *serve_args]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        _wait_healthy(url, proc)
+        pids = _worker_pids(url)
+        cpu0 = {"router": _cpu_seconds(proc.pid), **{n: _cpu_seconds(p) for n, p in pids.items()}}
+        load0 = os.getloadavg()[0]
+        path = os.path.join(out_dir, f"{label}.json")
+        began = time.monotonic()
+        subprocess.run([sys.executable, "-m", "kvxfer.cli", "loadgen", "--url", url,
+                        "--label", label, "--json", path, "--no-progress", *loadgen_args],
+                       check=False, timeout=1800)
+        wall = time.monotonic() - began
+        cpu = {"router": _cpu_seconds(proc.pid) - cpu0["router"],
+               **{n: _cpu_seconds(p) - cpu0[n] for n, p in pids.items()}}
+        metrics = _metrics(url)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with open(path) as f:
+        summary = json.load(f)["summary"]
+    return {"label": label, "summary": summary, "wall_s": wall, "cpu_s": cpu,
+            "load_start": load0, "load_end": os.getloadavg()[0], "stats": _stats(metrics)}
+
+
+def _stats(metrics: str) -> dict:
+    """Worker counters summed over workers (kv_verified, recv_ok, ...)."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("kvxfer_worker_stat{"):
+            name = line.split('stat="', 1)[1].split('"', 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="cpu-smollm2")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--loadgen", default="--start 300 --max-requests 24 --length-scale 0.03 "
+                                         "--output-scale 0.04 --arrival-jitter-ms 3000 --seed 1",
+                    help="kvxfer loadgen flags of the slice (besides --trace)")
+    ap.add_argument("--serve", default="--num-blocks 1024", help="extra kvxfer serve flags")
+    ap.add_argument("--scale", default=None, metavar="P,D",
+                    help="only the simulated engine, P prefill and D decode workers")
+    ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--out", default="benchmarks/results/sim_validate.json")
+    args = ap.parse_args()
+
+    out_dir = os.path.splitext(args.out)[0]
+    os.makedirs(out_dir, exist_ok=True)
+    loadgen = ["--trace", args.trace, *args.loadgen.split()]
+    sim = ["--engine", "sim", "--profile", args.profile]
+    runs = []
+    if args.scale:
+        p, d = args.scale.split(",")
+        run = run_one(["--prefill", p, "--decode", d, *args.serve.split(), *sim], loadgen,
+                      args.port, f"sim-{p}P{d}D", out_dir)
+        runs.append(run)
+        cpu = run["cpu_s"]
+        workers = [v for k, v in cpu.items() if k != "router"]
+        s = run["summary"]
+        print(f"{p}P{d}D sim: {s['num_ok']}/{s['num_requests']} ok in {run['wall_s']:.0f} s; "
+              f"router CPU {cpu['router']:.1f} s ({100 * cpu['router'] / run['wall_s']:.0f}% of a "
+              f"core); workers {sum(workers):.1f} s total ({100 * sum(workers) / run['wall_s']:.0f}% "
+              f"of a core, max one {max(workers):.1f} s); stats {run['stats']}; load "
+              f"{run['load_start']:.2f}->{run['load_end']:.2f}")
+    else:
+        for name in args.configs:
+            for engine in ("real", "sim"):
+                extra = sim if engine == "sim" else []
+                runs.append(run_one([*CONFIGS[name], *args.serve.split(), *extra], loadgen,
+                                    args.port, f"{engine}-{name}", out_dir))
+            real, simr = runs[-2]["summary"], runs[-1]["summary"]
+            row = [f"{name}"]
+            for metric in ("ttft_ms", "tpot_ms"):
+                for q in ("median", "p90"):
+                    r, s_ = real[metric][q], simr[metric][q]
+                    row.append(f"{metric[:4]} {q}: real {r:.0f} sim {s_:.0f} ({s_ / r:.2f}x)")
+            print("; ".join(row) + f"; load real {runs[-2]['load_start']:.2f} sim "
+                  f"{runs[-1]['load_start']:.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""``kvxfer profile``: measure the embedded engine's step times and fit a cost profile.
+
+    kvxfer profile --out my-cpu.json [--threads 1] [--repeats 3] [--model PATH.gguf]
+    kvxfer profile --list               # shipped profiles, one name a line
+    kvxfer profile --show NAME|FILE     # a profile's fit and residuals
+    kvxfer profile --refit FILE [--hold TERM]   # fit FILE's measured points again, in place
+
+The profile feeds the simulated engine: ``kvxfer serve --engine sim --profile NAME|FILE``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure step times, fit the simulator's cost model",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true", help="print the shipped profiles' names")
+    p.add_argument("--show", metavar="NAME|FILE", help="print a profile's fit and residuals")
+    p.add_argument("--out", metavar="FILE.json", help="measure this machine and write the profile")
+    p.add_argument("--refit", metavar="FILE.json",
+                   help="fit the file's measured points again with this version's cost model")
+    p.add_argument("--hold", nargs="*", default=[], metavar="TERM",
+                   help="--refit: keep these terms at 0 (data that cannot tell them)")
+    p.add_argument("--name", default=None, help="the profile's name (default: the file's stem)")
+    p.add_argument("--model", default=None, metavar="PATH.gguf",
+                   help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (as a worker's --threads)")
+    p.add_argument("--cpus", default=None, metavar="LIST", help="pin to these CPUs first, e.g. 0")
+    p.add_argument("--matmul-dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--repeats", type=int, default=3, help="timings per step (median kept)")
+    p.add_argument("--link", default=None, metavar="BYTES_PER_S,LATENCY_S",
+                   help="the P/D link to record (default: kvxfer's measured same-host vm "
+                        "transfer, docs/benchmarks.md)")
+    p.set_defaults(func=run)
+
+
+# docs/benchmarks.md, "End to end": `kvxfer bench e2e --model smollm2-135m --rtt-iters 300`,
+# 47.2 MB in 9.1 ms median (5.17 GB/s), 1-block round trip p50 193 us, transport vm.
+SAME_HOST_LINK = (5.17e9, 193e-6, "kvxfer bench e2e --model smollm2-135m --rtt-iters 300 "
+                  "(docs/benchmarks.md, End to end): 5.17 GB/s median, 1-block p50 193 us, "
+                  "transport vm, same host")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvxfer.sim.profile import ProfileError, load_profile, shipped_profiles
+
+    if args.list:
+        for name in shipped_profiles():
+            print(name)
+        return 0
+    if args.show:
+        try:
+            prof = load_profile(args.show)
+        except ProfileError as exc:
+            raise SystemExit(f"kvxfer profile: {exc}") from None
+        print(json.dumps({k: v for k, v in prof.as_dict().items() if k != "points"}, indent=1))
+        print(f"{len(prof.points)} measured points")
+        return 0
+    if args.refit:
+        return _refit(args.refit, args.hold)
+    if not args.out:
+        raise SystemExit("kvxfer profile: give --out FILE.json, --list, --show NAME or --refit FILE")
+    return _measure(args)
+
+
+def _refit(path: str, hold: list[str]) -> int:
+    """Fit the file's points again; every other field is kept (the fit of an older
+    version's cost model need not parse)."""
+    from kvxfer.sim.cost_model import TERMS, StepCostModel
+    from kvxfer.sim.profile import Profile, ProfileError, residuals
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        raw["fit"] = dict.fromkeys(TERMS, 0.0)
+        prof = Profile.from_dict(raw, path)
+        fit = StepCostModel.fit([(p["chunks"], p["seconds"]) for p in prof.points],
+                                terms=[t for t in TERMS if t not in hold])
+    except (OSError, json.JSONDecodeError, ProfileError, ValueError) as exc:
+        raise SystemExit(f"kvxfer profile: {exc}") from None
+    raw.update(fit=fit.as_dict(), residuals=residuals(fit, prof.points))
+    with open(path, "w") as f:
+        json.dump(raw, f, indent=1)
+        f.write("\n")
+    print(f"refitted {path}: {fit.as_dict()}; residuals {raw['residuals']['all']}")
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from kvxfer.serving.engine.config import EngineConfig
+    from kvxfer.serving.engine.runtime import Runtime
+    from kvxfer.serving.workers.main import pin_threads, runtime_model_name
+    from kvxfer.sim.cost_model import StepCostModel
+    from kvxfer.sim.link import Link
+    from kvxfer.sim.measure import blocks_needed, cpu_name, measure
+    from kvxfer.sim.profile import Profile, residuals
+
+    pin_threads(args.cpus, args.threads)
+    if args.link:
+        try:
+            bw, lat = (float(v) for v in args.link.split(","))
+        except ValueError:
+            raise SystemExit(f"kvxfer profile: --link: expected BYTES_PER_S,LATENCY_S, "
+                             f"got {args.link!r}") from None
+        link = Link(bw, lat, "given with --link")
+    else:
+        link = Link(*SAME_HOST_LINK)
+    block_size = EngineConfig.block_size
+    runtime = Runtime.load(EngineConfig(model_path=args.model, num_blocks=blocks_needed(block_size),
+                                        num_threads=args.threads, matmul_dtype=args.matmul_dtype))
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f}; matmul {runtime.model.matmul_dtype}; "
+          f"{args.threads} thread(s)", file=sys.stderr)
+
+    def show(point):
+        print(f"{point['kind']:8s} {len(point['chunks']):3d} chunks "
+              f"{sum(n for n, _ in point['chunks']):5d} tokens: {point['seconds'] * 1e3:9.1f} ms",
+              file=sys.stderr)
+
+    points = measure(runtime.model, block_size, args.repeats, on_point=show)
+    fit = StepCostModel.fit([(p["chunks"], p["seconds"]) for p in points])
+    cache = runtime.cache
+    name = args.name or os.path.splitext(os.path.basename(args.out))[0]
+    prof = Profile(name=name, hardware=f"{cpu_name()}; {args.threads} torch thread(s); "
+                                        f"load average {load:.2f} at start",
+                   model=runtime_model_name(args.model), dtype=f"fp32 KV, {runtime.model.matmul_dtype} "
+                                                               f"matmul", block_size=block_size,
+                   kv_bytes_per_token=cache.bytes_per_block // block_size, fit=fit, link=link,
+                   points=tuple(points), residuals=residuals(fit, points),
+                   source="measured by kvxfer profile on this machine", licence="",
+                   command="kvxfer profile " + " ".join(sys.argv[2:]))
+    prof.save(args.out)
+    res = prof.residuals["all"]
+    print(f"wrote {args.out}: {len(points)} points, fit {fit.as_dict()}; relative error median "
+          f"{100 * res['median_abs']:.1f}%, max {100 * res['max_abs']:.1f}%")
+    return 0

@@ -1,0 +1,80 @@
+"""The simulated engine core: the real scheduler and block manager, a modelled forward.
+
+:class:`SimRuntime` is a :class:`kvxfer.serving.engine.runtime.Runtime` whose
+forward pass sleeps for the profile's modelled step time
+(:class:`~kvxfer.sim.cost_model.StepCostModel`) instead of running a model,
+fills the prompt blocks of its scaled-down pool (:class:`~kvxfer.sim.pool.SimPool`)
+and emits deterministic tokens. Everything around the step (scheduling,
+prefix caching, preemption, the worker loops, kvxfer transfers) is the real
+code. Its :attr:`nic` models the worker's link for transfer timing
+(:mod:`kvxfer.sim.link`).
+
+Tokens: the next token is a function of the previous token and the position
+only, in ``[TOKEN_BASE, TOKEN_BASE + TOKEN_RANGE)`` (ordinary ids of any
+Llama-family vocabulary), never one of the request's stop ids; so output
+lengths follow ``max_tokens`` and every mode gives the same answer. The
+simulated engine has no logits: token log-probabilities are not produced.
+"""
+from __future__ import annotations
+
+import time
+
+from ..serving.engine.block_manager import BlockManager
+from ..serving.engine.config import EngineConfig
+from ..serving.engine.runtime import Runtime
+from ..serving.engine.scheduler import ScheduledChunk, Scheduler
+from ..serving.engine.sequence import Sequence
+from .link import NicQueue
+from .pool import DEFAULT_KV_SCALE, SimPool
+from .profile import Profile
+
+TOKEN_BASE, TOKEN_RANGE = 256, 16000
+
+
+def next_token(previous: int, position: int, stop_ids=()) -> int:
+    """The simulated engine's token after ``previous`` at ``position``."""
+    token = TOKEN_BASE + (previous * 2654435761 + position * 40503) % TOKEN_RANGE
+    while token in stop_ids:
+        token = TOKEN_BASE + (token - TOKEN_BASE + 1) % TOKEN_RANGE
+    return token
+
+
+class SimRuntime(Runtime):
+    def __init__(self, config: EngineConfig, profile: Profile,
+                 kv_scale: float = DEFAULT_KV_SCALE) -> None:
+        if config.block_size != profile.block_size:
+            raise ValueError(f"the profile {profile.name!r} was fitted with block size "
+                             f"{profile.block_size}, the engine uses {config.block_size}")
+        self.profile = profile
+        self.pool = SimPool(config.num_blocks, config.block_size, profile.block_bytes, kv_scale,
+                            tag=f"sim-{profile.name}")
+        super().__init__(None, config, cache=self.pool.cache)
+        self.matmul_dtype = f"sim:{profile.name}"
+        self.nic = NicQueue(profile.link)
+        self.modelled_s = 0.0  # total modelled forward time
+        self.overrun_s = 0.0  # time steps ran past their modelled end (host too slow)
+
+    def transfer_bytes(self, num_blocks: int) -> int:
+        """The real model's bytes for ``num_blocks`` blocks: what the modelled link carries."""
+        return num_blocks * self.profile.block_bytes
+
+    def _forward(self, chunks: list[ScheduledChunk]):
+        began = time.perf_counter()
+        seconds = self.profile.fit.step_seconds((c.num_tokens, c.start) for c in chunks)
+        for c in chunks:
+            seq = c.seq
+            if c.start < seq.num_prompt_tokens:  # prompt KV: what a transfer carries
+                end = min(c.start + c.num_tokens, seq.num_prompt_tokens)
+                self.pool.fill(seq.token_ids[:seq.num_prompt_tokens], seq.block_table,
+                               c.start // self.block_size, (end - 1) // self.block_size)
+        self.modelled_s += seconds
+        left = began + seconds - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.overrun_s -= left
+
+        def pick(row: int, seq: Sequence) -> tuple[int, None]:
+            return next_token(seq.token_ids[-1], seq.num_tokens, seq.params.stop_token_ids), None
+
+        return pick

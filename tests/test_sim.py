@@ -1,0 +1,194 @@
+"""The simulated engine: cost model fit, profiles, scaled pool, modelled NIC, and a
+1P1D simulated server through real HTTP with every transfer verified."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer.errors import KVXferError
+from kvxfer.sim.cost_model import TERMS, StepCostModel, features
+from kvxfer.sim.link import Link, NicQueue
+from kvxfer.sim.profile import Profile, ProfileError, load_profile, residuals, shipped_profiles
+
+
+def _model(*coefs):
+    return StepCostModel(tuple(coefs))
+
+
+def test_features_reduce_to_distserve_forms():
+    # prefill without prefix: a + b*sum(len) + c*sum(len^2)
+    assert features([(100, 0), (20, 0)]) == (1.0, 120.0, 100 * 100 + 20 * 20, 0.0, 0.0, 0.0)
+    # decode: a + d*batch + e*sum(ctx); a one-token chunk at start s has context s + 1
+    assert features([(1, 9), (1, 99)]) == (0.0, 0.0, 0.0, 1.0, 2.0, 110.0)
+    # mixed, with a cached prefix of 32 tokens under a 16-token chunk
+    assert features([(1, 9), (16, 32)]) == (1.0, 16.0, 16 * 48, 0.0, 1.0, 10.0)
+    with pytest.raises(ValueError):
+        features([(0, 0)])
+
+
+def test_fit_recovers_known_coefficients():
+    truth = _model(0.01, 2e-4, 3e-8, 0.02, 5e-4, 4e-6)
+    steps = [[(n, p)] for n in (16, 64, 256, 512) for p in (0, 128, 1024)]
+    steps += [[(1, c - 1)] * b for b in (1, 4, 16) for c in (32, 512, 2048)]
+    steps += [[(1, 255)] * 8 + [(n, 0)] for n in (32, 128)]
+    fit = StepCostModel.fit([(s, truth.step_seconds(s)) for s in steps])
+    assert fit.coefficients == pytest.approx(truth.coefficients, rel=1e-6)
+    held = StepCostModel.fit([(s, truth.step_seconds(s)) for s in steps],
+                             terms=[t for t in TERMS if t != "e_decode_context"])
+    assert held.as_dict()["e_decode_context"] == 0.0
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # time falls with prompt tokens: the tokens term must be dropped, not go negative
+    steps = [([(n, 0)], 1.0 - n * 1e-4) for n in (16, 64, 256, 512, 1024, 2048)]
+    fit = StepCostModel.fit(steps)
+    assert all(v >= 0 for v in fit.coefficients)
+    with pytest.raises(ValueError):
+        StepCostModel.fit(steps[:3])
+    with pytest.raises(ValueError):
+        _model(0.1, -1, 0, 0, 0, 0)
+
+
+def _profile(**kw) -> Profile:
+    fit = _model(0.01, 1e-4, 0, 0.005, 1e-3, 1e-6)
+    points = [{"kind": "prefill", "chunks": [[64, 0]], "seconds": 0.02},
+              {"kind": "decode", "chunks": [[1, 10]] * 2, "seconds": 0.013}]
+    args = dict(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
+                kv_bytes_per_token=1024, fit=fit, link=Link(1e9, 1e-5, "test"),
+                points=tuple(points), residuals=residuals(fit, points), source="s",
+                licence="MIT")
+    args.update(kw)
+    return Profile(**args)
+
+
+def test_profile_json_round_trip(tmp_path):
+    prof = _profile()
+    path = str(tmp_path / "p.json")
+    prof.save(path)
+    back = load_profile(path)
+    assert back.as_dict() == prof.as_dict()
+    assert back.fit.step_seconds([(64, 0)]) == prof.fit.step_seconds([(64, 0)])
+    assert back.residuals["all"]["n"] == 2
+
+
+def test_bad_profiles_raise_typed_errors(tmp_path):
+    with pytest.raises(ProfileError, match="no shipped profile"):
+        load_profile("no-such-profile")
+    assert issubclass(ProfileError, KVXferError) and issubclass(ProfileError, ValueError)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="not JSON"):
+        load_profile(str(bad))
+    raw = _profile().as_dict()
+    for mutate in (lambda r: r.pop("fit"), lambda r: r["fit"].update(a_prefill=-1.0),
+                   lambda r: r.update(block_size=0), lambda r: r["link"].update(bandwidth_bytes_per_s=0),
+                   lambda r: r["points"].append({"kind": "warp", "chunks": [[1, 0]], "seconds": 1})):
+        doc = json.loads(json.dumps(raw))
+        mutate(doc)
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(ProfileError):
+            load_profile(str(bad))
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(str(tmp_path / "absent.json"))
+    with pytest.raises(TypeError):
+        load_profile(None)
+
+
+def test_shipped_profiles_load_and_name_their_source():
+    names = shipped_profiles()
+    assert "cpu-smollm2" in names and any("vidur" in n for n in names)
+    for name in names:
+        prof = load_profile(name)
+        assert prof.name == name and prof.points and prof.source
+        if "vidur" in name:
+            assert "MIT" in prof.licence and "microsoft/vidur@" in prof.source
+
+
+def test_profile_list_prints_one_name_a_line():
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "profile", "--list"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.splitlines() == shipped_profiles()
+
+
+def test_nic_queues_transfers_that_share_it():
+    nic = NicQueue(Link(1e9, 1e-3))
+    assert nic.reserve(10.0, 10**9) == (10.0, 11.001)
+    # ready at the same time: waits for the first to leave the wire
+    assert nic.reserve(10.0, 10**9) == (11.0, 12.001)
+    assert nic.reserve(20.0, 0) == (20.0, 20.001)
+
+
+def test_pool_content_is_verifiable_and_prefix_stable():
+    from kvxfer.sim.pool import SimPool
+
+    pool = SimPool(16, 16, real_block_bytes=737280, kv_scale=256)
+    assert pool.cache.bytes_per_block * pool.scale == 737280
+    prompt = list(range(100, 140))  # 3 blocks, the last partial
+    pool.fill(prompt, [5, 2, 9], 0, 2)
+    assert pool.verify(prompt, [5, 2, 9], 0)
+    assert not pool.verify(prompt[:-1] + [7], [5, 2, 9], 0)  # other last token
+    pool.fill(prompt[:32] + [1, 2], [7, 8, 3], 0, 2)  # same 2-block prefix
+    assert pool.verify(prompt, [7, 8, 9], 0)
+    pool.cache.tensor.view(16, -1)[9, 17] += 1
+    assert not pool.verify(prompt, [5, 2, 9], 0)
+    assert pool.verify(prompt, [5, 2, 9], 3)  # nothing past the prompt to check
+
+
+def test_sim_step_imports_no_model_code():
+    code = (
+        "import sys\n"
+        "from kvxfer.sim.runtime import SimRuntime\n"
+        "from kvxfer.sim.profile import load_profile\n"
+        "from kvxfer.serving.engine.config import EngineConfig\n"
+        "from kvxfer.serving.engine.sequence import Sequence\n"
+        "from kvxfer.serving.engine.sampling import SamplingParams\n"
+        "r = SimRuntime(EngineConfig(num_blocks=8), load_profile('h100-llama2-7b-vidur'))\n"
+        "s = Sequence(list(range(100, 120)), SamplingParams(max_tokens=2, temperature=0))\n"
+        "r.scheduler.add(s)\n"
+        "step = r.step()\n"
+        "assert step.produced and r.pool.verify(s.token_ids, s.block_table, 0)\n"
+        "assert r.modelled_s > 0\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvxfer.serving.model')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "kvxfer.serving.model.model" not in out and "attention" not in out
+
+
+@pytest.fixture(scope="module")
+def sim_server():
+    from serving_server import Server
+
+    server = Server("--prefill", "1", "--decode", "1", "--engine", "sim",
+                    "--profile", "h100-llama2-7b-vidur")
+    yield server
+    server.stop()
+
+
+def test_sim_server_answers_max_tokens_and_verifies_every_transfer(sim_server):
+    prof = load_profile("h100-llama2-7b-vidur")
+    prompts = ["the quick brown fox " * (4 + i) for i in range(4)]
+    answers = [sim_server.complete(p, max_tokens=5 + i, ignore_eos=True) for i, p in enumerate(prompts)]
+    for i, body in enumerate(answers):
+        assert body["usage"]["completion_tokens"] == 5 + i
+        assert body["kvxfer"]["kv_bytes"] > 0 and body["kvxfer"]["prefill_worker"] == "prefill-0"
+        # the reported transfer time is the real model's bytes over the modelled link
+        blocks = -(-body["usage"]["prompt_tokens"] // prof.block_size) - body["kvxfer"]["cached_blocks"]
+        assert body["kvxfer"]["kv_transfer_ms"] >= prof.link.seconds(blocks * prof.block_bytes) * 1e3
+    # deterministic tokens: the same prompt gives the same answer
+    again = sim_server.complete(prompts[0], max_tokens=5, ignore_eos=True)
+    assert again["kvxfer"]["token_ids"] == answers[0]["kvxfer"]["token_ids"]
+    metrics = sim_server.client.get("/metrics").text
+
+    def stat(name):
+        m = re.search(rf'kvxfer_worker_stat{{stat="{name}",worker="decode-0"}} ([0-9.]+)', metrics)
+        return float(m.group(1))
+
+    assert stat("kv_verified") == stat("recv_ok") == 5
+    assert stat("kv_mismatched") == 0
+    health = sim_server.health()
+    assert all(w["matmul"] == "sim:h100-llama2-7b-vidur" for w in health["workers"])

@@ -67,8 +67,8 @@ bool Engine::drain_request(void* req) {
 }
 
 Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
-               size_t tcp_lanes)
-    : allow_vm_(allow_vm), tcp_lanes_(tcp_lanes) {
+               size_t tcp_lanes, size_t vm_split_bytes)
+    : allow_vm_(allow_vm), tcp_lanes_(tcp_lanes), vm_split_bytes_(vm_split_bytes) {
     if (hugepages != "advise" && hugepages != "collapse" && hugepages != "off")
         throw std::invalid_argument("hugepages must be advise, collapse or off, got '" + hugepages + "'");
     if (tcp_lanes < 1 || tcp_lanes > kMaxTcpLanes)
@@ -189,7 +189,7 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
     bool all_host = true;
     for (const Op& op : ops) all_host = all_host && op.is_host;
     if (c.use_vm && all_host) {  // device memory goes through UCX (cuda_ipc on one host)
-        vm_transfer(c.process->pid(), ops, is_write);
+        vm_transfer(c.process->pid(), ops, is_write, vm_split_bytes_);
         // A peer that died during a copy into its shared memory raised nothing.
         if (!c.process->alive()) {
             c.failed = true;

@@ -97,9 +97,10 @@ public:
     // explicit UCX_<key> in the environment wins); hugepages: "advise", "collapse" or
     // "off" for registered host ranges; tcp_lanes: endpoints (TCP connections) per peer
     // where host ops travel as target-checked messages over TCP, 1..kMaxTcpLanes
-    // (stripe.h). AgentConfig; kvxfer/transport/ucx.py builds them.
+    // (stripe.h); vm_split_bytes: same-host batches from this size are split across the
+    // process's copy pool (vm_copy.h; 0: never). AgentConfig; kvxfer/transport/ucx.py builds them.
     Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
-           size_t tcp_lanes = 1);
+           size_t tcp_lanes = 1, size_t vm_split_bytes = kVmSplitBytes);
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
@@ -192,6 +193,7 @@ private:
     bool closing_ = false;
     uint64_t num_rejected_ = 0;
     size_t tcp_lanes_ = 1;
+    size_t vm_split_bytes_ = kVmSplitBytes;
     size_t num_endpoints_ = 0;
 };
 

@@ -101,8 +101,10 @@ class AgentConfig:
     - ``hugepages``: ``"advise"`` | ``"collapse"`` | ``"off"``: transparent huge pages for
       registered host ranges (``docs/registration.md``).
     - ``copy_threads``: threads (caller included) that copy one large same-host batch;
-      None: min(cores, 2). ``vm_split_bytes``: batches from this size are split across
-      them (0: never); None: 4 MiB. Both apply to the process (one copy pool).
+      None: min(cores, 2). One copy pool serves the process, so this is one value per
+      process: the first agent that sets it fixes it, an agent asking for another
+      count raises ValueError, None accepts it. ``vm_split_bytes``: this agent's
+      batches from this size are split across them (0: never); None: 4 MiB.
     - ``ucx``: UCX settings applied with ``ucp_config_modify`` on top of kvxfer's
       defaults, as ``{"TCP_TX_SEG_SIZE": "64k"}`` (without the ``UCX_`` prefix). An
       explicit ``UCX_<key>`` environment variable still wins (UCX's own rule).

@@ -12,6 +12,7 @@
 #include "errors.h"
 #include "shared_mem.h"
 #include "spin.h"
+#include "stripe.h"
 #include "ucx_engine.h"
 #include "vm_copy.h"
 
@@ -64,6 +65,7 @@ PYBIND11_MODULE(_C, m) {
         m.attr("VM_MAX_THREADS") = kvxfer::kVmMaxThreads;
         m.attr("VM_SPLIT_BYTES") = kvxfer::kVmSplitBytes;
         m.attr("STREAM_BYTES") = kvxfer::kStreamBytes;
+        m.attr("MAX_TCP_LANES") = kvxfer::kMaxTcpLanes;  // stripe.h; AgentConfig checks tcp_lanes against it
     }
 
     // ---- object checksums of the KV store (checksum.h) ----

@@ -26,6 +26,7 @@ VM_DEFAULT_THREADS: int  # vm copy threads by default: min(cores, this)
 VM_MAX_THREADS: int  # cap on the vm copy threads
 VM_SPLIT_BYTES: int  # vm batches of at least this many bytes are split across the threads
 STREAM_BYTES: int  # copies of at least this many bytes use non-temporal stores
+MAX_TCP_LANES: int  # the most TCP lanes (endpoints) per peer
 # ---- shared-memory host allocations (kvxfer/shared_memory.py wraps them) ----
 def shared_alloc(length: int) -> int: ...  # zeroed, populated, sealed memfd memory; RegistrationError
 def shared_free(addr: int) -> bool: ...  # False: not an address shared_alloc returned

@@ -36,7 +36,9 @@ ENV_OVERRIDES = {
     "KVXFER_TCP_LANES": ("tcp_lanes", int),
     "KVXFER_LOOP_SPIN_S": ("loop_spin_s", float),
 }
-MAX_TCP_LANES = 16  # csrc/stripe.h kMaxTcpLanes
+# csrc/stripe.h kMaxTcpLanes (_C.MAX_TCP_LANES): kept here so validating a config loads
+# no extension; tests/test_cli_bench.py checks the two agree
+MAX_TCP_LANES = 16
 MAX_SPIN_S = 0.01  # a busy-poll window is bounded: at most 10 ms of a core per event
 
 # ---- per-peer bounds (what connected peers can make an agent hold; docs/api.md, "Limits")

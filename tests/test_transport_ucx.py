@@ -226,3 +226,19 @@ print("ok")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_every_backend_is_a_context_manager():
+    # Backend (the base class) closes a backend on leaving a with block, whichever it is
+    from kvxfer.errors import KVXferError
+
+    buf = np.zeros(BLOCK, np.uint8)
+    with make_backend("ucx") as b:
+        b.register(buf.ctypes.data, BLOCK)
+    with pytest.raises(KVXferError):
+        b.register(buf.ctypes.data, BLOCK)
+    with make_backend("loopback") as src, make_backend("loopback") as dst:
+        rs, rd = src.register(buf.ctypes.data, BLOCK), dst.register(buf.ctypes.data, BLOCK)
+        conn = src.connect(dst.metadata())
+    with pytest.raises(PeerDisconnected):  # dst left its with block closed
+        src.post(conn, "write", [[rs, 0, rd, 0, BLOCK]])

@@ -226,12 +226,6 @@ class UcxBackend(Backend):
         self._conns.clear()
         self._engine.close()
 
-    def __enter__(self) -> "UcxBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._engine.closed else f"{len(self._conns)} connections"
         return f"UcxBackend(uid={self.uid:#x}, {state}, regions={len(self.registry)})"

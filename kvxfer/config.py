@@ -7,10 +7,12 @@ given no config uses ``AgentConfig()``, the defaults. The ``KVXFER_*`` variables
 read in one place, :meth:`AgentConfig.from_env`, which only entry points call (the
 ``kvxfer`` CLI commands, ``kvxfer worker``, the vLLM connector, the benchmarks;
 documented in ``docs/api.md``, "AgentConfig"); there a field the caller gives
-explicitly beats the environment. Nothing below the entry point reads the
-environment, with two process-wide exceptions that are not kvxfer's knobs: UCX reads
-its own ``UCX_*`` variables (an explicit one beats ``AgentConfig.ucx``, UCX's rule),
-and loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set.::
+explicitly beats the environment. Nothing below the entry point reads a ``KVXFER_*``
+variable. What else is read is another tool's process-wide knob, not an agent's: UCX
+reads its own ``UCX_*`` variables (an explicit one beats ``AgentConfig.ucx``, UCX's
+rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set, the
+pack kernels check Triton's ``TRITON_INTERPRET``, and :mod:`kvxfer.report.envinfo`
+records the environment a benchmark ran in.::
 
     cfg = AgentConfig.from_env(staging_bytes=64 << 20)   # KVXFER_* applied, then the explicit field
     agent = kvxfer.Agent("p", secret=s, config=cfg)

@@ -151,3 +151,16 @@ def test_from_env_explicit_fields_beat_the_environment():
     env = {"KVXFER_PATH": "pack", "KVXFER_STAGING_BYTES": "8192"}
     cfg = AgentConfig.from_env(env, path="zero_copy")
     assert (cfg.path, cfg.staging_bytes) == ("zero_copy", 8192)
+
+
+def test_only_entry_points_read_the_environment():
+    # config.py's promise: below the entry points (CLI, bench, the serving workers, the vLLM
+    # connector) nothing reads the environment but the process-wide knobs it names
+    import pathlib
+
+    root = pathlib.Path(kvxfer.__file__).parent
+    entry = ("cli/", "bench/", "serving/", "integrations/")
+    named = {"config.py", "_native.py", "kernels/__init__.py", "report/envinfo.py"}
+    readers = {str(p.relative_to(root)) for p in root.rglob("*.py")
+               if "os.environ" in p.read_text() or "getenv" in p.read_text()}
+    assert {r for r in readers if not r.startswith(entry)} <= named, readers

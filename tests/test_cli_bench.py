@@ -86,6 +86,9 @@ def test_vm_resources_read_the_settings_as_the_agents_do(monkeypatch):
     monkeypatch.setattr(resources, "num_cores", lambda: 3)
     monkeypatch.setenv("KVXFER_VM_THREADS", "3")
     assert resources.vm_threads() == _native.load().vm_resolve_threads(3, 3) == 3
+    from kvxfer.transport import vm_copy_threads
+
+    assert vm_copy_threads(None, 8) == 2 and vm_copy_threads(9, 8) == 4 and vm_copy_threads(None, 1) == 1
     for bad in ("many", "0"):
         monkeypatch.setenv("KVXFER_VM_THREADS", bad)
         with pytest.raises(ValueError, match="KVXFER_VM_THREADS|copy_threads"):

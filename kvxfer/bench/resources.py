@@ -16,8 +16,8 @@ A path's bytes are copied by:
 
 The settings are those a measured agent gets, :meth:`kvxfer.AgentConfig.from_env`
 (``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``); what they resolve to (default,
-cap) is asked of ``kvxfer._C`` at run time (``vm_resolve_threads``, ``VM_SPLIT_BYTES``,
-csrc/vm_copy.h), never copied here.
+cap) is asked of ``kvxfer._C`` at run time through :func:`kvxfer.transport.vm_copy_threads`
+and :func:`kvxfer.transport.vm_copy_limits` (csrc/vm_copy.h), never copied here.
 """
 from __future__ import annotations
 
@@ -43,17 +43,17 @@ def num_cores() -> int:
 def vm_threads() -> int:
     """Copying threads of one split vm batch, the caller included."""
     from .. import AgentConfig
-    from .._native import load
+    from ..transport import vm_copy_threads
 
-    return load().vm_resolve_threads(AgentConfig.from_env().copy_threads or 0, num_cores())
+    return vm_copy_threads(AgentConfig.from_env().copy_threads, num_cores())
 
 
 def vm_split_bytes() -> int:
     from .. import AgentConfig
-    from .._native import load
+    from ..transport import vm_copy_limits
 
     split = AgentConfig.from_env().vm_split_bytes
-    return load().VM_SPLIT_BYTES if split is None else split
+    return vm_copy_limits()["split_bytes"] if split is None else split
 
 
 def transport_threads(transport: str, batch_bytes: int) -> int:

@@ -7,7 +7,9 @@
 // readable after arm() returned true and something arrived (a connection, an
 // active message, a closed socket), so an idle owner can sleep in poll/select
 // and still serve emulated RMA and reap closed connections. Every public method
-// takes the engine lock, so the engine may be shared by threads.
+// takes the engine lock, so the engine may be shared by threads, except the
+// accessors uid(), event_fd(), closed(), num_rejected() and num_endpoints(), which
+// read one word without it (a snapshot, possibly a step behind).
 //
 // Completion: a request is complete when test() returns true / wait() returns.
 // For a write the bytes are then visible in the peer's memory (UCX path: after
@@ -151,8 +153,13 @@ private:
         while (busy() && std::chrono::steady_clock::now() < deadline) ucp_worker_progress(worker_);
         return !busy();
     }
-    // Drain one UCX request for at most kDrainTimeout; true when it completed.
-    bool drain_request(void* req);
+    // Destroy the worker and the context (those that exist); the one UCX teardown,
+    // used by close() and by a constructor that failed part-way.
+    void release_ucx();
+    // Drain one UCX request until `deadline` (default: kDrainTimeout from now; callers
+    // draining several share one); true when it completed. The one request drain.
+    bool drain_request(void* req,
+                       std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::now() + kDrainTimeout);
     PeerConn& conn_locked(uint64_t conn_id);
     bool poll_request(XferRequest& r, uint64_t id);
     void retire(uint64_t id);

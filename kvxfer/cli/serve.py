@@ -216,8 +216,13 @@ def _local_workers(args: argparse.Namespace, config):
     from kvxfer.serving.server.serve_config import parse_cpu_group
 
     roles = ["prefill"] * (args.prefill or 0) + ["decode"] * (args.decode or 0)
-    if roles and not (args.secret_file or os.environ.get("KVXFER_SECRET")):
-        raise SystemExit("kvxfer serve: set KVXFER_SECRET or --secret-file (shared with the workers)")
+    if roles:
+        from kvxfer.secrets import load_secret
+
+        try:
+            load_secret(args.secret_file)  # the workers load it again; here only its absence is told early
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvxfer serve: {exc} (--secret-file; shared with the workers)") from None
     groups = [parse_cpu_group(g) for g in args.cpus]
     if len(groups) not in (0, 1, len(roles)):
         raise SystemExit(f"kvxfer serve: --cpus: give 1 group or one per worker ({len(roles)})")

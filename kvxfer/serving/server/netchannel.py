@@ -33,7 +33,7 @@ import select
 import socket
 import threading
 
-from ...secrets import MIN_SECRET_BYTES
+from ...secrets import normalize_secret
 from ...errors import AuthenticationError, ProtocolError
 from .ipc import RouterChannel, encode, recv_message, recv_message_async
 
@@ -65,9 +65,7 @@ class NetWorkerChannel:
     def __init__(self, listen: str, secret: bytes):
         from ...agent.peers import split_address
 
-        if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError("the shared secret must be at least 16 bytes")
-        self._secret = secret
+        self._secret = normalize_secret(secret)
         host, port = split_address(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._lsock = socket.socket(family, socket.SOCK_STREAM)

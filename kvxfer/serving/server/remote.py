@@ -62,11 +62,11 @@ class RemoteCluster:
 
     def __init__(self, config: ServeConfig, on_message: Callable, on_worker_exit: Callable):
         from ...discovery import open_discovery
-        from ..workers.main import load_secret
+        from ...secrets import load_secret
 
         self.config = config
         self.discovery = open_discovery(config.discovery)
-        self._secret = load_secret(config.secret_file)
+        self._secret = load_secret(config.secret_file, remove=True)
         self._on_message = on_message
         self._on_worker_exit = on_worker_exit
         self._by_key: dict[str, RemoteWorker] = {}

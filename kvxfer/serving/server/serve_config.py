@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ...secrets import has_secret
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 from .adaptive_policy import AdaptivePolicy
@@ -100,7 +101,7 @@ class ServeConfig:
     sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
 
     def __post_init__(self) -> None:
-        if self.store is not None and not self.discovery and not (self.secret_file or os.environ.get("KVXFER_SECRET")):
+        if self.store is not None and not self.discovery and not has_secret(self.secret_file):
             raise ValueError("--store needs the store nodes' secret: $KVXFER_SECRET or --secret-file")
         if self.store is not None and self.num_colocated:
             raise ValueError("--store: prefill workers use the pool; --colocated has none")

@@ -23,29 +23,20 @@ import os
 import queue
 import sys
 
-from ...secrets import MIN_SECRET_BYTES, SECRET_ENV as USER_SECRET_ENV
+from ...secrets import load_secret, normalize_secret
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 
 AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
 
 
-def load_secret(secret_file: str | None = None, *, for_store: bool = False) -> bytes:
-    """The deployment's shared secret (see the module docstring); ValueError if absent/short.
+def worker_secret(secret_file: str | None = None, *, for_store: bool = False) -> bytes:
+    """This worker's shared secret (see the module docstring); ValueError if absent/short.
     ``for_store``: the store nodes' secret (``--store``): never ``kvxfer serve``'s per-server
     agent secret, and ``$KVXFER_SECRET`` stays in the environment for the agents' own call."""
     if os.environ.get(AGENT_SECRET_ENV) and not for_store:
-        secret = bytes.fromhex(os.environ.pop(AGENT_SECRET_ENV))
-    elif secret_file:
-        with open(secret_file, "rb") as f:
-            secret = f.read().strip()
-    elif os.environ.get(USER_SECRET_ENV):
-        secret = (os.environ.get if for_store else os.environ.pop)(USER_SECRET_ENV).encode()
-    else:
-        raise ValueError(f"no shared secret: set {USER_SECRET_ENV} or pass --secret-file")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes")
-    return secret
+        return normalize_secret(bytes.fromhex(os.environ.pop(AGENT_SECRET_ENV)))
+    return load_secret(secret_file, remove=not for_store)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -129,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # the store's secret first: the agents' call takes the environment's secrets out of it
-        store_secret = load_secret(args.store_secret_file or args.secret_file, for_store=True) if args.store else None
-        secret = load_secret(args.secret_file)
+        store_secret = worker_secret(args.store_secret_file or args.secret_file, for_store=True) if args.store else None
+        secret = worker_secret(args.secret_file)
         if args.listen is not None:
             from ..server.netchannel import NetWorkerChannel
 

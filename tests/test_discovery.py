@@ -16,7 +16,7 @@ import pytest
 import etcd_server
 from kvxfer.discovery import Member, StaticDiscovery, open_discovery
 from kvxfer.errors import AuthenticationError
-from kvxfer.serving.server.netchannel import NetWorkerChannel, connect_worker
+from kvxfer.serving.channel.netchannel import NetWorkerChannel, connect_worker
 from serving_server import free_port
 
 SECRET = b"discovery-test-secret-0123456789"
@@ -148,8 +148,8 @@ def test_worker_channel_refuses_a_large_frame_before_auth():
     import socket
 
     from kvxfer.framing import HEADER, MAGIC, PROTOCOL_VERSION, read_frame
-    from kvxfer.serving.server import ipc
-    from kvxfer.serving.server.netchannel import PRE_AUTH_MAX_BYTES
+    from kvxfer.serving.channel import ipc
+    from kvxfer.serving.channel.netchannel import PRE_AUTH_MAX_BYTES
 
     chan = NetWorkerChannel("127.0.0.1:0", SECRET)
     host, port = chan.address.rsplit(":", 1)

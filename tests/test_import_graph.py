@@ -3,6 +3,8 @@
 - the library core never imports serving, bench, loadgen, cli, integrations, report or store;
 - report (shared by bench and loadgen) imports no other kvxfer module, and loadgen
   and report never import bench;
+- the parts of serving (model, engine, channel, server, workers) import each other
+  without a cycle: the router (server) and the workers meet in the channel;
 - bench and loadgen reach the library only through its public surface: the names in
   ``__all__`` of ``kvxfer``, ``kvxfer.errors``, ``kvxfer.kernels`` and
   ``kvxfer.transport`` (docs/api.md, "Public surface"), plus ``kvxfer.report`` and
@@ -85,6 +87,52 @@ def test_report_is_below_bench_and_loadgen():
     for path in _files("report/*.py"):
         bad = {m for m, _ in imports(path) if m.startswith("kvxfer.") and not m.startswith("kvxfer.report")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def package_edges(area: str) -> dict[str, set[str]]:
+    """Sub-package of ``kvxfer.<area>`` -> the sub-packages of it that its modules import."""
+    edges: dict[str, set[str]] = {}
+    for path in _files(f"{area}/*/*.py"):
+        part = path.parent.name
+        prefix = f"kvxfer.{area}."
+        edges.setdefault(part, set()).update(
+            m[len(prefix):].split(".")[0] for m, _ in imports(path) if m.startswith(prefix)
+        )
+        edges[part].discard(part)
+    return edges
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph ``edges`` as ``[a, b, ..., a]``, or ``[]``."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        for nxt in sorted(edges.get(node, ())):
+            if found := visit(nxt, path + [node]):
+                return found
+        done.add(node)
+        return []
+
+    for start in sorted(edges):
+        if found := visit(start, []):
+            return found
+    return []
+
+
+def test_serving_parts_import_each_other_without_a_cycle():
+    edges = package_edges("serving")
+    assert {"model", "engine", "channel", "server", "workers"} <= set(edges)
+    assert not cycle(edges), f"import cycle in kvxfer/serving: {' -> '.join(cycle(edges))}"
+    assert "server" not in edges["workers"] and "workers" not in edges["server"]
+
+
+def test_the_cycle_check_finds_one():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
 @pytest.mark.parametrize("area", ["bench", "loadgen"])

@@ -8,10 +8,11 @@ import socket
 import pytest
 
 from kvxfer.errors import ProtocolError
-from kvxfer.serving.server import ipc
+from kvxfer.serving.channel import ipc
 from kvxfer.serving.server.prom import Registry
 from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
-from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
+from kvxfer.serving.engine.config import parse_cpu_group
+from kvxfer.serving.server.serve_config import ServeConfig
 from kvxfer.serving.server.sse import DONE, event
 
 
@@ -185,7 +186,8 @@ def test_worker_command_line_carries_the_matmul_dtype():
 
 
 def test_store_secret_is_the_deployments_and_leaves_the_agents_alone(monkeypatch, tmp_path):
-    from kvxfer.serving.workers.main import AGENT_SECRET_ENV, worker_secret
+    from kvxfer.serving.channel.ipc import AGENT_SECRET_ENV
+    from kvxfer.serving.workers.main import worker_secret
 
     monkeypatch.setenv(AGENT_SECRET_ENV, (b"a" * 32).hex())  # kvxfer serve's per-server agent secret
     monkeypatch.setenv("KVXFER_SECRET", "d" * 20)

@@ -125,7 +125,8 @@ def add_engine_args(p) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
+    from kvxfer.serving.engine.config import parse_cpu_group
+    from kvxfer.serving.server.serve_config import ServeConfig
 
     if args.colocated and (args.prefill or args.decode):
         raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
@@ -213,7 +214,7 @@ def _local_workers(args: argparse.Namespace, config):
 
     from kvxfer.serving.server.launcher import sim_args
     from kvxfer.serving.server.local_workers import LocalWorkers
-    from kvxfer.serving.server.serve_config import parse_cpu_group
+    from kvxfer.serving.engine.config import parse_cpu_group
 
     roles = ["prefill"] * (args.prefill or 0) + ["decode"] * (args.decode or 0)
     if roles:

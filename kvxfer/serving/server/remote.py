@@ -3,7 +3,7 @@
 :class:`RemoteCluster` has the interface of :class:`kvxfer.serving.server.launcher.Cluster`
 (``workers``, ``pick``, ``start``, ``stop``, ``health``) but spawns nothing: it
 watches the discovery prefix (:mod:`kvxfer.discovery`) and connects to each
-published worker's control address (:mod:`kvxfer.serving.server.netchannel`,
+published worker's control address (:mod:`kvxfer.serving.channel.netchannel`,
 authenticated with the shared secret).
 
 - A worker that appears is connected at once and takes requests as soon as its
@@ -125,7 +125,7 @@ class RemoteCluster:
                 self._spawn(self._connect(w), f"connect-{key}")
 
     async def _connect(self, w: RemoteWorker) -> None:
-        from .netchannel import connect_worker
+        from ..channel.netchannel import connect_worker
 
         while not self._is_stopping and self._by_key.get(w.key) is w:
             try:

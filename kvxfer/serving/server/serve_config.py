@@ -18,26 +18,6 @@ TRANSFER_POLICIES = ("fail", "recompute")
 ENGINES = ("real", "sim")
 
 
-def parse_cpu_group(text: str) -> tuple[int, ...]:
-    """``"0-2,5"`` -> ``(0, 1, 2, 5)``."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise ValueError(f"bad CPU list {text!r}: expected e.g. '0', '0-3', '0,2'") from None
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r} in {text!r}")
-        cpus.extend(range(first, last + 1))
-    if not cpus:
-        raise ValueError(f"empty CPU list {text!r}")
-    return tuple(dict.fromkeys(cpus))
-
-
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker process: its name, role, pinned CPUs (None: not pinned), threads."""

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ...agent import Agent
     from ..engine.runtime import Runtime
-    from ..server.ipc import WorkerChannel
-    from ..server.netchannel import NetWorkerChannel
+    from ..channel.ipc import WorkerChannel
+    from ..channel.netchannel import NetWorkerChannel
 
 log = logging.getLogger("kvxfer.worker")
 

@@ -7,7 +7,7 @@ the agent, and only then report ``ready`` with the agent's address.
 Two ways to reach the router: ``--ipc-fd`` (spawned by ``kvxfer serve``, a
 private socket pair; the worker exits with its router) or ``--listen HOST:PORT``
 (``kvxfer worker`` on any host: an authenticated TCP channel,
-:mod:`kvxfer.serving.server.netchannel`; the worker outlives routers and, with
+:mod:`kvxfer.serving.channel.netchannel`; the worker outlives routers and, with
 ``--discovery``, publishes itself so routers find it).
 
 The agents' shared secret: ``KVXFER_AGENT_SECRET`` (hex, set by ``kvxfer serve``
@@ -24,10 +24,9 @@ import queue
 import sys
 
 from ...secrets import load_secret, normalize_secret
+from ..channel.ipc import AGENT_SECRET_ENV
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
-
-AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
 
 
 def worker_secret(secret_file: str | None = None, *, for_store: bool = False) -> bytes:
@@ -89,7 +88,7 @@ def pin_threads(cpus: str | None, num_threads: int) -> None:
     """Pin this process to ``cpus`` (a CPU group, e.g. ``"0-3"``) and torch to ``num_threads`` threads."""
     import torch
 
-    from ..server.serve_config import parse_cpu_group
+    from ..engine.config import parse_cpu_group
 
     if cpus:
         os.sched_setaffinity(0, parse_cpu_group(cpus))
@@ -116,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(args.nice)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
-    from ..server.ipc import WorkerChannel
+    from ..channel.ipc import WorkerChannel
 
     try:
         # the store's secret first: the agents' call takes the environment's secrets out of it
         store_secret = worker_secret(args.store_secret_file or args.secret_file, for_store=True) if args.store else None
         secret = worker_secret(args.secret_file)
         if args.listen is not None:
-            from ..server.netchannel import NetWorkerChannel
+            from ..channel.netchannel import NetWorkerChannel
 
             channel = NetWorkerChannel(args.listen, secret)
         else:

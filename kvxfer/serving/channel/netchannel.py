@@ -1,6 +1,6 @@
 """Router <-> worker messaging over TCP, for workers on other hosts (``kvxfer worker``).
 
-The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.server.ipc`,
+The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.channel.ipc`,
 behind a mutual HMAC-SHA256 challenge over the deployment's shared secret (the
 secret never crosses the wire; labels differ from the agents' handshake, so a
 proof cannot be replayed from one protocol into the other)::
@@ -59,7 +59,7 @@ class _Conn:
 
 class NetWorkerChannel:
     """Worker end: listens on ``listen`` (``host:port``); same ``inbox``/``send`` as
-    :class:`kvxfer.serving.server.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
+    :class:`kvxfer.serving.channel.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
     message every newly connected router receives first."""
 
     def __init__(self, listen: str, secret: bytes):

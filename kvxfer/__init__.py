@@ -37,6 +37,7 @@ _LAZY = {
     "unpack": "kvxfer.kernels",
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
+    "split_address": "kvxfer.agent.peers",
     "AgentConfig": "kvxfer.config",
     "PeerLimits": "kvxfer.config",
     "TransferHandle": "kvxfer.handle",

@@ -21,6 +21,9 @@ import struct
 
 from .errors import ProtocolError
 
+__all__ = ["HEADER", "MAGIC", "MAX_PAYLOAD", "PROTOCOL_VERSION", "FrameReader", "encode_frame", "json_frame",
+           "json_payload", "parse_header", "read_frame", "read_frame_async", "recv_frame"]
+
 MAGIC = b"KX"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("!2sBBI")

@@ -63,7 +63,7 @@ class NetWorkerChannel:
     message every newly connected router receives first."""
 
     def __init__(self, listen: str, secret: bytes):
-        from ...agent.peers import split_address
+        from ... import split_address
 
         self._secret = normalize_secret(secret)
         host, port = split_address(listen)
@@ -208,7 +208,7 @@ async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> 
     """Router end: connect, prove the secret, check the worker's proof; returns the
     channel and the worker's ``ready`` message. Raises ``OSError``/``asyncio.TimeoutError``,
     :class:`AuthenticationError` or :class:`ProtocolError`."""
-    from ...agent.peers import split_address
+    from ... import split_address
 
     host, port = split_address(address)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ...agent import Agent
+    from ... import Agent
     from ..engine.runtime import Runtime
     from ..channel.ipc import WorkerChannel
     from ..channel.netchannel import NetWorkerChannel

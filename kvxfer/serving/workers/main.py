@@ -101,7 +101,7 @@ def pin_threads(cpus: str | None, num_threads: int) -> None:
 
 def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue,
                 secret: bytes, listen: str):
-    from ...agent import Agent
+    from ... import Agent
 
     agent = Agent(name, listen=listen, secret=secret, lease_timeout=lease_timeout_s,
                   on_release=lambda request_id, block_ids, reason: released.put(request_id))

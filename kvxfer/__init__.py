@@ -38,6 +38,7 @@ _LAZY = {
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
     "split_address": "kvxfer.agent.peers",
+    "HandshakeGate": "kvxfer.agent.handshake",
     "AgentConfig": "kvxfer.config",
     "PeerLimits": "kvxfer.config",
     "TransferHandle": "kvxfer.handle",

@@ -49,7 +49,7 @@ class WorkerHalf:
 
     # ---- setup -----------------------------------------------------------------------
     def register(self, kv_caches: dict, vllm_config) -> None:
-        from ..agent import Agent, AgentConfig
+        from .. import Agent, AgentConfig
         from .vllm_layout import cpu_layout
 
         self.layout = cpu_layout(kv_caches, vllm_config)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ...agent import Agent
+    from ... import Agent
     from ..engine.runtime import Runtime
-    from ..server.ipc import WorkerChannel
-    from ..server.netchannel import NetWorkerChannel
+    from ..channel.ipc import WorkerChannel
+    from ..channel.netchannel import NetWorkerChannel
 
 log = logging.getLogger("kvxfer.worker")
 

@@ -46,6 +46,9 @@ from ...errors import ProtocolError
 
 log = logging.getLogger("kvxfer.worker")
 
+# kvxfer serve hands its spawned workers the agents' secret in this variable (hex), never on
+# a command line; the worker takes it out of its environment once read
+AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"
 IPC_MSG = 0x40  # frame type of a router <-> worker message (agent control types are < 0x40)
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits
 

@@ -219,3 +219,98 @@ def test_make_policy_rejects_bad_input():
     with pytest.raises(TypeError):
         make_policy("least-loaded", B, load_gap=2)
     assert isinstance(make_policy("kv", B, max_workers=4), KVRouting)
+
+
+# ---- real workers -------------------------------------------------------------------
+
+PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks of the workers' 16
+
+
+@pytest.fixture(scope="module")
+def kv_server(tmp_path_factory):
+    """``kvxfer serve --colocated 2 --routing kv --routing-load-gap 1`` on the simulated
+    engine; the ``KVXFER_PAUSE_FILE`` hook (tests/faults) holds a worker's steps so
+    its requests stay in flight for as long as the test needs."""
+    from serving_server import Server, faults_env
+
+    pause = tmp_path_factory.mktemp("hook") / "pause"
+    srv = Server("--colocated", "2", "--routing", "kv", "--routing-load-gap", "1",
+                 "--engine", "sim", "--profile", "h100-llama2-7b-vidur",
+                 env=faults_env(KVXFER_PAUSE_FILE=str(pause)))
+    srv.pause = pause
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _inflight(server, worker):
+    return {w["name"]: w["inflight"] for w in server.health()["workers"]}[worker]
+
+
+def _wait_inflight(server, worker, n):
+    import time
+
+    deadline = time.monotonic() + 60
+    while _inflight(server, worker) != n:
+        assert time.monotonic() < deadline, f"{worker} never held {n} requests"
+        time.sleep(0.05)
+
+
+def _metric(text, name, **labels):
+    import re
+
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    m = re.search(rf"^{name}{{{want}}} ([0-9.e+]+)$", text, re.M)
+    assert m, f"{name}{{{want}}} not in /metrics"
+    return float(m.group(1))
+
+
+def test_kv_routing_follows_the_cached_prefix_unless_its_worker_is_overloaded(kv_server):
+    import threading
+
+    srv = kv_server
+    first = srv.complete(PREFIX, max_tokens=1)
+    assert first["kvxfer"]["decode_worker"] == "colocated-0"  # equal loads, no hit: the first
+    # colocated-0 caches the prefix's 4 blocks (the router knew before the answer came back)
+    held = srv.pause.with_name(srv.pause.name + "-colocated-0")
+    held.touch()  # colocated-0 takes requests but runs no step
+    out: dict = {}
+
+    def later(key, prompt):
+        thread = threading.Thread(target=lambda: out.update({key: srv.complete(prompt, max_tokens=2)}),
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    threads = []
+    try:
+        threads.append(later("other", list(range(5000, 5040))))  # no hit anywhere: least-loaded
+        _wait_inflight(srv, "colocated-0", 1)
+        # colocated-0 holds one more request than colocated-1 (within the gap of 1) and
+        # the prefix: least-loaded would pick colocated-1, kv picks the prefix's worker
+        threads.append(later("hit", PREFIX + [7, 8, 9]))
+        _wait_inflight(srv, "colocated-0", 2)
+        # now 2 over colocated-1's 0, past the gap: the prefix no longer draws the request
+        elsewhere = srv.complete(PREFIX + [10, 11], max_tokens=2)
+        assert elsewhere["kvxfer"]["decode_worker"] == "colocated-1"
+    finally:
+        held.unlink()
+    for t in threads:
+        t.join(60)
+    assert out["other"]["kvxfer"]["decode_worker"] == "colocated-0"
+    assert out["hit"]["kvxfer"]["decode_worker"] == "colocated-0"
+
+    metrics = srv.client.get("/metrics").text
+    routed = {kind: _metric(metrics, "kvxfer_routed_blocks_total", kind=kind, policy="kv",
+                            role="colocated") for kind in ("hit", "prompt")}
+    # prompts: 64, 40, 67 and 66 tokens -> 3 + 2 + 4 + 4 full blocks counted; hits: the
+    # prefix's 4 blocks for the request routed to colocated-0 (colocated-1 held none)
+    assert routed == {"hit": 4, "prompt": 13}
+    stat = {(w, s): _metric(metrics, "kvxfer_worker_stat", stat=s, worker=w)
+            for w in ("colocated-0", "colocated-1") for s in ("prefix_hit_tokens", "prefix_query_tokens")}
+    # the worker found in its cache exactly what the router's index said it held
+    assert stat["colocated-0", "prefix_hit_tokens"] == 4 * 16
+    assert stat["colocated-1", "prefix_hit_tokens"] == 0
+    assert stat["colocated-0", "prefix_query_tokens"] == 64 + 40 + 67
+    assert stat["colocated-1", "prefix_query_tokens"] == 66

@@ -58,6 +58,9 @@ class BlockManager:
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
         self._hash_to_block: dict[int, int] = {}
         self._events: dict[int, bool] | None = None  # hash -> in the cache now (since the last drain)
+        # prefix-cache effect, summed over allocate(): tokens asked for, tokens found cached
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,7 +129,8 @@ class BlockManager:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
 
         Sets ``block_table``, ``block_hashes`` and ``num_cached_tokens`` =
-        ``num_computed_tokens`` (the reused prefix). Raises :class:`OutOfBlocks`.
+        ``num_computed_tokens`` (the reused prefix), and counts them in
+        ``num_query_tokens``/``num_hit_tokens``. Raises :class:`OutOfBlocks`.
         """
         if seq.block_table:
             raise ValueError(f"{seq!r} already has blocks")
@@ -142,6 +146,8 @@ class BlockManager:
         seq.block_table = hits + fresh
         seq.block_hashes = hashes
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_query_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks become free (hash kept)."""

@@ -221,6 +221,53 @@ def test_make_policy_rejects_bad_input():
     assert isinstance(make_policy("kv", B, max_workers=4), KVRouting)
 
 
+class _Channel:
+    def __init__(self):
+        self.sent = []
+        self.inbox = None
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+@pytest.fixture
+def keep_signals():
+    """WorkerLoop installs its process's SIGTERM/SIGINT handlers: give pytest its own back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_worker_loop_publishes_cache_events_bounded_and_answers_snapshots(keep_signals):
+    from types import SimpleNamespace
+
+    from kvxfer.serving.workers.loop import WorkerContext, WorkerLoop
+
+    bm = BlockManager(3 * MAX_EVENT_HASHES, B)
+    runtime = SimpleNamespace(blocks=bm, step=lambda: "step")
+    chan = _Channel()
+    loop = WorkerLoop(WorkerContext("w", "colocated", chan, runtime, None, 1.0, "fail"))
+    assert loop.step() == "step" and chan.sent == []  # nothing changed: nothing sent
+    tokens = list(range(B * (MAX_EVENT_HASHES + 10)))
+    cached_on(bm, tokens)  # MAX_EVENT_HASHES + 10 hashes
+    loop.step()
+    assert [len(m["stored"]) + len(m["removed"]) for m in chan.sent] == [MAX_EVENT_HASHES, 10]
+    assert all(m["ev"] == "kv_events" for m in chan.sent)
+    stored = [h for m in chan.sent for h in m["stored"]]
+    assert stored == chain(tokens + [0])
+    policy = make_policy("kv", B)  # what the router builds from them
+    for m in chan.sent:
+        policy.on_kv_event("w", m["stored"], m["removed"])
+    assert policy.route([W("v"), W("w", 3)], tokens + [0]).hit_blocks == len(stored)
+    chan.sent.clear()
+    assert loop._handle({"op": "kv_snapshot"})
+    assert sorted(h for m in chan.sent for h in m["stored"]) == sorted(stored)
+    assert loop._all_stats()["prefix_query_tokens"] == len(tokens)
+
+
 # ---- real workers -------------------------------------------------------------------
 
 PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks of the workers' 16

@@ -21,6 +21,7 @@ request-scoped message carries ``rid``):
 ``op: shutdown``        any: finish in-flight requests, then exit
 ``op: switch_role``     prefill/decode: finish what it holds, free every KV
                         block, then serve as ``role`` (adaptive rebalancing)
+``op: kv_snapshot``     any: send every hash of the prefix cache (``ev: kv_events``)
 ``ev: ready``           worker is up (``agent_address``, ``num_blocks``, ...)
 ``ev: admitted``        decode: blocks reserved, ``cached_blocks`` reused
 ``ev: token``           a generated token id (``token``), and its ``logprobs``

@@ -15,7 +15,8 @@ authenticated with the shared secret).
 - A worker that stops being published (lease expired: a dead host, a partition)
   is dropped within the lease TTL plus one poll.
 - ``stop()`` closes the connections only: the workers keep running, abort what
-  this router handed them, and a restarted router finds them again.
+  this router handed them, and a restarted router finds them again (and asks each
+  for its prefix cache's hashes, ``op: kv_snapshot``, for the routing index).
 """
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ class RemoteCluster:
             w.is_alive, w.failures, w.connected_at = True, 0, time.monotonic()
             if type(ready.get("num_blocks")) is int and ready["num_blocks"] > 0:
                 self.routing.set_capacity(w.name, ready["num_blocks"])
+            w.send({"op": "kv_snapshot"})  # a running worker's cache, for the routing index
             w.connects += 1
             log.info("worker %s (%s) connected at %s, agent %s", w.name, w.role, w.address,
                      w.agent_address)

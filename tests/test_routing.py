@@ -114,6 +114,18 @@ def test_index_bounds_and_forget():
     assert len(idx) == 0 and idx._holders == {}
 
 
+def test_index_total_bound_evicts_only_the_storing_worker():
+    idx = PrefixIndex(max_blocks_per_worker=8, max_workers=4, max_entries=10)
+    h = chain(range(100))
+    idx.apply("a", h[:6], [])
+    idx.apply("b", h[10:18], [])  # 6 + 8 > 10: b keeps its newest 4
+    assert idx.num_blocks("a") == 6 and len(idx) == 10
+    assert [x for x in h if idx.holds("b", x)] == h[14:18]
+    idx.apply("a", [], h[:3])
+    idx.apply("b", h[18:20], [])  # room again
+    assert idx.num_blocks("b") == 6 and len(idx) == 9
+
+
 @pytest.mark.parametrize("stored, removed, error", [
     ("nope", [], TypeError),
     ([1, "2"], [], ValueError),

@@ -373,3 +373,28 @@ def test_kv_routing_follows_the_cached_prefix_unless_its_worker_is_overloaded(kv
     assert stat["colocated-1", "prefix_hit_tokens"] == 0
     assert stat["colocated-0", "prefix_query_tokens"] == 64 + 40 + 67
     assert stat["colocated-1", "prefix_query_tokens"] == 66
+
+
+def test_dispatcher_feeds_the_index_drops_bad_messages_and_forgets_the_dead():
+    from kvxfer.serving.server.dispatch import Dispatcher
+    from kvxfer.serving.server.prom import Registry
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    registry = Registry()
+    d = Dispatcher(ServeConfig(num_colocated=2, num_prefill=0, num_decode=0, routing="kv"), registry)
+    w0, w1 = d.cluster.workers
+    for w in (w0, w1):
+        w.is_alive = True
+    prompt = list(range(100))  # 6 full blocks of the workers' 16
+    h = chain(prompt, 16)
+    d.on_message(w1, {"ev": "kv_events", "stored": h, "removed": []})
+    assert d.cluster.pick("colocated", prompt) is w1
+    assert d.cluster.pick("colocated") is w0  # no prompt: least-loaded, the first
+    for bad in ({"ev": "kv_events", "stored": "x"}, {"ev": "kv_events", "removed": [-1]},
+                {"ev": "kv_events", "stored": list(range(MAX_EVENT_HASHES + 1))}):
+        d.on_message(w1, bad)  # dropped alone, counted; the index is as it was
+    assert 'kvxfer_bad_kv_events_total 3.0' in registry.render()
+    assert d.cluster.routing.index.num_blocks(w1.name) == len(h)
+    w1.is_alive = False
+    d.on_worker_exit(w1)
+    assert len(d.cluster.routing.index) == 0

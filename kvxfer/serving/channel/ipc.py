@@ -21,6 +21,7 @@ request-scoped message carries ``rid``):
 ``op: shutdown``        any: finish in-flight requests, then exit
 ``op: switch_role``     prefill/decode: finish what it holds, free every KV
                         block, then serve as ``role`` (adaptive rebalancing)
+``op: kv_snapshot``     any: send every hash of the prefix cache (``ev: kv_events``)
 ``ev: ready``           worker is up (``agent_address``, ``num_blocks``, ...)
 ``ev: admitted``        decode: blocks reserved, ``cached_blocks`` reused
 ``ev: token``           a generated token id (``token``), and its ``logprobs``
@@ -31,6 +32,9 @@ request-scoped message carries ``rid``):
 ``ev: done``            request finished (``finish_reason``)
 ``ev: error``           request failed (``error``, ``kind``)
 ``ev: role_changed``    answer to ``switch_role`` (``ok``, ``role``, ``error``)
+``ev: kv_events``       the prefix cache changed: block hashes ``stored``
+                        (cached now) and ``removed`` (gone), at most
+                        ``routing.MAX_EVENT_HASHES`` in all (after each step)
 ======================  =====================================================
 """
 from __future__ import annotations

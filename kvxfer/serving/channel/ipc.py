@@ -34,7 +34,7 @@ request-scoped message carries ``rid``):
 ``ev: role_changed``    answer to ``switch_role`` (``ok``, ``role``, ``error``)
 ``ev: kv_events``       the prefix cache changed: block hashes ``stored``
                         (cached now) and ``removed`` (gone), at most
-                        ``routing.MAX_EVENT_HASHES`` in all (after each step)
+                        ``MAX_EVENT_HASHES`` in all (after each step)
 ======================  =====================================================
 """
 from __future__ import annotations
@@ -55,6 +55,7 @@ log = logging.getLogger("kvxfer.worker")
 AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"
 IPC_MSG = 0x40  # frame type of a router <-> worker message (agent control types are < 0x40)
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits
+MAX_EVENT_HASHES = 4096  # hashes (stored + removed) in one kv_events message
 
 
 def encode(msg: dict) -> bytes:

@@ -44,9 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence as Seq
 
+from ..channel.ipc import MAX_EVENT_HASHES
 from ..engine.block_manager import block_hash
 
-MAX_EVENT_HASHES = 4096  # hashes (stored + removed) in one kv_events message
 MAX_BLOCKS_PER_WORKER = 1 << 18  # index entries of one worker before set_capacity lowers it
 MAX_WORKERS = 1024  # workers the index tracks at once
 MAX_ENTRIES = 1 << 22  # (worker, hash) entries in all: a few hundred bytes each

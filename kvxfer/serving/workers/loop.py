@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..server.routing import MAX_EVENT_HASHES
+from ..channel.ipc import MAX_EVENT_HASHES
 
 if TYPE_CHECKING:
     from ... import Agent

@@ -7,8 +7,9 @@ given no config uses ``AgentConfig()``, the defaults. The ``KVXFER_*`` variables
 read in one place, :meth:`AgentConfig.from_env`, which only entry points call (the
 ``kvxfer`` CLI commands, ``kvxfer worker``, the vLLM connector, the benchmarks;
 documented in ``docs/api.md``, "AgentConfig"); there a field the caller gives
-explicitly beats the environment. Nothing below the entry point reads a ``KVXFER_*``
-variable. What else is read is another tool's process-wide knob, not an agent's: UCX
+explicitly beats the environment. The deployment's secret (``KVXFER_SECRET``) is read
+the same way, by :func:`kvxfer.secrets.load_secret`, which only entry points call.
+Nothing below the entry point reads a ``KVXFER_*`` variable. What else is read is another tool's process-wide knob, not an agent's: UCX
 reads its own ``UCX_*`` variables (an explicit one beats ``AgentConfig.ucx``, UCX's
 rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set, the
 pack kernels check Triton's ``TRITON_INTERPRET``, and :mod:`kvxfer.report.envinfo`

@@ -160,7 +160,11 @@ def test_only_entry_points_read_the_environment():
 
     root = pathlib.Path(kvxfer.__file__).parent
     entry = ("cli/", "bench/", "serving/", "integrations/")
-    named = {"config.py", "_native.py", "kernels/__init__.py", "report/envinfo.py"}
+    named = {"config.py", "secrets.py", "_native.py", "kernels/__init__.py", "report/envinfo.py"}
     readers = {str(p.relative_to(root)) for p in root.rglob("*.py")
                if "os.environ" in p.read_text() or "getenv" in p.read_text()}
     assert {r for r in readers if not r.startswith(entry)} <= named, readers
+    # and the secret loader is called from entry points only
+    callers = {str(p.relative_to(root)) for p in root.rglob("*.py")
+               if "load_secret(" in p.read_text() and p.name != "secrets.py"}
+    assert callers and all(c.startswith(entry) for c in callers), callers

@@ -32,6 +32,9 @@ above kind began almost live page got earth need far hand high year mother light
 country father let night following picture being study second eyes soon times story
 """.split())
 
+WORD_INDEX = {w: i for i, w in enumerate(WORDS)}
+WORD_BASE = 256  # token ids of words start here (ordinary ids of a Llama-family vocabulary)
+
 
 class PromptBuilder:
     """Deterministic prompt text for trace requests (see module doc)."""
@@ -63,6 +66,14 @@ class PromptBuilder:
         return max(1, round(req.output_length * self.output_scale))
 
     def prompt(self, req: TraceRequest) -> str:
+        return " ".join(self.words(req))
+
+    def prompt_ids(self, req: TraceRequest) -> list[int]:
+        """The prompt as token ids, one a word (``WORD_BASE`` + its index in ``WORDS``): what
+        the virtual clock runs, where no tokenizer is; equal hash ids give equal prefixes."""
+        return [WORD_BASE + WORD_INDEX[w] for w in self.words(req)]
+
+    def words(self, req: TraceRequest) -> list[str]:
         want = self.num_words(req)
         words: list[str] = []
         for hash_id in req.hash_ids:
@@ -74,4 +85,4 @@ class PromptBuilder:
         while len(words) < want:
             words.extend(self.block(-1 - hash((req.timestamp_ms, req.input_length, filler)) % (1 << 30)))
             filler += 1
-        return " ".join(words[:want])
+        return words[:want]

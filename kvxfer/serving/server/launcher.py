@@ -33,7 +33,7 @@ from ...errors import KVXferError
 from ..workers.main import AGENT_SECRET_ENV
 from .ipc import RouterChannel
 from .serve_config import ServeConfig, WorkerSpec
-from .worker_ref import WorkerRef, relay_messages
+from .worker_ref import WorkerRef, least_loaded, relay_messages
 
 log = logging.getLogger("kvxfer.serve")
 
@@ -169,9 +169,7 @@ class Cluster:
 
     def pick(self, role: str) -> WorkerProcess | None:
         """The least-loaded live worker of ``role`` (None if none is alive)."""
-        live = [w for w in self.role(role)
-                if w.is_alive and not w.is_draining and not w.is_switching]
-        return min(live, key=lambda w: w.load) if live else None
+        return least_loaded(self.role(role))
 
     async def start(self) -> None:
         try:

@@ -11,6 +11,8 @@ later hit, and the least recently freed are reused first.
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections import OrderedDict
 from typing import Sequence as Seq
 
 from kvxfer.errors import KVXferError
@@ -36,7 +38,7 @@ def block_hash(token_ids: Seq[int], prefix_hash: int | None) -> int:
     """Chained 64-bit hash of one full block; stable across processes."""
     h = hashlib.blake2b(digest_size=8)
     h.update((prefix_hash if prefix_hash is not None else 0).to_bytes(8, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # 4 bytes little-endian each
     return int.from_bytes(h.digest(), "little")
 
 
@@ -48,7 +50,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
+        # insertion order = LRU; an OrderedDict, as taking the oldest of a plain dict
+        # whose head was deleted scans the deleted slots (quadratic over a run)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
 
     @property

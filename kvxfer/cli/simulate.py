@@ -65,15 +65,6 @@ def arrivals(args, time_scale: float | None = None) -> list[tuple[float, list[in
             for r in reqs]
 
 
-def make_routing(name: str, block_size: int):
-    """None for least-loaded (the dispatcher's pick), else the routing policy ``name``."""
-    if name == "least-loaded":
-        return None
-    from ..serving.server.routing import make_policy
-
-    return make_policy(name, block_size)
-
-
 def run_config(name: str, args, profile, slo, requests) -> dict:
     """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
     "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO."""
@@ -84,17 +75,16 @@ def run_config(name: str, args, profile, slo, requests) -> dict:
     config = parse_config(name, slo_ms=(slo.ttft_ms, slo.tpot_ms) if slo else None,
                           num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    result = simulate(config, profile, requests,
-                      routing=make_routing(args.routing, profile.block_size))
+    result = simulate(config, profile, requests, routing=args.routing)
     summary = summarize_run(result.records, slo)
-    prompt_blocks = sum(r["input_tokens"] // profile.block_size for r in result.records)
-    hits = sum(r["cached_blocks"] + r["prefill_hit_blocks"] for r in result.records)
+    counts = result.counters
     return {"name": name, "goodput_rps": summary.get("goodput"),
             "slo_attainment": summary.get("slo_attainment"),
             "request_throughput": summary["request_throughput"],
             "ttft_p50_ms": summary["ttft_ms"]["median"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "tpot_p50_ms": summary["tpot_ms"]["median"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
-            "prefix_hit_ratio": hits / prompt_blocks if prompt_blocks else 0.0,
+            "prefix_hit_ratio": (counts["hit_tokens"] / counts["query_tokens"]
+                                 if counts.get("query_tokens") else 0.0),
             "virtual_s": result.end_s, "counters": result.counters,
             "records": result.records}
 

@@ -12,8 +12,9 @@ scores. What runs is the serving code itself, each worker with its own:
   frees its blocks at the modelled end; ingress on the decode worker, booked when the
   send is posted, decides when decoding starts: as ``--engine sim`` does);
 
-and for the router: least-loaded picks (:func:`~kvxfer.serving.server.worker_ref.least_loaded`)
-or a routing policy (``routing``, ``pick(candidates, prompt_ids)``), the conditional
+and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
+or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
+them (:meth:`BlockManager.drain_events`), the conditional
 disaggregation rule (:func:`~kvxfer.serving.server.dispatch.prefill_queue_full`; the decode
 worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and the
 rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
@@ -40,7 +41,8 @@ from ..serving.server.adaptive_policy import Observation, PolicyState, attainmen
 from ..serving.server.dispatch import prefill_queue_full
 from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
-from ..serving.server.worker_ref import WorkerRef, least_loaded
+from ..serving.server.routing import MAX_EVENT_HASHES, make_policy
+from ..serving.server.worker_ref import WorkerRef
 from .link import NicQueue
 from .profile import Profile
 from .runtime import next_token
@@ -109,15 +111,19 @@ class SimResult:
 class VirtualCluster:
     """The event loop over the workers of ``config`` (see the module docstring)."""
 
-    def __init__(self, config: ServeConfig, profile: Profile, *, routing=None) -> None:
+    def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
+                 **routing_knobs) -> None:
         self.config = config
         self.profile = profile
-        self.routing = routing
+        self.routing = make_policy(routing, profile.block_size, **routing_knobs)
         engine = EngineConfig(num_blocks=config.num_blocks, block_size=profile.block_size,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               schedule=config.schedule)
         self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+        for w in self.workers:
+            w.runtime.blocks.record_events()
+            self.routing.set_capacity(w.name, engine.num_blocks)
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
@@ -148,6 +154,9 @@ class VirtualCluster:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
                                f"(workers with work: {stuck}): a request cannot fit a KV pool "
                                f"of {self.config.num_blocks} blocks")
+        for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it
+            self.counters["query_tokens"] += w.runtime.blocks.num_query_tokens
+            self.counters["hit_tokens"] += w.runtime.blocks.num_hit_tokens
         return SimResult([self._record(r) for r in self.finished], dict(self.counters), self.now)
 
     def _record(self, r: _Request) -> dict:
@@ -165,10 +174,18 @@ class VirtualCluster:
         return [w for w in self.workers if w.role == role]
 
     def _pick(self, role: str, prompt_ids: list[int]) -> SimWorker | None:
-        if self.routing is None:
-            return least_loaded(self.role(role))
+        """The routing policy's pick among the workers of ``role`` taking requests (as
+        :meth:`kvxfer.serving.server.launcher.Cluster.route`)."""
         live = [w for w in self.role(role) if not w.is_switching]
         return self.routing.pick(live, prompt_ids) if live else None
+
+    def _publish(self, worker: SimWorker) -> None:
+        """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
+        stored, removed = worker.runtime.blocks.drain_events()
+        while stored or removed:  # in messages of the size the workers send
+            n = min(len(removed), MAX_EVENT_HASHES)
+            self.routing.on_kv_event(worker.name, stored[:MAX_EVENT_HASHES - n], removed[:n])
+            stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
 
     def _arrive(self, r: _Request) -> None:
         self.requests[r.rid] = r
@@ -178,7 +195,7 @@ class VirtualCluster:
             self._admit_local(r, params)
             return
         r.decode = self._pick("decode", r.prompt_ids)
-        prefill = least_loaded(self.role("prefill"))
+        prefill = self._pick("prefill", r.prompt_ids)
         if prefill_queue_full(prefill.load, self.config):
             self.counters["local_prefill_queue"] += 1
             self._admit_local(r, params)
@@ -213,11 +230,12 @@ class VirtualCluster:
                 continue
             prefill = r.prefill
             if prefill.is_switching:  # as the dispatcher: another one if it is being moved
-                prefill = r.prefill = least_loaded(self.role("prefill"))
+                prefill = r.prefill = self._pick("prefill", r.prompt_ids)
             prefill.inflight.add(r.rid)
             pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid)
             prefill.runtime.scheduler.add(pseq)
             self._kick(prefill)
+        self._publish(worker)
 
     # ---- workers ------------------------------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
@@ -225,6 +243,7 @@ class VirtualCluster:
         if worker.is_stepping or not worker.runtime.scheduler.has_work():
             return
         step = worker.runtime.step()
+        self._publish(worker)
         if not step.num_tokens:  # nothing fits the free blocks: a finish or free kicks again
             return
         worker.is_stepping = True
@@ -278,6 +297,7 @@ class VirtualCluster:
         seq = worker.seqs[r.rid]
         seq.num_computed_tokens = seq.num_prompt_tokens
         worker.runtime.blocks.cache_full_blocks(seq)
+        self._publish(worker)
         seq.token_ids.append(token)
         seq.status = SequenceStatus.DECODING
         if finish_reason(seq, token) is not None:
@@ -343,7 +363,8 @@ class VirtualCluster:
 
 
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
-             *, routing=None) -> SimResult:
+             *, routing: str = "least-loaded", **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
-    cluster ``config`` describes, on the virtual clock; see the module docstring."""
-    return VirtualCluster(config, profile, routing=routing).run(arrivals)
+    cluster ``config`` describes, on the virtual clock, the router's picks by the routing
+    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`)."""
+    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals)

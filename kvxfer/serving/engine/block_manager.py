@@ -7,17 +7,24 @@ only once their KV is in the pool (:meth:`BlockManager.cache_full_blocks`), so
 a hit never returns a block whose KV is still being computed or received.
 A freed block keeps its hash until it is reused: freed blocks are revived by a
 later hit, and the least recently freed are reused first.
+
+Cache events (:meth:`BlockManager.record_events`, used by the serving workers to
+keep the router's prefix index current): a hash entering the cache
+(:meth:`~BlockManager.cache_full_blocks`) is *stored*, a hash leaving it (its
+block reused) is *removed*; :meth:`~BlockManager.drain_events` returns the net
+change since the previous drain.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections import OrderedDict
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Sequence as Seq
 
 from kvxfer.errors import KVXferError
 
-from .sequence import Sequence
+if TYPE_CHECKING:  # annotations only: the router hashes prompts without importing torch
+    from .sequence import Sequence
 
 
 class OutOfBlocks(KVXferError, MemoryError):
@@ -54,10 +61,30 @@ class BlockManager:
         # whose head was deleted scans the deleted slots (quadratic over a run)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        self._events: dict[int, bool] | None = None  # hash -> in the cache now (since the last drain)
+        # prefix-cache effect, summed over allocate(): tokens asked for, tokens found cached
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    def record_events(self) -> None:
+        """Start recording cache events for :meth:`drain_events` (module docstring)."""
+        if self._events is None:
+            self._events = {}
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """``(stored, removed)``: the hashes that entered and left the cache since the
+        last drain (net: a hash is in one list at most). The caller must drain
+        regularly (the workers do every step): at most one entry a hash touched."""
+        events = self._events
+        if not events:
+            return [], []
+        self._events = {}
+        stored = [h for h, is_in in events.items() if is_in]
+        return stored, [h for h, is_in in events.items() if not is_in]
 
     def match_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
         """Cached blocks holding a prefix of ``token_ids``: ``(block_ids, hashes)``.
@@ -97,6 +124,8 @@ class BlockManager:
         block = self.blocks[self._take_free()]
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
             del self._hash_to_block[block.hash]
+            if self._events is not None:
+                self._events[block.hash] = False
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block.block_id
 
@@ -104,7 +133,8 @@ class BlockManager:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
 
         Sets ``block_table``, ``block_hashes`` and ``num_cached_tokens`` =
-        ``num_computed_tokens`` (the reused prefix). Raises :class:`OutOfBlocks`.
+        ``num_computed_tokens`` (the reused prefix), and counts them in
+        ``num_query_tokens``/``num_hit_tokens``. Raises :class:`OutOfBlocks`.
         """
         if seq.block_table:
             raise ValueError(f"{seq!r} already has blocks")
@@ -120,6 +150,8 @@ class BlockManager:
         seq.block_table = hits + fresh
         seq.block_hashes = hashes
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_query_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks become free (hash kept)."""
@@ -154,7 +186,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = h, tokens
-                self._hash_to_block.setdefault(h, block.block_id)
+                if self._hash_to_block.setdefault(h, block.block_id) == block.block_id \
+                        and self._events is not None:
+                    self._events[h] = True
 
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent (for tests)."""

@@ -17,6 +17,12 @@ a request arriving while the prefill worker holds that many requests is sent
 ``admit(local)`` to its decode worker; a request whose uncached prompt (after the
 decode worker's prefix-cache hits) is shorter than the token threshold is
 answered ``admitted(local)`` and prefilled there; no KV moves for either.
+Routing (``--routing``, :mod:`kvxfer.serving.server.routing`): each pick sees the
+prompt, so a ``kv`` policy can send it where its prefix is cached: the colocated
+worker, or in disaggregated mode both the prefill worker (its cache spares
+compute) and the decode worker (its cache spares transfer: it caches the
+blocks it receives, and its hits are not sent). The workers' ``kv_events``
+keep the policy's prefix index current; a dead worker's entries are dropped.
 Every request ends with exactly one terminal event on its queue: ``done`` or
 ``error``; a worker death produces ``error`` for what it held, never a hang.
 
@@ -90,6 +96,8 @@ class Dispatcher:
         self.m_requests = r.counter("kvxfer_requests_total", "Finished requests (one per choice) by outcome: ok, error, aborted (the client went away), timeout.", ("outcome",))
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
         self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.", ("reason",))
+        self.m_routed_blocks = r.counter("kvxfer_routed_blocks_total", "Full prompt blocks routed (kind=prompt) and those the picked worker's prefix cache held by the router's index (kind=hit), by routing policy and the picked worker's role.", ("policy", "role", "kind"))
+        self.m_bad_kv_events = r.counter("kvxfer_bad_kv_events_total", "kv_events messages from workers dropped as malformed.")
         self.m_retries = r.counter("kvxfer_request_retries_total", "Requests placed again after their worker died or failed, by role.", ("role",))
 
     def new_rid(self, prefix: str) -> str:
@@ -106,7 +114,7 @@ class Dispatcher:
         """Pick workers for ``st`` and admit it; raises NoWorkerAvailable."""
         rid, prompt_ids, params = st.rid, st.prompt_ids, st.params
         if self.config.is_disaggregated:
-            decode, prefill = self.cluster.pick("decode"), self.cluster.pick("prefill")
+            decode, prefill = self._pick("decode", prompt_ids), self._pick("prefill", prompt_ids)
             if decode is None or prefill is None:
                 raise NoWorkerAvailable("no live prefill or decode worker")
             if prefill_queue_full(prefill.load, self.config):  # conditional disaggregation
@@ -116,7 +124,7 @@ class Dispatcher:
             else:
                 st.prefill, mode = prefill, "remote"
         else:
-            decode, mode = self.cluster.pick("colocated"), "local"
+            decode, mode = self._pick("colocated", prompt_ids), "local"
             if decode is None:
                 raise NoWorkerAvailable("no live colocated worker")
             st.transfer_settled.set()
@@ -125,6 +133,15 @@ class Dispatcher:
         decode.inflight.add(rid)
         decode.send({"op": "admit", "rid": rid, "prompt_ids": prompt_ids, "params": params,
                      "mode": mode, "local_below": self.config.local_prefill_tokens})
+
+    def _pick(self, role: str, prompt_ids: list[int]):
+        """The routing policy's worker of ``role`` for ``prompt_ids``, its hit counted."""
+        route = self.cluster.route(role, prompt_ids)
+        if route.worker is not None and route.prompt_blocks:
+            policy = self.cluster.routing.name
+            self.m_routed_blocks.inc(route.prompt_blocks, policy=policy, role=role, kind="prompt")
+            self.m_routed_blocks.inc(route.hit_blocks, policy=policy, role=role, kind="hit")
+        return route.worker
 
     def abort(self, rid: str, outcome: str = "aborted") -> None:
         """Release the workers' share of a live request and count it under ``outcome``
@@ -155,6 +172,9 @@ class Dispatcher:
         if ev == "role_changed" and self.on_role_changed is not None:
             self.on_role_changed(worker, msg)
             return
+        if ev == "kv_events":
+            self._on_kv_events(worker, msg)
+            return
         if ev == "stats":
             waiter = self._stats_waiters.pop(msg.get("qid", ""), None)
             if waiter is not None and not waiter.done():
@@ -173,7 +193,7 @@ class Dispatcher:
                 self.m_local_prefills.inc(reason="short_prompt")
                 return
             if not _usable(st.prefill, "prefill"):  # died or is switching roles meanwhile
-                st.prefill = self.cluster.pick("prefill")
+                st.prefill = self._pick("prefill", st.prompt_ids)
                 if st.prefill is None:
                     self._fail(st, "no live prefill worker", "worker_unavailable")
                     return
@@ -219,6 +239,16 @@ class Dispatcher:
             else:
                 self._fail(st, error, kind)
 
+    def _on_kv_events(self, worker, msg: dict) -> None:
+        """A worker's prefix-cache changes into the routing index; a malformed message
+        (wrong types, too many hashes) is dropped alone and counted."""
+        try:
+            self.cluster.routing.on_kv_event(worker.name, msg.get("stored", []),
+                                             msg.get("removed", []))
+        except (TypeError, ValueError) as exc:
+            self.m_bad_kv_events.inc()
+            log.warning("kv_events from %s dropped: %s", worker.name, exc)
+
     def _send(self, st: RequestState, worker: WorkerProcess, msg: dict) -> None:
         try:
             worker.send(msg)
@@ -234,6 +264,7 @@ class Dispatcher:
         self._send(st, st.decode, {"op": "transfer_failed", "rid": st.rid, "error": error})
 
     def on_worker_exit(self, worker: WorkerProcess) -> None:
+        self.cluster.routing.forget(worker.name)  # a restarted worker starts with an empty cache
         for rid in list(worker.inflight):
             worker.inflight.discard(rid)
             st = self.requests.get(rid)

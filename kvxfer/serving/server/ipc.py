@@ -31,6 +31,9 @@ request-scoped message carries ``rid``):
 ``ev: done``            request finished (``finish_reason``)
 ``ev: error``           request failed (``error``, ``kind``)
 ``ev: role_changed``    answer to ``switch_role`` (``ok``, ``role``, ``error``)
+``ev: kv_events``       the prefix cache changed: block hashes ``stored``
+                        (cached now) and ``removed`` (gone), at most
+                        ``routing.MAX_EVENT_HASHES`` in all (after each step)
 ======================  =====================================================
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ from ...errors import KVXferError
 from ..workers.main import AGENT_SECRET_ENV
 from .ipc import RouterChannel
 from .serve_config import ServeConfig, WorkerSpec
-from .worker_ref import WorkerRef, least_loaded, relay_messages
+from .worker_ref import WorkerRef, relay_messages
 
 log = logging.getLogger("kvxfer.serve")
 
@@ -163,13 +163,21 @@ class Cluster:
         self._tasks: list[asyncio.Task] = []
         self._secret = secrets.token_bytes(32)  # per server; agents authenticate with it
         self._is_stopping = False
+        self.routing = config.routing_policy()  # its prefix index follows the workers' kv_events
 
     def role(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role]
 
-    def pick(self, role: str) -> WorkerProcess | None:
-        """The least-loaded live worker of ``role`` (None if none is alive)."""
-        return least_loaded(self.role(role))
+    def pick(self, role: str, prompt_ids: list[int] | None = None) -> WorkerProcess | None:
+        """The live worker of ``role`` the routing policy picks for ``prompt_ids``
+        (None if none is alive)."""
+        return self.route(role, prompt_ids).worker
+
+    def route(self, role: str, prompt_ids: list[int] | None = None):
+        """:meth:`pick` as a :class:`~kvxfer.serving.server.routing.Route` (with its prefix hit)."""
+        live = [w for w in self.role(role)
+                if w.is_alive and not w.is_draining and not w.is_switching]
+        return self.routing.route(live, prompt_ids)
 
     async def start(self) -> None:
         try:
@@ -183,6 +191,7 @@ class Cluster:
         self._tasks.append(asyncio.create_task(self._watch(), name="watch-workers"))
 
     def _serve(self, worker: WorkerProcess) -> None:
+        self.routing.set_capacity(worker.name, worker.info.get("num_blocks") or self.config.num_blocks)
         self._tasks.append(asyncio.create_task(self._read(worker), name=f"read-{worker.name}"))
         log.info("worker %s ready (pid %d, transport %s)", worker.name, worker.proc.pid,
                  worker.info.get("transport"))

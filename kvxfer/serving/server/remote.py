@@ -76,6 +76,7 @@ class RemoteCluster:
         self._watch = None
         self._is_stopping = False
         self.model_name: str | None = None  # set by the router: other models' workers are ignored
+        self.routing = config.routing_policy()  # its prefix index follows the workers' kv_events
 
     @property
     def workers(self) -> list[RemoteWorker]:
@@ -84,9 +85,14 @@ class RemoteCluster:
     def role(self, role: str) -> list[RemoteWorker]:
         return [w for w in self._by_key.values() if w.role == role]
 
-    def pick(self, role: str) -> RemoteWorker | None:
+    def pick(self, role: str, prompt_ids: list[int] | None = None) -> RemoteWorker | None:
+        """The live worker of ``role`` the routing policy picks for ``prompt_ids``."""
+        return self.route(role, prompt_ids).worker
+
+    def route(self, role: str, prompt_ids: list[int] | None = None):
+        """:meth:`pick` as a :class:`~kvxfer.serving.server.routing.Route` (with its prefix hit)."""
         live = [w for w in self.role(role) if w.is_alive and not w.is_draining]
-        return min(live, key=lambda w: w.load) if live else None
+        return self.routing.route(live, prompt_ids)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -149,6 +155,8 @@ class RemoteCluster:
             w.channel, w.info, w.role = channel, ready, ready["role"]
             w.name = str(ready.get("name") or w.name)
             w.is_alive, w.failures, w.connected_at = True, 0, time.monotonic()
+            if type(ready.get("num_blocks")) is int and ready["num_blocks"] > 0:
+                self.routing.set_capacity(w.name, ready["num_blocks"])
             w.connects += 1
             log.info("worker %s (%s) connected at %s, agent %s", w.name, w.role, w.address,
                      w.agent_address)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 from .adaptive_policy import AdaptivePolicy
+from .routing import POLICIES as ROUTING_POLICIES
 
 TRANSFER_POLICIES = ("fail", "recompute")
 ENGINES = ("real", "sim")
@@ -95,6 +96,8 @@ class ServeConfig:
     adaptive: AdaptivePolicy | None = None  # --adaptive: move workers between P and D
     adaptive_slo_ms: tuple[float, float] | None = None  # (TTFT, TPOT) the rebalancer watches
     retries: int = 0  # place a request again this often if its worker dies before token 0
+    routing: str = "least-loaded"  # the worker-picking policy (kvxfer.serving.server.routing)
+    routing_load_gap: int = 4  # --routing kv: a prefix hit draws requests up to this over the least load
     engine: str = "real"  # "sim": every worker runs the simulated engine (kvxfer.sim)
     profile: str | None = None  # --engine sim: the cost profile, a shipped name or a file
     sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
@@ -141,6 +144,10 @@ class ServeConfig:
         num_workers = self.num_colocated or self.num_prefill + self.num_decode
         if self.retries < 0:
             raise ValueError("retries must be >= 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {sorted(ROUTING_POLICIES)}, got {self.routing!r}")
+        if type(self.routing_load_gap) is not int or self.routing_load_gap < 0:
+            raise ValueError(f"routing_load_gap must be an int >= 0, got {self.routing_load_gap!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if (self.engine == "sim") != (self.profile is not None):
@@ -184,3 +191,11 @@ class ServeConfig:
                 threads = self.num_threads
             specs.append(WorkerSpec(name, name.rsplit("-", 1)[0], cpus, threads))
         return specs
+
+    def routing_policy(self):
+        """A new :mod:`~kvxfer.serving.server.routing` policy as ``routing`` names it, for
+        the workers' blocks of ``EngineConfig.block_size`` tokens."""
+        from .routing import make_policy
+
+        knobs = {"load_gap": self.routing_load_gap} if self.routing == "kv" else {}
+        return make_policy(self.routing, EngineConfig.block_size, **knobs)

@@ -41,12 +41,6 @@ class WorkerRef:
         self.channel.send(msg)
 
 
-def least_loaded(workers: list[WorkerRef]) -> WorkerRef | None:
-    """The worker holding the fewest requests among those that take new ones (alive, not
-    draining, not switching roles); the first of equals; None if none takes any."""
-    live = [w for w in workers if w.is_alive and not w.is_draining and not w.is_switching]
-    return min(live, key=lambda w: w.load) if live else None
-
 
 async def relay_messages(worker: WorkerRef, on_message: Callable[[WorkerRef, dict], None]) -> None:
     """Hand each message of ``worker``'s channel to ``on_message(worker, msg)`` until the

@@ -240,7 +240,7 @@ class DecodeWorker(WorkerLoop):
     def tick(self) -> None:
         self._try_admit_remote()
         self._poll_transfers()
-        step = self.runtime.step()
+        step = self.step()
         for (seq, token), logprobs in zip(step.produced, step.logprobs):
             if seq.request_id not in self.seqs:
                 continue

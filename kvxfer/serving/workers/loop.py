@@ -5,6 +5,13 @@ poll transfers, run one model step), ``has_work()`` (holds any request) and
 ``is_busy()`` (a step would do something now). The loop blocks on the inbox
 only while idle, so a busy worker never waits for a message.
 
+Prefix-cache events: a role runs its model step through :meth:`WorkerLoop.step`,
+which then sends the hashes that entered and left the runtime's prefix cache
+since the previous step (``BlockManager.drain_events``) as ``ev: kv_events``
+messages of at most ``MAX_EVENT_HASHES`` hashes, before any token of the step,
+so the router's routing index (:mod:`kvxfer.serving.server.routing`) follows the
+cache and a router that saw a request finish knows the blocks it cached.
+
 Role switch (``op: switch_role``, adaptive P/D rebalancing): the worker stops
 taking requests, finishes what it holds, and :meth:`WorkerLoop.run` returns with
 ``next_role`` set; ``workers/main.py`` then checks every KV block is free and
@@ -18,6 +25,8 @@ import signal
 import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from ..server.routing import MAX_EVENT_HASHES
 
 if TYPE_CHECKING:
     from ...agent import Agent
@@ -55,6 +64,7 @@ class WorkerLoop:
         self.counters: dict[str, float] = {}
         self.is_draining = False
         self.next_role: str | None = None  # set by switch_role: run() returns once drained
+        self.runtime.blocks.record_events()  # idempotent: a role switch keeps the cache
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # Ctrl-C reaches the whole process group; the router drains us instead.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,8 +142,25 @@ class WorkerLoop:
                            "error": f"{type(exc).__name__}: {exc}"})
         return True
 
+    def step(self):
+        """``runtime.step()``, then publish the cache events (module docstring)."""
+        step = self.runtime.step()
+        self._publish_kv_events()
+        return step
+
+    def _publish_kv_events(self) -> None:
+        stored, removed = self.runtime.blocks.drain_events()
+        while stored or removed:  # a hash is in one list only: the split order is free
+            n = min(len(removed), MAX_EVENT_HASHES)
+            msg = {"ev": "kv_events", "stored": stored[:MAX_EVENT_HASHES - n], "removed": removed[:n]}
+            stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
+            self.send(msg)
+
     def _all_stats(self) -> dict:
         stats = dict(self.counters)
+        blocks = self.runtime.blocks
+        stats.update(prefix_query_tokens=blocks.num_query_tokens,
+                     prefix_hit_tokens=blocks.num_hit_tokens)
         stats.update(self.stats())
         if self.agent is not None:
             stats.update(agent_counters(self.agent))

@@ -80,7 +80,7 @@ class PrefillWorker(WorkerLoop):
         if self.pool is not None:
             for seq in self.pool.poll():  # their puts ended: the blocks may go
                 self.runtime.release(seq, "stop")
-        step = self.runtime.step()
+        step = self.step()
         for (seq, token), logprobs in zip(step.produced, step.logprobs):
             rid = seq.request_id
             # Prefill is all this worker does: the sequence leaves the batch

@@ -1,0 +1,316 @@
+"""Routing policies and the router's prefix index (kvxfer.serving.server.routing)."""
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer.serving.engine.block_manager import BlockManager, block_hash
+from kvxfer.serving.engine.sequence import Sequence
+from kvxfer.serving.server.routing import (MAX_EVENT_HASHES, KVRouting, LeastLoadedRouting,
+                                           PrefixIndex, make_policy, prefix_hashes)
+
+B = 4
+
+
+class W:
+    """A worker-like candidate: a name and a load."""
+
+    def __init__(self, name, load=0):
+        self.name, self.load = name, load
+
+    def __repr__(self):
+        return f"W({self.name}, {self.load})"
+
+
+def chain(tokens, block_size=B):
+    return list(prefix_hashes(tokens, block_size))
+
+
+def cached_on(bm, tokens):
+    """Run ``tokens`` through ``bm`` as a prefill would: allocate, compute, cache."""
+    s = Sequence(list(tokens))
+    bm.allocate(s)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+    return s
+
+
+def test_prefix_hashes_equal_the_block_managers():
+    bm = BlockManager(16, B)
+    bm.record_events()
+    tokens = list(range(100, 114))  # 3 full blocks + 2 tokens
+    cached_on(bm, tokens)
+    stored, removed = bm.drain_events()
+    assert removed == [] and stored == chain(tokens + [0])  # every full block, in order
+    assert chain(tokens) == chain(tokens + [0])[:3]
+    assert bm.match_prefix(tokens + [7])[1] == chain(tokens + [7])
+    assert chain(tokens)[0] == block_hash(tokens[:4], None)
+    # the router hashes in another process and gets the same chain
+    code = ("from kvxfer.serving.server.routing import prefix_hashes; import sys;"
+            f"print(list(prefix_hashes({tokens!r}, {B})));"
+            "print(sorted(m for m in ('torch', 'fastapi', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == [str(chain(tokens)), "[]"]  # and the module needs no heavy import
+
+
+def test_block_manager_events_follow_its_cache():
+    bm = BlockManager(4, B)
+    assert bm.drain_events() == ([], [])  # not recording: nothing kept
+    bm.record_events()
+    a = cached_on(bm, range(9))  # 2 full blocks hashed (the third holds the last token)
+    stored, removed = bm.drain_events()
+    assert stored == chain(range(9)) and removed == []
+    assert bm.drain_events() == ([], [])
+    bm.deallocate(a)
+    assert bm.drain_events() == ([], [])  # freed blocks keep their hash
+    cached_on(bm, range(50, 66))  # 4 fresh blocks: both cached hashes leave
+    stored, removed = bm.drain_events()
+    assert sorted(removed) == sorted(chain(range(9)))
+    assert stored == chain(list(range(50, 66)) + [0])  # all 4 computed blocks
+    # the router's index fed these events holds what the cache holds
+    idx = PrefixIndex()
+    idx.apply("w", chain(range(9)), [])
+    idx.apply("w", stored, removed)
+    assert set(bm._hash_to_block) == {h for h in chain(range(9)) + stored if idx.holds("w", h)}
+    assert idx.num_blocks("w") == 4
+
+
+def test_index_longest_prefix_per_worker():
+    idx = PrefixIndex()
+    p = list(range(40))  # 9 full blocks counted ((40 - 1) // 4)
+    h = chain(p)
+    idx.apply("a", h[:5], [])
+    idx.apply("b", h[:2] + h[3:8], [])  # a hole at block 2: only 2 count
+    idx.apply("c", h[1:], [])  # lacks the first block: nothing counts
+    assert idx.hits(p, B, ["a", "b", "c", "d"]) == {"a": 5, "b": 2, "c": 0, "d": 0}
+    assert idx.hits(p[:9], B, ["a"]) == {"a": 2}
+    assert idx.hits([], B, ["a"]) == {"a": 0}
+    idx.apply("a", [], [h[1]])
+    assert idx.hits(p, B, ["a"]) == {"a": 1}
+    assert len(idx) == 4 + 7 + 8
+
+
+def test_index_bounds_and_forget():
+    idx = PrefixIndex(max_blocks_per_worker=8, max_workers=2)
+    h = chain(range(100))
+    idx.apply("a", h[:10], [])
+    assert idx.num_blocks("a") == 8 and not idx.holds("a", h[0]) and idx.holds("a", h[9])
+    idx.set_capacity("a", 3)  # the worker's own num_blocks
+    assert idx.num_blocks("a") == 3 and [x for x in h if idx.holds("a", x)] == h[7:10]
+    idx.apply("a", [h[7]], [])  # stored again: the newest now
+    idx.apply("a", [h[20]], [])
+    assert [x for x in h if idx.holds("a", x)] == [h[7], h[9], h[20]]
+    idx.apply("b", h[:2], [])
+    with pytest.raises(ValueError, match="2 workers"):
+        idx.apply("c", h[:1], [])
+    idx.apply("c", [], h[:1])  # nothing to store: no slot taken, no error
+    idx.forget("b")
+    assert idx.num_blocks("b") == 0 and idx.hits(list(range(100)), B, ["b"]) == {"b": 0}
+    idx.apply("c", h[:1], [])
+    assert len(idx) == 4
+    idx.forget("a")
+    idx.forget("c")
+    assert len(idx) == 0 and idx._holders == {}
+
+
+@pytest.mark.parametrize("stored, removed, error", [
+    ("nope", [], TypeError),
+    ([1, "2"], [], ValueError),
+    ([True], [], ValueError),
+    ([1 << 64], [], ValueError),
+    ([-1], [], ValueError),
+    ([1.0], [], ValueError),
+    ([], {1: 2}, TypeError),
+    (list(range(MAX_EVENT_HASHES)), [1], ValueError),
+])
+def test_hostile_events_fail_alone_and_leave_the_index(stored, removed, error):
+    idx = PrefixIndex()
+    h = chain(range(20))
+    idx.apply("a", h, [])
+    with pytest.raises(error):
+        idx.apply("a", stored, removed)
+    with pytest.raises(TypeError):
+        idx.apply(7, h, [])
+    assert len(idx) == len(h) and idx.hits(list(range(20)), B, ["a"]) == {"a": len(h)}
+
+
+def test_least_loaded_is_todays_pick():
+    p = make_policy("least-loaded", B)
+    assert isinstance(p, LeastLoadedRouting)
+    ws = [W("a", 2), W("b", 1), W("c", 1)]
+    p.on_kv_event("a", chain(range(40)), [])
+    assert p.pick(ws, list(range(40))) is ws[1]  # min load, first on a tie; hits ignored
+    assert p.pick(ws) is ws[1] and p.pick([]) is None
+    r = p.route(ws, list(range(40)))
+    assert (r.worker, r.hit_blocks, r.prompt_blocks) == (ws[1], 0, 9)
+    ws[1].load = 5
+    assert p.route(ws[:1], list(range(40))).hit_blocks == 9  # a chance hit is counted
+    assert p.stats == {"routed": 4, "hit_blocks": 9, "prompt_blocks": 27}
+
+
+def test_kv_goes_to_the_longest_prefix():
+    p = make_policy("kv", B)
+    prompt = list(range(40))
+    p.on_kv_event("b", chain(prompt)[:3], [])
+    p.on_kv_event("c", chain(prompt)[:6], [])
+    ws = [W("a", 0), W("b", 1), W("c", 2)]
+    r = p.route(ws, prompt)
+    assert (r.worker.name, r.hit_blocks, r.prompt_blocks) == ("c", 6, 9)
+    # equal hits: the less loaded one, then the first
+    p.on_kv_event("b", chain(prompt)[3:6], [])
+    assert p.pick(ws, prompt).name == "b"
+    ws[2].load = 1
+    assert p.pick(ws, prompt).name == "b"
+    # no hit, None or a prompt shorter than a block: least-loaded
+    assert p.pick(ws, list(range(500, 540))).name == "a"
+    assert p.pick(ws, None).name == "a" and p.pick(ws, [1, 2, 3, 4]).name == "a"
+    assert p.pick([], prompt) is None
+
+
+def test_kv_overloaded_holder_loses_the_request():
+    p = make_policy("kv", B, load_gap=3)
+    prompt = list(range(40))
+    h = chain(prompt)
+    p.on_kv_event("hot", h, [])
+    p.on_kv_event("warm", h[:2], [])
+    hot, warm, idle = W("hot", 3), W("warm", 0), W("idle", 0)
+    ws = [idle, hot, warm]
+    assert p.pick(ws, prompt) is hot  # load 3 <= 0 + gap
+    hot.load = 4
+    assert p.pick(ws, prompt) is warm  # overloaded: the next best eligible hit
+    warm.load = 4
+    assert p.pick(ws, prompt) is idle  # no eligible hit: least-loaded
+    idle.load = 2
+    assert p.pick(ws, prompt) is hot  # the gap is relative to the least load
+
+
+def test_kv_min_hit_blocks_and_pool_hits():
+    p = make_policy("kv", B, min_hit_blocks=3)
+    prompt = list(range(40))
+    p.on_kv_event("b", chain(prompt)[:2], [])
+    ws = [W("a", 0), W("b", 1)]
+    assert p.pick(ws, prompt).name == "a"  # 2 blocks are not worth leaving the idle worker
+    p.on_kv_event("b", chain(prompt)[2:5], [])
+    assert p.pick(ws, prompt).name == "b"
+    # the pool holds 4 of them: only 1 local block is an advantage, below min_hit_blocks
+    assert p.pick(ws, prompt, pool_hit_blocks=4).name == "a"
+
+
+def test_forget_drops_a_worker():
+    p = make_policy("kv", B)
+    prompt = list(range(40))
+    p.on_kv_event("b", chain(prompt), [])
+    ws = [W("a", 0), W("b", 1)]
+    assert p.pick(ws, prompt).name == "b"
+    p.forget("b")
+    assert p.pick(ws, prompt).name == "a" and len(p.index) == 0
+
+
+def test_make_policy_rejects_bad_input():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random", B)
+    with pytest.raises(ValueError):
+        make_policy("kv", 0)
+    with pytest.raises(ValueError):
+        make_policy("kv", B, load_gap=-1)
+    with pytest.raises(ValueError):
+        make_policy("kv", B, min_hit_blocks=0)
+    with pytest.raises(TypeError):
+        make_policy("least-loaded", B, load_gap=2)
+    assert isinstance(make_policy("kv", B, max_workers=4), KVRouting)
+
+
+# ---- real workers -------------------------------------------------------------------
+
+PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks of the workers' 16
+
+
+@pytest.fixture(scope="module")
+def kv_server(tmp_path_factory):
+    """``kvxfer serve --colocated 2 --routing kv --routing-load-gap 1`` on the simulated
+    engine; the ``KVXFER_PAUSE_FILE`` hook (tests/faults) holds a worker's steps so
+    its requests stay in flight for as long as the test needs."""
+    from serving_server import Server, faults_env
+
+    pause = tmp_path_factory.mktemp("hook") / "pause"
+    srv = Server("--colocated", "2", "--routing", "kv", "--routing-load-gap", "1",
+                 "--engine", "sim", "--profile", "h100-llama2-7b-vidur",
+                 env=faults_env(KVXFER_PAUSE_FILE=str(pause)))
+    srv.pause = pause
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _inflight(server, worker):
+    return {w["name"]: w["inflight"] for w in server.health()["workers"]}[worker]
+
+
+def _wait_inflight(server, worker, n):
+    import time
+
+    deadline = time.monotonic() + 60
+    while _inflight(server, worker) != n:
+        assert time.monotonic() < deadline, f"{worker} never held {n} requests"
+        time.sleep(0.05)
+
+
+def _metric(text, name, **labels):
+    import re
+
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    m = re.search(rf"^{name}{{{want}}} ([0-9.e+]+)$", text, re.M)
+    assert m, f"{name}{{{want}}} not in /metrics"
+    return float(m.group(1))
+
+
+def test_kv_routing_follows_the_cached_prefix_unless_its_worker_is_overloaded(kv_server):
+    import threading
+
+    srv = kv_server
+    first = srv.complete(PREFIX, max_tokens=1)
+    assert first["kvxfer"]["decode_worker"] == "colocated-0"  # equal loads, no hit: the first
+    # colocated-0 caches the prefix's 4 blocks (the router knew before the answer came back)
+    held = srv.pause.with_name(srv.pause.name + "-colocated-0")
+    held.touch()  # colocated-0 takes requests but runs no step
+    out: dict = {}
+
+    def later(key, prompt):
+        thread = threading.Thread(target=lambda: out.update({key: srv.complete(prompt, max_tokens=2)}),
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    threads = []
+    try:
+        threads.append(later("other", list(range(5000, 5040))))  # no hit anywhere: least-loaded
+        _wait_inflight(srv, "colocated-0", 1)
+        # colocated-0 holds one more request than colocated-1 (within the gap of 1) and
+        # the prefix: least-loaded would pick colocated-1, kv picks the prefix's worker
+        threads.append(later("hit", PREFIX + [7, 8, 9]))
+        _wait_inflight(srv, "colocated-0", 2)
+        # now 2 over colocated-1's 0, past the gap: the prefix no longer draws the request
+        elsewhere = srv.complete(PREFIX + [10, 11], max_tokens=2)
+        assert elsewhere["kvxfer"]["decode_worker"] == "colocated-1"
+    finally:
+        held.unlink()
+    for t in threads:
+        t.join(60)
+    assert out["other"]["kvxfer"]["decode_worker"] == "colocated-0"
+    assert out["hit"]["kvxfer"]["decode_worker"] == "colocated-0"
+
+    metrics = srv.client.get("/metrics").text
+    routed = {kind: _metric(metrics, "kvxfer_routed_blocks_total", kind=kind, policy="kv",
+                            role="colocated") for kind in ("hit", "prompt")}
+    # prompts: 64, 40, 67 and 66 tokens -> 3 + 2 + 4 + 4 full blocks counted; hits: the
+    # prefix's 4 blocks for the request routed to colocated-0 (colocated-1 held none)
+    assert routed == {"hit": 4, "prompt": 13}
+    stat = {(w, s): _metric(metrics, "kvxfer_worker_stat", stat=s, worker=w)
+            for w in ("colocated-0", "colocated-1") for s in ("prefix_hit_tokens", "prefix_query_tokens")}
+    # the worker found in its cache exactly what the router's index said it held
+    assert stat["colocated-0", "prefix_hit_tokens"] == 4 * 16
+    assert stat["colocated-1", "prefix_hit_tokens"] == 0
+    assert stat["colocated-0", "prefix_query_tokens"] == 64 + 40 + 67
+    assert stat["colocated-1", "prefix_query_tokens"] == 66

@@ -53,14 +53,14 @@ def receiver(args) -> int:
     import torch
 
     import kvxfer
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
     dst = make_layout(args.model, args.pool_blocks, args.device, None)
     src = make_layout(args.model, args.pool_blocks, args.device, args.seed)  # P's bytes, for checking
     n = args.tokens // MODELS[args.model][3]
     src_ids, dst_ids = ids_for(n, args.pool_blocks, 1), ids_for(n, args.pool_blocks, 2)
     want = kvxfer.pack(src, src_ids, backend="reference")
-    with Agent("d", secret=SECRET, backend=args.backend, staging_bytes=args.staging_mib << 20) as agent:
+    with Agent("d", secret=SECRET, backend=args.backend, staging_bytes=args.staging_mib << 20, config=AgentConfig.from_env()) as agent:
         agent.register_kv(dst)
         print(json.dumps({"address": agent.address}), flush=True)
         for phase in args.phases.split(","):
@@ -99,7 +99,7 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> list:
 
 
 def sender(args) -> int:
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
     child = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--role", "d"], stdout=subprocess.PIPE,
                              text=True)
@@ -116,7 +116,7 @@ def sender(args) -> int:
         for phase in args.phases.split(","):
             path = "pack" if phase == "pack" else "zero_copy"
             with Agent(f"p-{phase}", secret=SECRET, backend=args.backend, path=path,
-                       staging_bytes=args.staging_mib << 20) as agent:
+                       staging_bytes=args.staging_mib << 20, config=AgentConfig.from_env()) as agent:
                 agent.register_kv(src)
                 peer = agent.connect(address)
                 times = []

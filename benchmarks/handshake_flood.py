@@ -34,9 +34,9 @@ SECRET = b"bench-secret-0123456789"
 def server() -> None:
     from agent_procs import make_pool
 
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
-    with Agent("srv", secret=SECRET, backend="auto") as a:
+    with Agent("srv", secret=SECRET, backend="auto", config=AgentConfig.from_env()) as a:
         a.register_kv(make_pool("2 N B H D", None))
         print(a.address, flush=True)
         sys.stdin.readline()
@@ -119,7 +119,7 @@ def main() -> None:
 
     from agent_procs import make_pool
 
-    from kvxfer import Agent, KVXferError
+    from kvxfer import Agent, AgentConfig, KVXferError
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     me = os.path.abspath(__file__)
@@ -136,7 +136,7 @@ def main() -> None:
         t_start = time.monotonic()
         ok, errors, took = 0, {}, []
         for _ in range(args.attempts):
-            with Agent("cli", secret=SECRET, backend="auto") as c:
+            with Agent("cli", secret=SECRET, backend="auto", config=AgentConfig.from_env()) as c:
                 c.register_kv(make_pool("2 N B H D", 1))
                 t0 = time.monotonic()
                 try:

@@ -40,9 +40,9 @@ def victim() -> None:
     """P: listen, serve one send of "done", then wait for D to go."""
     from agent_procs import make_pool
 
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
-    p = Agent("victim", secret=SECRET, backend="auto")
+    p = Agent("victim", secret=SECRET, backend="auto", config=AgentConfig.from_env())
     p.register_kv(make_pool("2 N B H D", 1))
     print(p.address, flush=True)
     h = p.send(None, "done", [5, 6])
@@ -68,7 +68,7 @@ def main() -> None:
 
     from agent_procs import make_pool
 
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
     from kvxfer.agent.protocol import Msg, encode
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -76,7 +76,7 @@ def main() -> None:
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         address = proc.stdout.readline().strip()
-        d = Agent("flood", secret=SECRET, backend="auto")
+        d = Agent("flood", secret=SECRET, backend="auto", config=AgentConfig.from_env())
         d.register_kv(make_pool("2 N B H D", None))
         peer = d.connect(address, timeout=30)
         time.sleep(0.5)

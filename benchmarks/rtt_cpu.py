@@ -28,8 +28,8 @@ def clocks():
         out[t.name + ".s"] = int(f[12]) / os.sysconf("SC_CLK_TCK")
     return out
 def prefill(addr, n, q, back, ev):
-    from kvxfer import Agent
-    with Agent("p", secret=SECRET, lease_timeout=600) as p:
+    from kvxfer import Agent, AgentConfig
+    with Agent("p", secret=SECRET, lease_timeout=600, config=AgentConfig.from_env()) as p:
         p.register_kv(pool())
         peer = p.connect(addr)
         hs = [p.send(peer, f"r{i}", [1]) for i in range(n)]
@@ -40,9 +40,9 @@ def prefill(addr, n, q, back, ev):
         for h in hs: h.wait(120)
 if __name__ == "__main__":
     sys.path.insert(0, ".")
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
     N, W = int(os.environ.get("N", "3000")), 100
-    d = Agent("d", secret=SECRET); d.register_kv(pool())
+    d = Agent("d", secret=SECRET, config=AgentConfig.from_env()); d.register_kv(pool())
     ctx = mp.get_context("spawn"); q = ctx.Queue(); back = ctx.Queue(); ev = ctx.Event()
     pr = ctx.Process(target=prefill, args=(d.address, N, q, back, ev)); pr.start()
     assert q.get(timeout=120) == "ready"

@@ -34,8 +34,8 @@ def patch(marks):
     S.Shipper._post_and_wait = paw
 def prefill(addr, n, q):
     marks = []; patch(marks)
-    from kvxfer import Agent
-    with Agent("p", secret=SECRET, lease_timeout=600) as p:
+    from kvxfer import Agent, AgentConfig
+    with Agent("p", secret=SECRET, lease_timeout=600, config=AgentConfig.from_env()) as p:
         p.register_kv(pool())
         peer = p.connect(addr)
         hs = [p.send(peer, f"r{i}", [1]) for i in range(n)]
@@ -44,7 +44,7 @@ def prefill(addr, n, q):
             h.wait(120)
         q.put(marks)
 if __name__ == "__main__":
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
     N = 300
     dm = []; patch(dm)
     import kvxfer.agent.receiver as R
@@ -52,7 +52,7 @@ if __name__ == "__main__":
     def _del(self, *a, **k):
         dm.append(("deliv0", time.perf_counter())); x = dl(self, *a, **k); dm.append(("deliv1", time.perf_counter())); return x
     R.Receiver._delivered = _del
-    d = Agent("d", secret=SECRET)
+    d = Agent("d", secret=SECRET, config=AgentConfig.from_env())
     d.register_kv(pool())
     ctx = mp.get_context("spawn"); q = ctx.Queue()
     pr = ctx.Process(target=prefill, args=(d.address, N, q)); pr.start()

@@ -1,14 +1,16 @@
 """Step by step: the real engine's forward time against the profile's model, on trace prompts.
 
     python benchmarks/sim_steps.py --profile cpu-smollm2 --start 300 --max-requests 12 \
-        --length-scale 0.03 --output-scale 0.04 [--cpus 0]
+        --length-scale 0.03 --output-scale 0.04 [--cpus 0] [--show]
 
 Runs the trace slice's prompts (kvxfer loadgen's prompt builder, tokenized by
 the embedded tokenizer), all queued at once, through the real engine core
 (:class:`kvxfer.serving.engine.runtime.Runtime`, scheduler ``mixed``), timing
 every ``model.forward``; for each step it also asks the profile what it
 models for the same chunks. Prints the modelled/measured ratio per step kind
-(median, p10, p90) and of the total.
+(median, p10, p90) and of the total; ``--show`` prints every prefill and mixed
+step. Run it as ``benchmarks/sim_validate.py`` is run (high priority, with the
+shell's autogroup raised where the kernel has autogroups).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def main() -> int:
     ap.add_argument("--output-scale", type=float, default=0.04)
     ap.add_argument("--cpus", default="0")
     ap.add_argument("--schedule", default="mixed", choices=("mixed", "separate"))
+    ap.add_argument("--show", action="store_true",
+                    help="print every prefill and mixed step: its prompt chunks, decode batch, times")
     args = ap.parse_args()
 
     from kvxfer.loadgen.prompts import PromptBuilder
@@ -56,6 +60,11 @@ def main() -> int:
         kind = "decode" if all(n == 1 for n, _ in spec) else (
             "prefill" if all(n > 1 for n, _ in spec) else "mixed")
         rows.append((kind, seconds, prof.fit.step_seconds(spec)))
+        if args.show and kind != "decode":
+            decode = [s for n, s in spec if n == 1]
+            print(f"{kind}: prompt chunks {[(n, s) for n, s in spec if n > 1]} + {len(decode)} "
+                  f"decode (context {sum(decode) + len(decode)}): {seconds * 1e3:.0f} ms measured, "
+                  f"{rows[-1][2] * 1e3:.0f} ms modelled")
         return out
 
     model.forward = timed

@@ -7,7 +7,10 @@ For each configuration (1P1D on one core each, 2 colocated on one core each,
 engine, replays the trace slice with ``kvxfer loadgen``, stops it, then does
 the same with ``--engine sim --profile P`` and the same flags. It prints TTFT
 and TPOT p50/p90 of both and the sim/real ratio, with the load average beside
-each run. ``--scale`` instead runs only the simulated engine with many workers
+each run. Run it at high priority; where the kernel groups processes by session
+(``/proc/sys/kernel/sched_autogroup_enabled`` = 1), ``nice`` alone does not
+outrank other sessions' jobs: also ``echo -15 > /proc/self/autogroup`` in the
+shell that starts it (the servers stay in its session). ``--scale`` instead runs only the simulated engine with many workers
 (e.g. ``--scale 16,16``) and reports the router's and workers' CPU use.
 """
 from __future__ import annotations
@@ -63,7 +66,9 @@ def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: st
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kvxfer.cli", "serve", "--port", str(port),
            "--log-level", "warning", *serve_args]
-    proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+    # own process group (for killpg) but not a new session: a new session would also
+    # get a new scheduler autogroup, where the caller's nice value does not apply
+    proc = subprocess.Popen(cmd, process_group=0, stdin=subprocess.DEVNULL)
     try:
         _wait_healthy(url, proc)
         pids = _worker_pids(url)
@@ -107,7 +112,8 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--loadgen", default="--start 300 --max-requests 24 --length-scale 0.03 "
-                                         "--output-scale 0.04 --arrival-jitter-ms 3000 --seed 1",
+                                         "--output-scale 0.04 --arrival-jitter-ms 3000 --time-scale 2 "
+                                         "--seed 1",
                     help="kvxfer loadgen flags of the slice (besides --trace)")
     ap.add_argument("--serve", default="--num-blocks 1024", help="extra kvxfer serve flags")
     ap.add_argument("--scale", default=None, metavar="P,D",

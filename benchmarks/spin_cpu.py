@@ -38,8 +38,8 @@ def delta(c0, c1):
 
 
 def prefill(addr, n, q, back):
-    from kvxfer import Agent
-    with Agent("p", secret=SECRET, lease_timeout=600) as p:
+    from kvxfer import Agent, AgentConfig
+    with Agent("p", secret=SECRET, lease_timeout=600, config=AgentConfig.from_env()) as p:
         p.register_kv(pool())
         peer = p.connect(addr)
         hs = [p.send(peer, f"r{i}", [1]) for i in range(n + 1)]  # the last one stays pending
@@ -55,8 +55,8 @@ def main():
     ap.add_argument("--gap-us", type=float, default=500.0)
     ap.add_argument("--idle-s", type=float, default=1.0)
     args = ap.parse_args()
-    from kvxfer import Agent
-    d = Agent("d", secret=SECRET)
+    from kvxfer import Agent, AgentConfig
+    d = Agent("d", secret=SECRET, config=AgentConfig.from_env())
     d.register_kv(pool())
     w = 50
     ctx = mp.get_context("spawn")

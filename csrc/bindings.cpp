@@ -12,7 +12,8 @@
 #include "errors.h"
 #include "shared_mem.h"
 #include "spin.h"
-#include "ucx_engine.h"  // registration and transfer engine
+#include "stripe.h"
+#include "ucx_engine.h"
 #include "vm_copy.h"
 
 namespace py = pybind11;
@@ -52,16 +53,19 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
             "Contiguous memcpy split across threads (benchmark baseline); raw addresses, GIL released.");
-        m.def(
-            "set_vm_copy_config",
-            [](size_t threads, long long split_bytes) { kvxfer::set_vm_copy_config(threads, split_bytes); },
-            py::arg("threads"), py::arg("split_bytes"),
-            "Same-host copy threads (0: default) and split size (< 0: default), process-wide (vm_copy.h).");
+        m.def("set_vm_copy_threads", &kvxfer::set_vm_copy_threads, py::arg("threads"),
+              "An engine's copy_threads (0: none given) for the process's same-host copy pool; ValueError "
+              "if it conflicts with the size already fixed (vm_copy.h).");
+        m.def("vm_copy_threads", &kvxfer::vm_copy_threads,
+              "Copying threads (the caller included) of the process's same-host copy pool.");
+        m.def("vm_resolve_threads", &kvxfer::vm_resolve_threads, py::arg("requested"), py::arg("cores"),
+              "Copying threads a copy_threads setting (0: the default) gives on `cores` cores (vm_copy.h's rule).");
         // The copy constants, so Python (bench's copy resources) reads them instead of copying them.
         m.attr("VM_DEFAULT_THREADS") = kvxfer::kVmDefaultThreads;
         m.attr("VM_MAX_THREADS") = kvxfer::kVmMaxThreads;
         m.attr("VM_SPLIT_BYTES") = kvxfer::kVmSplitBytes;
         m.attr("STREAM_BYTES") = kvxfer::kStreamBytes;
+        m.attr("MAX_TCP_LANES") = kvxfer::kMaxTcpLanes;  // stripe.h; AgentConfig checks tcp_lanes against it
     }
 
     // ---- object checksums of the KV store (checksum.h) ----
@@ -146,9 +150,10 @@ PYBIND11_MODULE(_C, m) {
                                   r.mapping->device_id, r.mapping->is_pinned, r.is_cached);
         };
         py::class_<Engine>(m, "Engine", "UCP context+worker, memory registry and connections (see ucx_engine.h)")
-            .def(py::init<bool, const std::map<std::string, std::string>&, const std::string&, size_t>(),
+            .def(py::init<bool, const std::map<std::string, std::string>&, const std::string&, size_t, size_t>(),
                  py::arg("allow_vm") = true, py::arg("ucx") = std::map<std::string, std::string>(),
-                 py::arg("hugepages") = std::string("advise"), py::arg("tcp_lanes") = 1)
+                 py::arg("hugepages") = std::string("advise"), py::arg("tcp_lanes") = 1,
+                 py::arg("vm_split_bytes") = kvxfer::kVmSplitBytes)
             .def_property_readonly("uid", &Engine::uid)
             .def_property_readonly("closed", &Engine::closed)
             .def_property_readonly("num_rejected", &Engine::num_rejected)

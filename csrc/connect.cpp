@@ -182,7 +182,7 @@ void Engine::say_bye(PeerConn& c) {
     // Sent (handed to the socket) before the close; the close cancels a straggler.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
     for (void* req : reqs) {
-        progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; }, deadline);
+        drain_request(req, deadline);
         ucp_request_free(req);  // an unfinished one is released when the close cancels it
     }
 }
@@ -208,7 +208,7 @@ void Engine::close_ep(PeerConn& c) {
     // one deadline for all lanes: a dead peer costs kDrainTimeout once, not per lane
     auto deadline = std::chrono::steady_clock::now() + kDrainTimeout;
     for (void* req : reqs) {
-        progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; }, deadline);
+        drain_request(req, deadline);
         ucp_request_free(req);
     }
 }

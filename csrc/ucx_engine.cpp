@@ -61,40 +61,38 @@ void Engine::open_worker() {
     ucp_worker_release_address(worker_, addr);
 }
 
-bool Engine::drain_request(void* req) {
-    return progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; },
-                          std::chrono::steady_clock::now() + kDrainTimeout);
+bool Engine::drain_request(void* req, std::chrono::steady_clock::time_point deadline) {
+    return progress_while([req] { return ucp_request_check_status(req) == UCS_INPROGRESS; }, deadline);
 }
 
 Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
-               size_t tcp_lanes)
-    : allow_vm_(allow_vm), tcp_lanes_(tcp_lanes) {
+               size_t tcp_lanes, size_t vm_split_bytes)
+    : allow_vm_(allow_vm), tcp_lanes_(tcp_lanes), vm_split_bytes_(vm_split_bytes) {
     if (hugepages != "advise" && hugepages != "collapse" && hugepages != "off")
         throw std::invalid_argument("hugepages must be advise, collapse or off, got '" + hugepages + "'");
     if (tcp_lanes < 1 || tcp_lanes > kMaxTcpLanes)
         throw std::invalid_argument("tcp_lanes must be 1.." + std::to_string(kMaxTcpLanes) + ", got " +
                                     std::to_string(tcp_lanes));
-    ucp_config_t* config = nullptr;
-    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    ucp_config_t* raw_config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
     if (st != UCS_OK) throw Error(ucs_error("ucp_config_read", st));
+    // released on every path out of here (ucp_init copies what it needs)
+    const std::unique_ptr<ucp_config_t, void (*)(ucp_config_t*)> config(raw_config, ucp_config_release);
     // The settings kvxfer/transport/ucx.py passes: its defaults (TCP segment size, cma
     // RMA, the agent's network device; why: see UCX_DEFAULTS there) and AgentConfig.ucx.
     // An explicit UCX_<key> in the environment wins, as UCX's own rule.
     for (const auto& kv : ucx) {
         if (std::getenv(("UCX_" + kv.first).c_str())) continue;
-        st = ucp_config_modify(config, kv.first.c_str(), kv.second.c_str());
-        if (st != UCS_OK) {
-            ucp_config_release(config);
+        st = ucp_config_modify(config.get(), kv.first.c_str(), kv.second.c_str());
+        if (st != UCS_OK)
             throw Error(ucs_error(("ucp_config_modify(" + kv.first + "=" + kv.second + ")").c_str(), st));
-        }
     }
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 0;
-    st = ucp_init(&params, config, &context_);
-    ucp_config_release(config);
+    st = ucp_init(&params, config.get(), &context_);
     if (st != UCS_OK) throw Error(ucs_error("ucp_init", st));
     try {
         open_worker();
@@ -108,14 +106,17 @@ Engine::Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, con
         self_.probe_token.assign(probe_, kProbeTokenBytes);
         registry_ = std::make_unique<Registry>(context_, hugepages);
     } catch (...) {
-        // each UCX object is released once, here, whatever step failed
-        if (worker_) ucp_worker_destroy(worker_);
-        worker_ = nullptr;
-        efd_ = -1;
-        ucp_cleanup(context_);
-        context_ = nullptr;
+        release_ucx();  // whatever step failed
         throw;
     }
+}
+
+void Engine::release_ucx() {
+    if (worker_) ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+    efd_ = -1;
+    if (context_) ucp_cleanup(context_);
+    context_ = nullptr;
 }
 
 Engine::~Engine() {
@@ -189,7 +190,7 @@ uint64_t Engine::post(uint64_t conn_id, bool is_write, const int64_t* descs, siz
     bool all_host = true;
     for (const Op& op : ops) all_host = all_host && op.is_host;
     if (c.use_vm && all_host) {  // device memory goes through UCX (cuda_ipc on one host)
-        vm_transfer(c.process->pid(), ops, is_write);
+        vm_transfer(c.process->pid(), ops, is_write, vm_split_bytes_);
         // A peer that died during a copy into its shared memory raised nothing.
         if (!c.process->alive()) {
             c.failed = true;
@@ -319,11 +320,7 @@ void Engine::close() {
     requests_.clear();
     retired_.clear();
     registry_->clear();
-    ucp_worker_destroy(worker_);
-    worker_ = nullptr;
-    efd_ = -1;
-    ucp_cleanup(context_);
-    context_ = nullptr;
+    release_ucx();
 }
 
 }  // namespace kvxfer

@@ -7,7 +7,9 @@
 // readable after arm() returned true and something arrived (a connection, an
 // active message, a closed socket), so an idle owner can sleep in poll/select
 // and still serve emulated RMA and reap closed connections. Every public method
-// takes the engine lock, so the engine may be shared by threads.
+// takes the engine lock, so the engine may be shared by threads, except the
+// accessors uid(), event_fd(), closed(), num_rejected() and num_endpoints(), which
+// read one word without it (a snapshot, possibly a step behind).
 //
 // Completion: a request is complete when test() returns true / wait() returns.
 // For a write the bytes are then visible in the peer's memory (UCX path: after
@@ -97,9 +99,10 @@ public:
     // explicit UCX_<key> in the environment wins); hugepages: "advise", "collapse" or
     // "off" for registered host ranges; tcp_lanes: endpoints (TCP connections) per peer
     // where host ops travel as target-checked messages over TCP, 1..kMaxTcpLanes
-    // (stripe.h). AgentConfig; kvxfer/transport/ucx.py builds them.
+    // (stripe.h); vm_split_bytes: same-host batches from this size are split across the
+    // process's copy pool (vm_copy.h; 0: never). AgentConfig; kvxfer/transport/ucx.py builds them.
     Engine(bool allow_vm, const std::map<std::string, std::string>& ucx, const std::string& hugepages,
-           size_t tcp_lanes = 1);
+           size_t tcp_lanes = 1, size_t vm_split_bytes = kVmSplitBytes);
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
@@ -150,8 +153,13 @@ private:
         while (busy() && std::chrono::steady_clock::now() < deadline) ucp_worker_progress(worker_);
         return !busy();
     }
-    // Drain one UCX request for at most kDrainTimeout; true when it completed.
-    bool drain_request(void* req);
+    // Destroy the worker and the context (those that exist); the one UCX teardown,
+    // used by close() and by a constructor that failed part-way.
+    void release_ucx();
+    // Drain one UCX request until `deadline` (default: kDrainTimeout from now; callers
+    // draining several share one); true when it completed. The one request drain.
+    bool drain_request(void* req,
+                       std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::now() + kDrainTimeout);
     PeerConn& conn_locked(uint64_t conn_id);
     bool poll_request(XferRequest& r, uint64_t id);
     void retire(uint64_t id);
@@ -192,6 +200,7 @@ private:
     bool closing_ = false;
     uint64_t num_rejected_ = 0;
     size_t tcp_lanes_ = 1;
+    size_t vm_split_bytes_ = kVmSplitBytes;
     size_t num_endpoints_ = 0;
 };
 

@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
@@ -16,6 +15,8 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "copy.h"
@@ -139,8 +140,20 @@ void vm_copy_ops(pid_t pid, const Op* ops, size_t n, bool is_write, bool streami
     }
 }
 
-std::atomic<size_t> g_vm_threads{0};  // 0: min(cores, kVmDefaultThreads)
-std::atomic<long long> g_vm_split{-1};  // < 0: kVmSplitBytes
+std::mutex g_threads_mu;
+size_t g_threads = 0;  // the pool's copying threads, caller included; 0: not fixed yet
+
+size_t num_cores() {
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw ? hw : 1;
+}
+
+// The pool's size, fixed from here on (the default unless a setting came first).
+size_t fix_vm_copy_threads() {
+    std::lock_guard<std::mutex> g(g_threads_mu);
+    if (!g_threads) g_threads = vm_resolve_threads(0, num_cores());
+    return g_threads;
+}
 
 // A few copy threads shared by every engine of the process, started on first use
 // and kept (parked on a condition variable) for the life of the process. One job
@@ -149,7 +162,7 @@ class CopyPool {
 public:
     static CopyPool& instance() {
         // Intentionally leaked: helpers are parked, never joined at exit.
-        static CopyPool* pool = new CopyPool(vm_copy_threads());
+        static CopyPool* pool = new CopyPool(fix_vm_copy_threads() - 1);
         return *pool;
     }
 
@@ -228,30 +241,38 @@ private:
 
 }  // namespace
 
+size_t vm_resolve_threads(size_t requested, size_t cores) {
+    const size_t want = requested ? requested : std::min<size_t>(cores ? cores : 1, kVmDefaultThreads);
+    return std::min<size_t>(std::max<size_t>(want, 1), kVmMaxThreads);
+}
+
 size_t vm_copy_threads() {
-    const unsigned hw = std::thread::hardware_concurrency();
-    const size_t set = g_vm_threads.load();
-    const size_t want = set ? set : std::min<size_t>(hw ? hw : 1, kVmDefaultThreads);
-    return std::min<size_t>(std::max<size_t>(want, 1), kVmMaxThreads) - 1;
+    std::lock_guard<std::mutex> g(g_threads_mu);
+    return g_threads ? g_threads : vm_resolve_threads(0, num_cores());
 }
 
-size_t vm_split_bytes() {
-    const long long set = g_vm_split.load();
-    return set < 0 ? kVmSplitBytes : static_cast<size_t>(set);
+void set_vm_copy_threads(size_t threads) {
+    if (!threads) return;
+    const size_t want = vm_resolve_threads(threads, num_cores());
+    std::lock_guard<std::mutex> g(g_threads_mu);
+    if (!g_threads) {
+        g_threads = want;
+        return;
+    }
+    if (want != g_threads)
+        throw std::invalid_argument("copy_threads=" + std::to_string(threads) + " (" + std::to_string(want) +
+                                    " copying threads) conflicts with this process's same-host copy pool of " +
+                                    std::to_string(g_threads) +
+                                    ", fixed by an earlier agent or by its first use: the pool is shared by "
+                                    "every agent of a process, so they must agree on copy_threads");
 }
 
-void set_vm_copy_config(size_t threads, long long split_bytes) {
-    g_vm_threads.store(threads);
-    g_vm_split.store(split_bytes);
-}
-
-void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write) {
+void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write, size_t split_bytes) {
     size_t total = 0;
     for (const Op& op : ops) total += op.length;
     const bool streaming = total >= static_cast<size_t>(kStreamBytes);
-    const size_t split = vm_split_bytes();
     size_t parts = 1;
-    if (!ops.empty() && split > 0 && total >= split) {
+    if (!ops.empty() && split_bytes > 0 && total >= split_bytes) {
         CopyPool& pool = CopyPool::instance();
         // More slices than threads, taken in turn: a helper that wakes late (or shares
         // its core with other work) takes fewer, and the caller is never left waiting

@@ -38,26 +38,32 @@ private:
 // True when this process may read the token at probe_addr and write a scratch byte after it.
 bool vm_probe(pid_t pid, uint64_t probe_addr, uint64_t probe_length, const std::string& token);
 
-// Batches of at least vm_split_bytes() are split into byte-even slices (cut at page
-// boundaries, >= 1 MiB, up to 8 per thread) taken in turn by the calling thread and
-// a small persistent pool of copy threads (vm_copy_threads() helpers, started on
-// first use, parked between batches; a caller that finds the pool busy copies alone). Smaller batches stay on the
-// calling thread. Configured by set_vm_copy_config (AgentConfig.copy_threads: copying
-// threads including the caller, default min(cores, 2), 1 disables the pool, fixed by the
-// first batch that uses the pool; AgentConfig.vm_split_bytes: default 4 MiB, 0 disables
-// splitting). Both are process-wide: the last call before use wins.
+// A batch of at least split_bytes (the engine's: AgentConfig.vm_split_bytes, default
+// kVmSplitBytes, 0: never) is split into byte-even slices (cut at page boundaries,
+// >= 1 MiB, up to 8 per thread) taken in turn by the calling thread and a small
+// persistent pool of copy threads (started on first use, parked between batches; a
+// caller that finds the pool busy copies alone). Smaller batches stay on the calling
+// thread.
+//
+// The pool is the process's, shared by every engine, so its size is one value per
+// process (AgentConfig.copy_threads: copying threads including the caller, default
+// min(cores, 2), at most kVmMaxThreads, 1 disables the pool). set_vm_copy_threads
+// records an engine's setting: 0 (none given) accepts the pool as it is; the first
+// engine that gives one fixes the size (the pool starting fixes the default); an engine
+// whose setting resolves to another count gets std::invalid_argument, so two agents of
+// one process never silently disagree.
 constexpr size_t kVmDefaultThreads = 2;
 constexpr size_t kVmMaxThreads = 4;
 constexpr size_t kVmSplitBytes = size_t{4} << 20;
-size_t vm_copy_threads();  // helper threads the pool starts (copying threads - 1)
-size_t vm_split_bytes();
-// threads 0 / split_bytes < 0: the default.
-void set_vm_copy_config(size_t threads, long long split_bytes);
+// Copying threads (the caller included) a setting of `requested` (0: the default) gives on `cores` cores.
+size_t vm_resolve_threads(size_t requested, size_t cores);
+size_t vm_copy_threads();  // the process pool's copying threads, the caller included
+void set_vm_copy_threads(size_t threads);  // throws std::invalid_argument on a conflicting setting
 
 // Copies every op (local laddr <-> remote raddr; an op with shm set is a memcpy
 // with the peer's shared memory mapped at shm, see shared_mem.h). Throws PeerDisconnected
 // (ESRCH, EPERM: the process is gone or no longer ours), InvalidDescriptor
 // (EFAULT: the peer unmapped the memory it advertised).
-void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write);
+void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write, size_t split_bytes);
 
 }  // namespace kvxfer

@@ -19,11 +19,14 @@ def copy_tiles(
 ) -> None: ...
 def memcpy_parallel(dst: int, src: int, nbytes: int, num_threads: int) -> None: ...
 def checksum_runs(addr: npt.ArrayLike, len: npt.ArrayLike) -> int: ...
-def set_vm_copy_config(threads: int, split_bytes: int) -> None: ...  # 0 / < 0: defaults; process-wide
+def set_vm_copy_threads(threads: int) -> None: ...  # 0: none given; ValueError if the process pool has another size
+def vm_copy_threads() -> int: ...  # the process pool's copying threads, the caller included
+def vm_resolve_threads(requested: int, cores: int) -> int: ...  # threads a setting (0: default) gives
 VM_DEFAULT_THREADS: int  # vm copy threads by default: min(cores, this)
 VM_MAX_THREADS: int  # cap on the vm copy threads
 VM_SPLIT_BYTES: int  # vm batches of at least this many bytes are split across the threads
 STREAM_BYTES: int  # copies of at least this many bytes use non-temporal stores
+MAX_TCP_LANES: int  # the most TCP lanes (endpoints) per peer
 # ---- shared-memory host allocations (kvxfer/shared_memory.py wraps them) ----
 def shared_alloc(length: int) -> int: ...  # zeroed, populated, sealed memfd memory; RegistrationError
 def shared_free(addr: int) -> bool: ...  # False: not an address shared_alloc returned
@@ -40,7 +43,7 @@ class Engine:
     """UCP context + worker, memory registry, connections. Explicit progress, no thread."""
 
     def __init__(self, allow_vm: bool = True, ucx: dict[str, str] = {}, hugepages: str = "advise",
-                 tcp_lanes: int = 1) -> None: ...
+                 tcp_lanes: int = 1, vm_split_bytes: int = ...) -> None: ...
     @property
     def uid(self) -> int: ...
     @property

@@ -37,6 +37,8 @@ _LAZY = {
     "unpack": "kvxfer.kernels",
     "Agent": "kvxfer.agent",
     "Peer": "kvxfer.agent",
+    "split_address": "kvxfer.agent.peers",
+    "HandshakeGate": "kvxfer.agent.handshake",
     "AgentConfig": "kvxfer.config",
     "PeerLimits": "kvxfer.config",
     "TransferHandle": "kvxfer.handle",

@@ -2,14 +2,19 @@
 
 Built once at the entry point and passed down: ``Agent(..., config=AgentConfig(...))``
 hands the transport knobs to the backend (and through it to ``kvxfer._C``), the
-per-peer limits to every peer's book and the timeouts to the I/O loop. The
-``KVXFER_*`` variables are *overrides*, read in one place, :meth:`AgentConfig.from_env`
-(documented in ``docs/api.md``, "AgentConfig"), which an entry point calls -- and
-which ``Agent(config=None)`` calls for its default, so only an agent given a config
-reads none of them. (UCX reads its own ``UCX_*`` variables, and loading
-``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set.)::
+per-peer limits to every peer's book and the timeouts to the I/O loop. An Agent
+given no config uses ``AgentConfig()``, the defaults. The ``KVXFER_*`` variables are
+read in one place, :meth:`AgentConfig.from_env`, which only entry points call (the
+``kvxfer`` CLI commands, ``kvxfer worker``, the vLLM connector, the benchmarks;
+documented in ``docs/api.md``, "AgentConfig"); there a field the caller gives
+explicitly beats the environment. Nothing below the entry point reads a ``KVXFER_*``
+variable. What else is read is another tool's process-wide knob, not an agent's: UCX
+reads its own ``UCX_*`` variables (an explicit one beats ``AgentConfig.ucx``, UCX's
+rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set, the
+pack kernels check Triton's ``TRITON_INTERPRET``, and :mod:`kvxfer.report.envinfo`
+records the environment a benchmark ran in.::
 
-    cfg = AgentConfig.from_env(staging_bytes=64 << 20)   # explicit fields, then KVXFER_* wins
+    cfg = AgentConfig.from_env(staging_bytes=64 << 20)   # KVXFER_* applied, then the explicit field
     agent = kvxfer.Agent("p", secret=s, config=cfg)
 """
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 HUGEPAGES_MODES = ("advise", "collapse", "off")
 PATHS = ("auto", "zero_copy", "pack")
 
-# KVXFER_* variable -> (field, parser); the only environment read of the library core
+# KVXFER_* variable -> (field, parser); read only by AgentConfig.from_env
 ENV_OVERRIDES = {
     "KVXFER_HUGEPAGES": ("hugepages", str),
     "KVXFER_VM_THREADS": ("copy_threads", int),
@@ -33,7 +38,9 @@ ENV_OVERRIDES = {
     "KVXFER_TCP_LANES": ("tcp_lanes", int),
     "KVXFER_LOOP_SPIN_S": ("loop_spin_s", float),
 }
-MAX_TCP_LANES = 16  # csrc/stripe.h kMaxTcpLanes
+# csrc/stripe.h kMaxTcpLanes (_C.MAX_TCP_LANES): kept here so validating a config loads
+# no extension; tests/test_cli_bench.py checks the two agree
+MAX_TCP_LANES = 16
 MAX_SPIN_S = 0.01  # a busy-poll window is bounded: at most 10 ms of a core per event
 
 # ---- per-peer bounds (what connected peers can make an agent hold; docs/api.md, "Limits")
@@ -98,8 +105,10 @@ class AgentConfig:
     - ``hugepages``: ``"advise"`` | ``"collapse"`` | ``"off"``: transparent huge pages for
       registered host ranges (``docs/registration.md``).
     - ``copy_threads``: threads (caller included) that copy one large same-host batch;
-      None: min(cores, 2). ``vm_split_bytes``: batches from this size are split across
-      them (0: never); None: 4 MiB. Both apply to the process (one copy pool).
+      None: min(cores, 2). One copy pool serves the process, so this is one value per
+      process: the first agent that sets it fixes it, an agent asking for another
+      count raises ValueError, None accepts it. ``vm_split_bytes``: this agent's
+      batches from this size are split across them (0: never); None: 4 MiB.
     - ``ucx``: UCX settings applied with ``ucp_config_modify`` on top of kvxfer's
       defaults, as ``{"TCP_TX_SEG_SIZE": "64k"}`` (without the ``UCX_`` prefix). An
       explicit ``UCX_<key>`` environment variable still wins (UCX's own rule).
@@ -176,14 +185,17 @@ class AgentConfig:
 
     @classmethod
     def from_env(cls, environ=None, **fields) -> "AgentConfig":
-        """``AgentConfig(**fields)`` with the documented ``KVXFER_*`` overrides applied
-        (``KVXFER_HUGEPAGES``, ``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``,
-        ``KVXFER_STAGING_BYTES``, ``KVXFER_PATH``, ``KVXFER_TCP_LANES``,
-        ``KVXFER_LOOP_SPIN_S``); a malformed value raises ValueError."""
+        """``AgentConfig(**fields)`` with the documented ``KVXFER_*`` variables of
+        ``environ`` (default ``os.environ``) filling the fields not given: an explicit
+        field beats the environment. ``KVXFER_HUGEPAGES``, ``KVXFER_VM_THREADS``
+        (``copy_threads``), ``KVXFER_VM_SPLIT_BYTES``, ``KVXFER_STAGING_BYTES``,
+        ``KVXFER_PATH``, ``KVXFER_TCP_LANES``, ``KVXFER_LOOP_SPIN_S``; a malformed
+        value raises ValueError. For entry points only (the library never calls it)."""
         env = os.environ if environ is None else environ
+        given = dict(fields)
         for var, (name, parse) in ENV_OVERRIDES.items():
             raw = env.get(var, "")
-            if raw:
+            if raw and name not in given:
                 try:
                     fields[name] = parse(raw)
                 except ValueError:

@@ -5,7 +5,7 @@ message type, payload length -- followed by ``length`` payload bytes. The
 payload is a UTF-8 JSON object (or, for the agents' per-request messages, the
 binary layout of :mod:`kvxfer.agent.protocol`): the agents' control messages
 (validated by :mod:`kvxfer.agent.protocol`) and the serving stack's router <-> worker
-messages (:mod:`kvxfer.serving.server.ipc`, :func:`json_frame`/:func:`json_payload`).
+messages (:mod:`kvxfer.serving.channel.ipc`, :func:`json_frame`/:func:`json_payload`).
 Every reader takes the largest payload it accepts for that stream and state
 (e.g. 4 KiB before a peer has authenticated).
 
@@ -20,6 +20,9 @@ import json
 import struct
 
 from .errors import ProtocolError
+
+__all__ = ["HEADER", "MAGIC", "MAX_PAYLOAD", "PROTOCOL_VERSION", "FrameReader", "encode_frame", "json_frame",
+           "json_payload", "parse_header", "read_frame", "read_frame_async", "recv_frame"]
 
 MAGIC = b"KX"
 PROTOCOL_VERSION = 1

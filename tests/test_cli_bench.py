@@ -77,6 +77,24 @@ def test_vm_resources_follow_the_environment(monkeypatch):
     assert not resources.for_path("ucx:cma", 64 << 20, shared=True).streaming
 
 
+def test_vm_resources_read_the_settings_as_the_agents_do(monkeypatch):
+    # the measured agents take KVXFER_VM_* through AgentConfig.from_env and the C++ rule;
+    # so does the limit's thread count: a value an agent refuses is refused here too
+    from kvxfer import _native
+
+    monkeypatch.delenv("KVXFER_VM_SPLIT_BYTES", raising=False)
+    monkeypatch.setattr(resources, "num_cores", lambda: 3)
+    monkeypatch.setenv("KVXFER_VM_THREADS", "3")
+    assert resources.vm_threads() == _native.load().vm_resolve_threads(3, 3) == 3
+    from kvxfer.transport import vm_copy_threads
+
+    assert vm_copy_threads(None, 8) == 2 and vm_copy_threads(9, 8) == 4 and vm_copy_threads(None, 1) == 1
+    for bad in ("many", "0"):
+        monkeypatch.setenv("KVXFER_VM_THREADS", bad)
+        with pytest.raises(ValueError, match="KVXFER_VM_THREADS|copy_threads"):
+            resources.for_path("vm", 64 << 20)
+
+
 def test_envinfo_busy_threshold(monkeypatch):
     monkeypatch.setattr(envinfo, "load_average", lambda: (100.0, 0.0, 0.0))
     assert "busy" in envinfo.busy_warning()
@@ -205,6 +223,9 @@ def test_copy_constants_come_from_the_extension():
 
     C = _native.load()
     assert STREAM_BYTES == C.STREAM_BYTES
+    from kvxfer.config import MAX_TCP_LANES
+
+    assert MAX_TCP_LANES == C.MAX_TCP_LANES
     from kvxfer.transport import vm_copy_limits
 
     assert vm_copy_limits() == {"default_threads": C.VM_DEFAULT_THREADS, "max_threads": C.VM_MAX_THREADS,

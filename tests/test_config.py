@@ -136,3 +136,31 @@ def test_tcp_lanes_reach_the_native_engine_which_checks_them_too():
     for bad in (0, 17):  # the engine refuses what AgentConfig would have refused
         with pytest.raises(ValueError, match="tcp_lanes"):
             load().Engine(False, {}, "off", bad)
+
+
+def test_an_agent_without_config_uses_the_defaults_not_the_environment(monkeypatch):
+    monkeypatch.setenv("KVXFER_PATH", "pack")
+    monkeypatch.setenv("KVXFER_STAGING_BYTES", "8192")
+    with Agent("x", secret=SECRET, backend="loopback") as a:
+        assert a.config == AgentConfig()
+    with Agent("x", secret=SECRET, backend="loopback", config=AgentConfig.from_env()) as a:
+        assert (a.config.path, a.config.staging_bytes) == ("pack", 8192)
+
+
+def test_from_env_explicit_fields_beat_the_environment():
+    env = {"KVXFER_PATH": "pack", "KVXFER_STAGING_BYTES": "8192"}
+    cfg = AgentConfig.from_env(env, path="zero_copy")
+    assert (cfg.path, cfg.staging_bytes) == ("zero_copy", 8192)
+
+
+def test_only_entry_points_read_the_environment():
+    # config.py's promise: below the entry points (CLI, bench, the serving workers, the vLLM
+    # connector) nothing reads the environment but the process-wide knobs it names
+    import pathlib
+
+    root = pathlib.Path(kvxfer.__file__).parent
+    entry = ("cli/", "bench/", "serving/", "integrations/")
+    named = {"config.py", "_native.py", "kernels/__init__.py", "report/envinfo.py"}
+    readers = {str(p.relative_to(root)) for p in root.rglob("*.py")
+               if "os.environ" in p.read_text() or "getenv" in p.read_text()}
+    assert {r for r in readers if not r.startswith(entry)} <= named, readers

@@ -16,7 +16,7 @@ import pytest
 import etcd_server
 from kvxfer.discovery import Member, StaticDiscovery, open_discovery
 from kvxfer.errors import AuthenticationError
-from kvxfer.serving.server.netchannel import NetWorkerChannel, connect_worker
+from kvxfer.serving.channel.netchannel import NetWorkerChannel, connect_worker
 from serving_server import free_port
 
 SECRET = b"discovery-test-secret-0123456789"
@@ -148,8 +148,8 @@ def test_worker_channel_refuses_a_large_frame_before_auth():
     import socket
 
     from kvxfer.framing import HEADER, MAGIC, PROTOCOL_VERSION, read_frame
-    from kvxfer.serving.server import ipc
-    from kvxfer.serving.server.netchannel import PRE_AUTH_MAX_BYTES
+    from kvxfer.serving.channel import ipc
+    from kvxfer.serving.channel.netchannel import PRE_AUTH_MAX_BYTES
 
     chan = NetWorkerChannel("127.0.0.1:0", SECRET)
     host, port = chan.address.rsplit(":", 1)
@@ -194,3 +194,55 @@ def test_serve_with_discovery_starts_local_workers(etcd):
     finally:
         server.stop()
     _until(lambda: open_discovery(url).members() == [], 15, "local workers withdrawn")
+
+
+def test_worker_channel_admits_a_router_while_others_stall_in_the_handshake():
+    """Connections that never answer the worker's hello hold pending slots; an honest router
+    still gets in at once (the oldest pending connection of its source makes room)."""
+    import socket
+
+    chan = NetWorkerChannel("127.0.0.1:0", SECRET)
+    chan.set_hello({"ev": "ready", "role": "decode", "name": "d"})
+    host, port = chan.address.rsplit(":", 1)
+    stalled = [socket.create_connection((host, int(port)), timeout=10) for _ in range(24)]
+    try:
+        async def main():
+            router, ready = await connect_worker(chan.address, SECRET, timeout=10)
+            assert ready["name"] == "d"
+            router.close()
+
+        asyncio.run(main())
+    finally:
+        for sock in stalled:
+            sock.close()
+        chan.close()
+
+
+def test_worker_channel_tells_a_wrong_secret_nothing():
+    """A router with the wrong secret gets the worker's nonce and a refusal, then the end of
+    the stream: never the worker's proof, its ready message or anything sent to routers."""
+    import hashlib
+    import hmac
+    import os
+    import socket
+
+    from kvxfer.framing import read_frame
+    from kvxfer.serving.channel import ipc
+    from kvxfer.serving.channel.netchannel import PRE_AUTH_MAX_BYTES
+
+    chan = NetWorkerChannel("127.0.0.1:0", SECRET)
+    chan.set_hello({"ev": "ready", "role": "decode", "name": "secret-name"})
+    host, port = chan.address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            hello = ipc.decode(*read_frame(sock, PRE_AUTH_MAX_BYTES))
+            assert set(hello) == {"hello", "nonce"}
+            nonce_r = os.urandom(32)
+            mac = hmac.new(b"w" * 32, b"kvxfer-router-C" + bytes.fromhex(hello["nonce"]) + nonce_r,
+                           hashlib.sha256).digest()
+            sock.sendall(ipc.encode({"nonce": nonce_r.hex(), "mac": mac.hex()}))
+            assert ipc.decode(*read_frame(sock, PRE_AUTH_MAX_BYTES)) == {"auth": "refused"}
+            chan.send({"ev": "token", "rid": "r", "token": 1})  # for routers only
+            assert read_frame(sock, PRE_AUTH_MAX_BYTES) is None  # closed, nothing more
+    finally:
+        chan.close()

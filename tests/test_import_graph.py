@@ -3,10 +3,14 @@
 - the library core never imports serving, bench, loadgen, cli, integrations, report or store;
 - report (shared by bench and loadgen) imports no other kvxfer module, and loadgen
   and report never import bench;
-- bench and loadgen reach the library only through its public surface: the names in
-  ``__all__`` of ``kvxfer``, ``kvxfer.errors``, ``kvxfer.kernels`` and
-  ``kvxfer.transport`` (docs/api.md, "Public surface"), plus ``kvxfer.report`` and
-  their own package; never an underscore name or an internal module.
+- the parts of serving (model, engine, channel, server, workers) import each other
+  without a cycle: the router (server) and the workers meet in the channel;
+- the library's clients -- bench, loadgen, serving, integrations and sim -- reach it
+  only through its public surface: the names in ``__all__`` of the modules in
+  ``PUBLIC_MODULES`` (docs/api.md, "Public surface"), plus their own package and the
+  clients they are built on (``OPEN``); never an underscore name or an internal module.
+  The store is part of the library (``kvxfer.KVStore``, built on the agent stage), so
+  it is not a client.
 """
 from __future__ import annotations
 
@@ -21,7 +25,17 @@ import kvxfer
 ROOT = Path(kvxfer.__file__).parent
 CORE = ["*.py", "agent/*.py", "transport/*.py", "kernels/*.py"]
 OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report", "store")
-PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport")
+PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport", "kvxfer.secrets",
+                  "kvxfer.framing", "kvxfer.store", "kvxfer.discovery")
+# client -> the other packages it is built on, any of whose modules it may import
+OPEN = {
+    "bench": ("kvxfer.report",),
+    "loadgen": ("kvxfer.report",),
+    "serving": ("kvxfer.sim",),  # --engine sim: the simulated engine core
+    "integrations": ("kvxfer.serving.model",),  # export-hf: the embedded model's GGUF reader
+    "sim": ("kvxfer.serving",),  # the real scheduler, block manager and runtime, forward pass modelled
+}
+CLIENTS = tuple(OPEN)
 
 
 def imports(path: Path, source: str | None = None) -> list[tuple[str, str | None]]:
@@ -44,11 +58,11 @@ def _public_names(module: str) -> set:
 
 
 def public_surface_violations(path: Path, source: str | None = None) -> list[str]:
-    """Imports of ``path`` (a file of kvxfer/bench or kvxfer/loadgen) outside the public surface."""
-    own = ".".join(path.relative_to(ROOT.parent).parts[:2])  # kvxfer.bench or kvxfer.loadgen
+    """Imports of ``path`` (a file of one of the ``CLIENTS``) outside the public surface."""
+    own = ".".join(path.relative_to(ROOT.parent).parts[:2])  # e.g. kvxfer.bench
 
     def open_module(module: str) -> bool:  # any public name of it may be imported
-        return any(module == m or module.startswith(m + ".") for m in (own, "kvxfer.report"))
+        return any(module == m or module.startswith(m + ".") for m in (own, *OPEN[own.split(".")[1]]))
 
     bad = []
     for module, name in imports(path, source):
@@ -87,9 +101,55 @@ def test_report_is_below_bench_and_loadgen():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-@pytest.mark.parametrize("area", ["bench", "loadgen"])
-def test_bench_and_loadgen_use_the_public_surface_only(area):
-    paths = _files(f"{area}/*.py")
+def package_edges(area: str) -> dict[str, set[str]]:
+    """Sub-package of ``kvxfer.<area>`` -> the sub-packages of it that its modules import."""
+    edges: dict[str, set[str]] = {}
+    for path in _files(f"{area}/*/*.py"):
+        part = path.parent.name
+        prefix = f"kvxfer.{area}."
+        edges.setdefault(part, set()).update(
+            m[len(prefix):].split(".")[0] for m, _ in imports(path) if m.startswith(prefix)
+        )
+        edges[part].discard(part)
+    return edges
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph ``edges`` as ``[a, b, ..., a]``, or ``[]``."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        for nxt in sorted(edges.get(node, ())):
+            if found := visit(nxt, path + [node]):
+                return found
+        done.add(node)
+        return []
+
+    for start in sorted(edges):
+        if found := visit(start, []):
+            return found
+    return []
+
+
+def test_serving_parts_import_each_other_without_a_cycle():
+    edges = package_edges("serving")
+    assert {"model", "engine", "channel", "server", "workers"} <= set(edges)
+    assert not cycle(edges), f"import cycle in kvxfer/serving: {' -> '.join(cycle(edges))}"
+    assert "server" not in edges["workers"] and "workers" not in edges["server"]
+
+
+def test_the_cycle_check_finds_one():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+@pytest.mark.parametrize("area", CLIENTS)
+def test_clients_use_the_public_surface_only(area):
+    paths = _files(f"{area}/*.py", f"{area}/*/*.py")
     assert paths
     for path in paths:
         bad = public_surface_violations(path)
@@ -105,13 +165,34 @@ def test_bench_and_loadgen_use_the_public_surface_only(area):
     ("from .endpoint import _pattern", "kvxfer.bench.endpoint._pattern (private)"),
     ("from .. import runs", "kvxfer.runs (not in kvxfer.__all__)"),
     ("from ..loadgen.trace import TraceRequest", "kvxfer.loadgen.trace (internal module)"),
+    ("from ..framing import _recv_exact", "kvxfer.framing._recv_exact (private)"),
+    ("from ..secrets import os", "kvxfer.secrets.os (not in kvxfer.secrets.__all__)"),
+    ("from ..store.node import StoreNode", "kvxfer.store.node (internal module)"),
+    ("from ..serving.model.tokenizer import Tokenizer", "kvxfer.serving.model.tokenizer (internal module)"),
 ])
 def test_the_check_finds_private_and_internal_imports(source, found):
     assert public_surface_violations(ROOT / "bench" / "probe.py", source) == [found]
 
 
+@pytest.mark.parametrize("path, source, found", [
+    ("serving/workers/probe.py", "from ...agent import Agent", "kvxfer.agent (internal module)"),
+    ("serving/server/probe.py", "from ...agent.peers import split_address", "kvxfer.agent.peers (internal module)"),
+    ("serving/model/probe.py", "from kvxfer.layout import KVLayout", "kvxfer.layout (internal module)"),
+    ("integrations/probe.py", "from ..serving.server.api import ChatRequest",
+     "kvxfer.serving.server.api (internal module)"),
+    ("sim/probe.py", "from ..store.client import KVStore", "kvxfer.store.client (internal module)"),
+])
+def test_the_check_covers_serving_integrations_and_sim(path, source, found):
+    assert public_surface_violations(ROOT / path, source) == [found]
+
+
 def test_the_check_allows_the_public_surface():
     source = ("import kvxfer\nfrom .. import Agent, KVLayout, pack, kernels\nfrom ..errors import KVXferError\n"
               "from ..transport import make_backend\nfrom ..kernels import num_threads\n"
-              "from .. import report\nfrom ..report.stats import summarize\nfrom .copy_limit import MemcpyLimit\n")
+              "from .. import report\nfrom ..report.stats import summarize\nfrom .copy_limit import MemcpyLimit\n"
+              "from ..secrets import load_secret\nfrom ..framing import json_frame\nfrom ..store import KVStore\n"
+              "from ..discovery import open_discovery\n")
     assert public_surface_violations(ROOT / "bench" / "probe.py", source) == []
+    source = ("from ... import Agent, split_address\nfrom ..engine.config import EngineConfig\n"
+              "from ...sim.runtime import SimRuntime\n")
+    assert public_surface_violations(ROOT / "serving" / "workers" / "probe.py", source) == []

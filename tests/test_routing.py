@@ -114,6 +114,18 @@ def test_index_bounds_and_forget():
     assert len(idx) == 0 and idx._holders == {}
 
 
+def test_index_total_bound_evicts_only_the_storing_worker():
+    idx = PrefixIndex(max_blocks_per_worker=8, max_workers=4, max_entries=10)
+    h = chain(range(100))
+    idx.apply("a", h[:6], [])
+    idx.apply("b", h[10:18], [])  # 6 + 8 > 10: b keeps its newest 4
+    assert idx.num_blocks("a") == 6 and len(idx) == 10
+    assert [x for x in h if idx.holds("b", x)] == h[14:18]
+    idx.apply("a", [], h[:3])
+    idx.apply("b", h[18:20], [])  # room again
+    assert idx.num_blocks("b") == 6 and len(idx) == 9
+
+
 @pytest.mark.parametrize("stored, removed, error", [
     ("nope", [], TypeError),
     ([1, "2"], [], ValueError),
@@ -221,6 +233,53 @@ def test_make_policy_rejects_bad_input():
     assert isinstance(make_policy("kv", B, max_workers=4), KVRouting)
 
 
+class _Channel:
+    def __init__(self):
+        self.sent = []
+        self.inbox = None
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+@pytest.fixture
+def keep_signals():
+    """WorkerLoop installs its process's SIGTERM/SIGINT handlers: give pytest its own back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_worker_loop_publishes_cache_events_bounded_and_answers_snapshots(keep_signals):
+    from types import SimpleNamespace
+
+    from kvxfer.serving.workers.loop import WorkerContext, WorkerLoop
+
+    bm = BlockManager(3 * MAX_EVENT_HASHES, B)
+    runtime = SimpleNamespace(blocks=bm, step=lambda: "step")
+    chan = _Channel()
+    loop = WorkerLoop(WorkerContext("w", "colocated", chan, runtime, None, 1.0, "fail"))
+    assert loop.step() == "step" and chan.sent == []  # nothing changed: nothing sent
+    tokens = list(range(B * (MAX_EVENT_HASHES + 10)))
+    cached_on(bm, tokens)  # MAX_EVENT_HASHES + 10 hashes
+    loop.step()
+    assert [len(m["stored"]) + len(m["removed"]) for m in chan.sent] == [MAX_EVENT_HASHES, 10]
+    assert all(m["ev"] == "kv_events" for m in chan.sent)
+    stored = [h for m in chan.sent for h in m["stored"]]
+    assert stored == chain(tokens + [0])
+    policy = make_policy("kv", B)  # what the router builds from them
+    for m in chan.sent:
+        policy.on_kv_event("w", m["stored"], m["removed"])
+    assert policy.route([W("v"), W("w", 3)], tokens + [0]).hit_blocks == len(stored)
+    chan.sent.clear()
+    assert loop._handle({"op": "kv_snapshot"})
+    assert sorted(h for m in chan.sent for h in m["stored"]) == sorted(stored)
+    assert loop._all_stats()["prefix_query_tokens"] == len(tokens)
+
+
 # ---- real workers -------------------------------------------------------------------
 
 PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks of the workers' 16
@@ -314,3 +373,28 @@ def test_kv_routing_follows_the_cached_prefix_unless_its_worker_is_overloaded(kv
     assert stat["colocated-1", "prefix_hit_tokens"] == 0
     assert stat["colocated-0", "prefix_query_tokens"] == 64 + 40 + 67
     assert stat["colocated-1", "prefix_query_tokens"] == 66
+
+
+def test_dispatcher_feeds_the_index_drops_bad_messages_and_forgets_the_dead():
+    from kvxfer.serving.server.dispatch import Dispatcher
+    from kvxfer.serving.server.prom import Registry
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    registry = Registry()
+    d = Dispatcher(ServeConfig(num_colocated=2, num_prefill=0, num_decode=0, routing="kv"), registry)
+    w0, w1 = d.cluster.workers
+    for w in (w0, w1):
+        w.is_alive = True
+    prompt = list(range(100))  # 6 full blocks of the workers' 16
+    h = chain(prompt, 16)
+    d.on_message(w1, {"ev": "kv_events", "stored": h, "removed": []})
+    assert d.cluster.pick("colocated", prompt) is w1
+    assert d.cluster.pick("colocated") is w0  # no prompt: least-loaded, the first
+    for bad in ({"ev": "kv_events", "stored": "x"}, {"ev": "kv_events", "removed": [-1]},
+                {"ev": "kv_events", "stored": list(range(MAX_EVENT_HASHES + 1))}):
+        d.on_message(w1, bad)  # dropped alone, counted; the index is as it was
+    assert 'kvxfer_bad_kv_events_total 3.0' in registry.render()
+    assert d.cluster.routing.index.num_blocks(w1.name) == len(h)
+    w1.is_alive = False
+    d.on_worker_exit(w1)
+    assert len(d.cluster.routing.index) == 0

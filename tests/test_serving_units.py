@@ -8,10 +8,11 @@ import socket
 import pytest
 
 from kvxfer.errors import ProtocolError
-from kvxfer.serving.server import ipc
+from kvxfer.serving.channel import ipc
 from kvxfer.serving.server.prom import Registry
 from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
-from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
+from kvxfer.serving.engine.config import parse_cpu_group
+from kvxfer.serving.server.serve_config import ServeConfig
 from kvxfer.serving.server.sse import DONE, event
 
 
@@ -185,16 +186,17 @@ def test_worker_command_line_carries_the_matmul_dtype():
 
 
 def test_store_secret_is_the_deployments_and_leaves_the_agents_alone(monkeypatch, tmp_path):
-    from kvxfer.serving.workers.main import AGENT_SECRET_ENV, load_secret
+    from kvxfer.serving.channel.ipc import AGENT_SECRET_ENV
+    from kvxfer.serving.workers.main import worker_secret
 
     monkeypatch.setenv(AGENT_SECRET_ENV, (b"a" * 32).hex())  # kvxfer serve's per-server agent secret
     monkeypatch.setenv("KVXFER_SECRET", "d" * 20)
-    assert load_secret(for_store=True) == b"d" * 20  # the nodes' secret, not the agents'
-    assert load_secret() == b"a" * 32  # the agents' own call still finds theirs (and takes it)
+    assert worker_secret(for_store=True) == b"d" * 20  # the nodes' secret, not the agents'
+    assert worker_secret() == b"a" * 32  # the agents' own call still finds theirs (and takes it)
     monkeypatch.delenv(AGENT_SECRET_ENV, raising=False)
-    assert load_secret(for_store=True) == b"d" * 20 and load_secret() == b"d" * 20  # kvxfer worker: one secret
+    assert worker_secret(for_store=True) == b"d" * 20 and worker_secret() == b"d" * 20  # kvxfer worker: one secret
     path = tmp_path / "secret"
     path.write_bytes(b"f" * 24 + b"\n")
-    assert load_secret(str(path), for_store=True) == b"f" * 24
+    assert worker_secret(str(path), for_store=True) == b"f" * 24
     with pytest.raises(ValueError):
-        load_secret(for_store=True)  # $KVXFER_SECRET was taken by the agents' call, no file
+        worker_secret(for_store=True)  # $KVXFER_SECRET was taken by the agents' call, no file

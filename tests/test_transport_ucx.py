@@ -198,3 +198,47 @@ def test_vm_batch_split_across_copy_threads(split, mode):
         rows[:, 0] = b.register(dst.ctypes.data, dst.nbytes)
         b.wait(b.post(conn, "read", rows), timeout=30)
         assert np.array_equal(dst, src)
+
+
+def test_copy_threads_is_one_value_per_process():
+    # The same-host copy pool is the process's: the first backend that sets copy_threads
+    # fixes it, a different setting later is a ValueError (nothing built), none given
+    # accepts it; the split size is each backend's own.
+    import subprocess
+    import sys
+
+    code = """
+import pytest
+from kvxfer import AgentConfig, _native
+from kvxfer.transport import make_backend
+C = _native.load()
+a = make_backend("ucx", config=AgentConfig(copy_threads=1, vm_split_bytes=0))
+with pytest.raises(ValueError, match="copy_threads=3"):
+    make_backend("ucx", config=AgentConfig(copy_threads=3))
+b = make_backend("ucx", config=AgentConfig(vm_split_bytes=8192))
+c = make_backend("ucx", config=AgentConfig(copy_threads=1))
+assert C.vm_copy_threads() == 1
+assert C.vm_resolve_threads(9, 8) == 4 and C.vm_resolve_threads(0, 8) == 2 and C.vm_resolve_threads(0, 1) == 1
+for x in (a, b, c):
+    x.close()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_every_backend_is_a_context_manager():
+    # Backend (the base class) closes a backend on leaving a with block, whichever it is
+    from kvxfer.errors import KVXferError
+
+    buf = np.zeros(BLOCK, np.uint8)
+    with make_backend("ucx") as b:
+        b.register(buf.ctypes.data, BLOCK)
+    with pytest.raises(KVXferError):
+        b.register(buf.ctypes.data, BLOCK)
+    with make_backend("loopback") as src, make_backend("loopback") as dst:
+        rs, rd = src.register(buf.ctypes.data, BLOCK), dst.register(buf.ctypes.data, BLOCK)
+        conn = src.connect(dst.metadata())
+    with pytest.raises(PeerDisconnected):  # dst left its with block closed
+        src.post(conn, "write", [[rs, 0, rd, 0, BLOCK]])

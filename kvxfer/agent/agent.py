@@ -47,8 +47,9 @@ class Agent:
     """``Agent(name, listen="127.0.0.1:0", secret=..., backend="auto", config=AgentConfig())``.
 
     ``secret`` (bytes/str, >= 16 bytes, required): shared by every agent of a deployment;
-    it never leaves the process. ``config``: an :class:`~kvxfer.AgentConfig` (default:
-    ``AgentConfig.from_env()``). ``lease_timeout``, ``staging_bytes`` and ``path``
+    it never leaves the process. ``config``: an :class:`~kvxfer.AgentConfig` (None: the
+    defaults, ``AgentConfig()``; the agent reads no environment variable, an entry point
+    that wants them passes ``AgentConfig.from_env()``). ``lease_timeout``, ``staging_bytes`` and ``path``
     override the config's fields of those names. ``on_release(request_id, block_ids,
     reason)``: called once per lease when blocks may be reused (``reason`` in done,
     cancelled, failed, expired, closed); it runs on an agent thread, possibly with the
@@ -63,7 +64,7 @@ class Agent:
                  path: str | None = None, cost_model: CostModel | None = None, device=None,
                  config: AgentConfig | None = None) -> None:
         if config is None:
-            config = AgentConfig.from_env()
+            config = AgentConfig()
         elif not isinstance(config, AgentConfig):
             raise TypeError(f"config must be an AgentConfig, got {type(config).__name__}")
         given = {"lease_timeout": lease_timeout, "staging_bytes": staging_bytes, "path": path}

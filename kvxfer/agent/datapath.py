@@ -1,4 +1,10 @@
-"""The send worker's half of the P side: choose a piece's path, move it, report it.
+"""Where the bytes move: the only agent module that calls ``backend.post``/``wait``
+and ``device.pack``/``unpack``.
+
+P side, :class:`Shipper` (the send worker's half): choose a piece's path, move it,
+report it to the :class:`~kvxfer.agent.sender.Sender` through ``visible(op,
+layers)``, ``failed(op, exc, reason)`` and ``finished(op)`` only. D side,
+:func:`unpack_chunk`: scatter one staged chunk (the receive worker calls it).
 
 A piece is a set of layers of one send (all of them, or one per ``send_layer``).
 :meth:`Shipper._choose` asks the cost model for the path; zero-copy posts the
@@ -128,14 +134,14 @@ class Shipper:
             else:
                 self._ship_pack(op, layers, heads, after)
         except KVXferError as exc:
-            self._sender.fail(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
+            self._sender.failed(op, exc, "expired" if isinstance(exc, TransferTimeout) else "failed")
         except (ValueError, TypeError, IndexError, KeyError) as exc:
-            self._sender.fail(op, InvalidDescriptor(f"{op.key[1]!r}: {exc!r}"), "failed")
+            self._sender.failed(op, InvalidDescriptor(f"{op.key[1]!r}: {exc!r}"), "failed")
         except Exception as exc:  # noqa: BLE001 - a bug fails this request, never the worker
             log.exception("send worker: %r failed", op.handle)
-            self._sender.fail(op, ProtocolError(f"{op.key[1]!r}: internal error {exc!r}"), "failed")
+            self._sender.failed(op, ProtocolError(f"{op.key[1]!r}: internal error {exc!r}"), "failed")
         finally:
-            self._sender.piece_done(op)
+            self._sender.finished(op)
 
     def _post_and_wait(self, op: SendOp, kind: str, descs) -> None:
         t0 = time.perf_counter()
@@ -170,7 +176,7 @@ class Shipper:
             for layer in layers:
                 pending[layer] = pending.get(layer, 0) + 1
         self._s.metrics.inc("bytes_sent", nbytes, path="zero_copy")
-        self._sender.pieces_visible(op, layers)
+        self._sender.visible(op, layers)
 
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
         tile = self._s.layout.block_nbytes(heads)
@@ -266,7 +272,7 @@ class Shipper:
             entry = self._acks.pop(f["tag"], None)
         if entry is None or entry[0].peer is not peer:
             return
-        self._sender.pieces_visible(*entry)
+        self._sender.visible(*entry)
 
     def peer_lost(self, peer, err) -> None:
         """Wake the pieces waiting for ``peer``'s grants; forget its ACKs (lock held)."""
@@ -282,3 +288,16 @@ class Shipper:
         for wait in self._grant_waits.values():
             wait.error = err
             wait.event.set()
+
+
+def unpack_chunk(state: AgentState, f: dict) -> None:
+    """Scatter the staged chunk a pack DATA_DONE ``f`` names (``offset``, ``nbytes`` in
+    the inbound staging ring; ``blocks``, ``layers``, ``heads``) into the pool and wait
+    until the device finished it (receive worker; TransferTimeout after the lease
+    timeout, the slice then still being written)."""
+    t0 = time.perf_counter()
+    off, nbytes = f["offset"], f["nbytes"]
+    unpacked = state.device.unpack(state.layout, state.pool.stage_in_t[off:off + nbytes], list(f["blocks"]),
+                                   list(f["layers"]), f["heads"])
+    state.device.wait(unpacked, state.leases.default_ttl_s)
+    state.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")

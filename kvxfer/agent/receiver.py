@@ -26,7 +26,7 @@ from ..errors import (InvalidDescriptor, KVXferError, PeerDisconnected, Protocol
                       TransferTimeout)
 from ..handle import HandleCompleter
 from ..timeouts import check_timeout
-from .datapath import INLINE_BYTES
+from .datapath import INLINE_BYTES, unpack_chunk
 from .protocol import Msg, code_of, distinct_below, encode, error_from
 from .state import AgentState, RecvOp, request_id as request_id_of, stop_timer
 from .threads import Worker
@@ -271,11 +271,7 @@ class Receiver:
                     op.unpacking += 1  # its blocks are not released while the scatter may write them
         try:
             if live:
-                t0 = time.perf_counter()
-                unpacked = self._s.device.unpack(self._s.layout, self._s.pool.stage_in_t[off:off + nbytes], list(f["blocks"]),
-                                               list(f["layers"]), f["heads"])
-                self._s.device.wait(unpacked, self._s.leases.default_ttl_s)
-                self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="unpack")
+                unpack_chunk(self._s, f)
         except TransferTimeout as exc:  # the device never finished: the slice stays taken
             self._unpacked(op if live else None)
             self._s.loop.close_conn(peer.conn, exc)

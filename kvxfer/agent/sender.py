@@ -7,10 +7,11 @@ packed through the staging buffers, and reported to D with DATA_DONE only after
 the backend completed (data visible). The op completes when every layer D asked
 for is visible: zero-copy at write completion, pack when D ACKs the unpack.
 
-The :class:`Sender` owns its sends (``sends``); the shipper reaches them only
-through the methods below marked *internal interface*; the post matcher (this
-module's other half of the P side) also looks ops up in ``sends``, and nothing
-outside this module touches them.
+The :class:`Sender` owns its sends (``sends``). The shipper reports a piece back
+through three methods only, :meth:`Sender.visible` (its layers are visible on D),
+:meth:`Sender.failed` and :meth:`Sender.finished` (its job ended, however it
+ended), and never reads ``sends``; the post matcher (this module's other half of the
+P side) looks ops up in ``sends``, and nothing outside this module touches them.
 
 
 :class:`PostMatcher` holds D's RECV_POSTs as this agent sees them, and D's cancels.
@@ -185,7 +186,7 @@ class Sender:
             op = self.sends.get((peer.serial, req))
             if op is not None and op.post is None and op.ended is None:
                 op.post = Post(req, xid, (), (), (0, 0))
-                self.fail(op, error, "failed")  # tells D
+                self.failed(op, error, "failed")  # tells D
                 return
         peer.send(encode(Msg.FAIL, req=req, xid=xid, to_sender=False, code="protocol", reason=str(error)[:200]))
 
@@ -202,13 +203,13 @@ class Sender:
         geo = op.peer.geometry
         if geo is None or post.skip + len(post.blocks) != len(op.ids) or not all(
                 b < geo.num_blocks for b in post.blocks):
-            self.fail(op, InvalidDescriptor(
+            self.failed(op, InvalidDescriptor(
                 f"{op.key[1]!r}: receiver expects {post.skip} + {len(post.blocks)} blocks, "
                 f"sender has {len(op.ids)}"), "failed")
             return
         if not op.streaming and op.ready is not None and not set(post.layers) <= set(op.ready):
             missing = sorted(set(post.layers) - set(op.ready))
-            self.fail(op, InvalidDescriptor(
+            self.failed(op, InvalidDescriptor(
                 f"{op.key[1]!r}: receiver asks for layers {missing[:8]} the sender does not send"), "failed")
             return
         if post.skip:
@@ -231,8 +232,8 @@ class Sender:
         else:
             self.shipper.ship(op, ship, matched)
 
-    def pieces_visible(self, op: SendOp, layers) -> None:
-        """Pieces of ``layers`` are visible on D (any thread; takes the lock)."""
+    def visible(self, op: SendOp, layers) -> None:
+        """Pieces of ``layers`` are visible on D (any thread; takes the lock). Datapath interface."""
         with self._s.lock:
             done = []
             pending = op.pending
@@ -260,8 +261,8 @@ class Sender:
         self._s.leases.release(("send",) + op.key, "done")
         op.completer.succeed()
 
-    def fail(self, op: SendOp, error: KVXferError, reason: str) -> None:
-        """End ``op`` with ``error`` and tell D (any thread; takes the lock)."""
+    def failed(self, op: SendOp, error: KVXferError, reason: str) -> None:
+        """End ``op`` with ``error`` and tell D (any thread; takes the lock). Datapath interface."""
         with self._s.lock:
             if op.ended is not None or op.handle.state == "done":
                 return
@@ -298,15 +299,15 @@ class Sender:
             op.ack_owed = False
         self._s.leases.release(("send",) + op.key, op.ended)
 
-    def piece_done(self, op: SendOp) -> None:
-        """A shipping job for ``op`` ended, however it ended (any thread)."""
+    def finished(self, op: SendOp) -> None:
+        """A shipping job for ``op`` ended, however it ended (any thread). Datapath interface."""
         with self._s.lock:
             op.inflight -= 1
             self.quiesce(op)
 
     def _expire(self, op: SendOp) -> None:
         if not op.handle.done():
-            self.fail(op, TransferTimeout(f"lease of {op.key[1]!r} expired before the receiver had it"),
+            self.failed(op, TransferTimeout(f"lease of {op.key[1]!r} expired before the receiver had it"),
                       "expired")
 
     # ---- peers and shutdown -------------------------------------------------------------
@@ -316,7 +317,7 @@ class Sender:
             self.posts.peer_lost(peer)
             self.shipper.peer_lost(peer, err)
         for op in ops:
-            self.fail(op, err, "failed")
+            self.failed(op, err, "failed")
 
     def close(self, err) -> None:
         with self._s.lock:
@@ -324,7 +325,7 @@ class Sender:
             reads = list(self.reads)
             self.shipper.abort_waits(err)
         for op in ops:
-            self.fail(op, err, "closed")
+            self.failed(op, err, "closed")
         for completer in reads:
             completer.fail(err)
 
@@ -388,7 +389,7 @@ class PostMatcher:
         is still on its way: give it :data:`TOMBSTONE_GRACE_S` to arrive, then fail."""
         def expire():
             if op.post is None:
-                self._sender.fail(op, error, "cancelled" if isinstance(error, TransferCancelled) else "failed")
+                self._sender.failed(op, error, "cancelled" if isinstance(error, TransferCancelled) else "failed")
 
         lease = self._s.leases.get(("send",) + op.key)
         grace = TOMBSTONE_GRACE_S if lease is None else min(TOMBSTONE_GRACE_S, lease.deadline - time.monotonic())
@@ -426,7 +427,7 @@ class PostMatcher:
             op = self._sender.sends.get(key)
             if op is not None and op.post is None and op.ended is None:
                 op.post = post
-                self._sender.fail(op, exc, "failed")  # tells D
+                self._sender.failed(op, exc, "failed")  # tells D
                 return
             peer.book.bury(post.req, post.xid, code_of(exc), str(exc))  # a later send fails the same way
         peer.send(encode(Msg.FAIL, req=post.req, xid=post.xid, to_sender=False, code=code_of(exc) or "protocol",
@@ -457,7 +458,7 @@ class PostMatcher:
                 peer.send(encode(Msg.CANCEL_ACK, req=f["req"], xid=f["xid"]))
                 return
             op.ack_owed = True
-        sender.fail(op, error, "failed" if "code" in f else "cancelled")
+        sender.failed(op, error, "failed" if "code" in f else "cancelled")
         with self._s.lock:
             if op.ack_owed and op.ended is not None:
                 sender.quiesce(op)

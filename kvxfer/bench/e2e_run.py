@@ -25,7 +25,7 @@ TIMEOUT_S = 120.0
 
 def _prefill(spec: dict, rank: int, d_addresses: list, requests: list, rtt: int, q) -> None:
     """P rank ``rank``: connect to every D rank, post every send up front, report."""
-    from .. import Agent
+    from .. import Agent, AgentConfig
 
     try:
         layout = make_layout(spec, "p", rank, fill=True)
@@ -33,7 +33,7 @@ def _prefill(spec: dict, rank: int, d_addresses: list, requests: list, rtt: int,
         # verifying its pools), so P's leases must outlive the whole run, not the default 30 s.
         lease_s = TIMEOUT_S * (len(requests) + rtt + 1)
         with Agent(f"prefill-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"],
-                   lease_timeout=lease_s) as agent:
+                   lease_timeout=lease_s, config=AgentConfig.from_env()) as agent:
             agent.register_kv(layout)
             peers = [agent.connect(a, timeout=TIMEOUT_S) for a in d_addresses]
             src = block_ids(spec, 1)
@@ -64,7 +64,7 @@ def _check(expected: Expected, layouts: list, ids: list, request: str, *, first:
 
 def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
     """Run P and D, time and verify every request; raises KVXferError on a wrong byte."""
-    from .. import Agent
+    from .. import Agent, AgentConfig
     from . import resources
     from .copy_limit import MemcpyLimit
 
@@ -73,7 +73,8 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
     q = ctx.Queue()
     try:
         for rank in range(spec["d_tp"]):
-            a = Agent(f"decode-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"])
+            a = Agent(f"decode-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"],
+                      config=AgentConfig.from_env())
             d_agents.append(a)
             d_layouts.append(make_layout(spec, "d", rank, fill=False))
             a.register_kv(d_layouts[-1])

@@ -14,9 +14,10 @@ A path's bytes are copied by:
 - the agent's ``pack`` path: the C++ tile copy on :func:`kvxfer.kernels.num_threads`
   threads (those with >= 1 MiB each), non-temporal stores from 32 MiB per call.
 
-The vm defaults and caps are csrc/vm_copy.h's (:func:`kvxfer.transport.vm_copy_limits`);
-the environment rules (``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``) are those
-:meth:`kvxfer.AgentConfig.from_env` applies before it configures the copy pool.
+The settings are those a measured agent gets, :meth:`kvxfer.AgentConfig.from_env`
+(``KVXFER_VM_THREADS``, ``KVXFER_VM_SPLIT_BYTES``); what they resolve to (default,
+cap) is asked of ``kvxfer._C`` at run time through :func:`kvxfer.transport.vm_copy_threads`
+and :func:`kvxfer.transport.vm_copy_limits` (csrc/vm_copy.h), never copied here.
 """
 from __future__ import annotations
 
@@ -35,33 +36,24 @@ class CopyResources:
         return {"threads": self.threads, "streaming": self.streaming}
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        return default  # the C++ side ignores a malformed value the same way
-
-
 def num_cores() -> int:
     return os.cpu_count() or 1  # what std::thread::hardware_concurrency reports
 
 
 def vm_threads() -> int:
     """Copying threads of one split vm batch, the caller included."""
-    from ..transport import vm_copy_limits
+    from .. import AgentConfig
+    from ..transport import vm_copy_threads
 
-    limits = vm_copy_limits()
-    want = _env_int("KVXFER_VM_THREADS", min(num_cores(), limits["default_threads"]))
-    return min(max(want, 1), limits["max_threads"])
+    return vm_copy_threads(AgentConfig.from_env().copy_threads, num_cores())
 
 
 def vm_split_bytes() -> int:
+    from .. import AgentConfig
     from ..transport import vm_copy_limits
 
-    return _env_int("KVXFER_VM_SPLIT_BYTES", vm_copy_limits()["split_bytes"])
+    split = AgentConfig.from_env().vm_split_bytes
+    return vm_copy_limits()["split_bytes"] if split is None else split
 
 
 def transport_threads(transport: str, batch_bytes: int) -> int:

@@ -10,6 +10,37 @@ from kvxfer.serving.model.config import MATMUL_DTYPES
 API_KEY_ENV = "KVXFER_API_KEY"
 
 
+# ServeConfig field -> (flag, metavar, help); the type and default are the field's
+CONFIG_OPTIONS = {
+    "local_prefill_tokens": ("--local-prefill-tokens", "N", "disaggregated: prefill uncached prompts shorter "
+                             "than N tokens on the decode worker (0: off)"),
+    "local_prefill_queue": ("--local-prefill-queue", "K", "disaggregated: prefill on the decode worker while "
+                            "the prefill worker holds K or more requests (0: off)"),
+    "prefill_nice": ("--prefill-nice", "N", "disaggregated: prefill workers run at N (0-19) more nice levels "
+                     "(lower priority) than decode workers, so a decode worker sharing their CPU group (one "
+                     "--cpus group for all) takes the CPU first (0: off)"),
+    "header_timeout_s": ("--header-timeout", "S", "close a connection whose request headers are not complete "
+                         "S seconds after it opened or its previous response ended"),
+    "body_timeout_s": ("--body-timeout", "S", "answer 408 and close when a request body is not complete "
+                       "S seconds after its headers"),
+    "keep_alive_timeout_s": ("--keep-alive-timeout", "S", "close a keep-alive connection idle for S seconds"),
+    "limit_concurrency": ("--limit-concurrency", "N",
+                          "answer 503 while N connections are open or N requests in flight"),
+}
+
+
+def add_config_options(group, *names: str) -> None:
+    """One option per :class:`~kvxfer.serving.server.serve_config.ServeConfig` field in
+    ``names`` (:data:`CONFIG_OPTIONS`), typed and defaulted as the field is."""
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    fields = ServeConfig.__dataclass_fields__
+    for name in names:
+        flag, metavar, help_text = CONFIG_OPTIONS[name]
+        default = fields[name].default
+        group.add_argument(flag, type=type(default), default=default, metavar=metavar, help=help_text)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="reference disaggregated server (router + workers)",
                        description=__doc__)
@@ -39,16 +70,7 @@ def add_parser(sub) -> None:
     p.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=EngineConfig.matmul_dtype,
                    help="projection dtype of every worker: auto (bf16 where the CPU has AMX, "
                         "else fp32), fp32 or bf16; P and D must agree")
-    p.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
-                   help="disaggregated: prefill uncached prompts shorter than N tokens on the "
-                        "decode worker (0: off)")
-    p.add_argument("--local-prefill-queue", type=int, default=0, metavar="K",
-                   help="disaggregated: prefill on the decode worker while the prefill worker "
-                        "holds K or more requests (0: off)")
-    p.add_argument("--prefill-nice", type=int, default=0, metavar="N",
-                   help="disaggregated: prefill workers run at N (0-19) more nice levels (lower "
-                        "priority) than decode workers, so a decode worker sharing their CPU "
-                        "group (one --cpus group for all) takes the CPU first (0: off)")
+    add_config_options(p, "local_prefill_tokens", "local_prefill_queue", "prefill_nice")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
     add_engine_args(p)
     p.add_argument("--retries", type=int, default=0, metavar="N",
@@ -85,16 +107,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="larger request bodies get HTTP 413 (default 1 MiB)")
     h = p.add_argument_group("HTTP connection limits (docs/serving.md)")
-    h.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
-                   help="close a connection whose request headers are not complete S seconds "
-                        "after it opened or its previous response ended")
-    h.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
-                   help="answer 408 and close when a request body is not complete S seconds "
-                        "after its headers")
-    h.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
-                   help="close a keep-alive connection idle for S seconds")
-    h.add_argument("--limit-concurrency", type=int, default=512, metavar="N",
-                   help="answer 503 while N connections are open or N requests in flight")
+    add_config_options(h, "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "limit_concurrency")
     p.add_argument("--discovery", default=None, metavar="URL",
                    help="etcd://HOST:PORT[/prefix] or static://HOST:PORT,...: route to workers "
                         "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
@@ -119,7 +132,8 @@ def add_engine_args(p) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from kvxfer.serving.server.serve_config import ServeConfig, parse_cpu_group
+    from kvxfer.serving.engine.config import parse_cpu_group
+    from kvxfer.serving.server.serve_config import ServeConfig
 
     if args.colocated and (args.prefill or args.decode):
         raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
@@ -208,11 +222,16 @@ def _local_workers(args: argparse.Namespace, config):
 
     from kvxfer.serving.server.launcher import sim_args
     from kvxfer.serving.server.local_workers import LocalWorkers
-    from kvxfer.serving.server.serve_config import parse_cpu_group
+    from kvxfer.serving.engine.config import parse_cpu_group
 
     roles = ["prefill"] * (args.prefill or 0) + ["decode"] * (args.decode or 0)
-    if roles and not (args.secret_file or os.environ.get("KVXFER_SECRET")):
-        raise SystemExit("kvxfer serve: set KVXFER_SECRET or --secret-file (shared with the workers)")
+    if roles:
+        from kvxfer.secrets import load_secret
+
+        try:
+            load_secret(args.secret_file)  # the workers load it again; here only its absence is told early
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvxfer serve: {exc} (--secret-file; shared with the workers)") from None
     groups = [parse_cpu_group(g) for g in args.cpus]
     if len(groups) not in (0, 1, len(roles)):
         raise SystemExit(f"kvxfer serve: --cpus: give 1 group or one per worker ({len(roles)})")

@@ -45,13 +45,13 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvxfer.serving.workers.main import load_secret
+    from kvxfer.secrets import load_secret
     from kvxfer.store.node import StoreNode
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("kvxfer.store")
     try:
-        secret = load_secret(args.secret_file)
+        secret = load_secret(args.secret_file, remove=True)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"kvxfer store: {exc}") from None
     if args.replicas < 1:

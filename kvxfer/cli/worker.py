@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The worker process's arguments (kvxfer.serving.workers.main)."""
-    from kvxfer.serving.server.serve_config import parse_cpu_group
+    from kvxfer.serving.engine.config import parse_cpu_group
 
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     cpus = parse_cpu_group(args.cpus) if args.cpus else None

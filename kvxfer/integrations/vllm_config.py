@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..secrets import MIN_SECRET_BYTES, SECRET_ENV
+from ..secrets import MIN_SECRET_BYTES, SECRET_ENV, load_secret, normalize_secret
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,11 @@ class ConnectorConfig:
             raise ValueError(f"store_put_blocks must be in [1, 2**20], got {self.store_put_blocks!r}")
         if not self.store_timeout > 0:
             raise ValueError(f"store_timeout must be > 0, got {self.store_timeout!r}")
-        if len(self.secret) < MIN_SECRET_BYTES:
+        try:
+            normalize_secret(self.secret)
+        except (TypeError, ValueError):
             raise ValueError(f"KVXferConnector needs a secret of >= {MIN_SECRET_BYTES} bytes: "
-                             f"kv_connector_extra_config['secret'] or ${SECRET_ENV}")
+                             f"kv_connector_extra_config['secret'] or ${SECRET_ENV}") from None
         if not self.lease_timeout > 0 or not self.recv_timeout > 0:
             raise ValueError("lease_timeout and recv_timeout must be > 0")
         if self.path not in ("auto", "zero_copy", "pack"):
@@ -82,9 +84,11 @@ class ConnectorConfig:
                                 "idle_wait_ms", "store", "store_salt", "store_put_blocks", "store_timeout"}
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys for KVXferConnector: {sorted(unknown)}")
-        secret = environ.get(SECRET_ENV) or extra.get("secret") or ""
-        return cls(role=role, listen=str(extra.get("listen", "127.0.0.1:0")),
-                   secret=secret.encode() if isinstance(secret, str) else bytes(secret),
+        try:
+            secret = load_secret(default=extra.get("secret"), environ=environ)
+        except (TypeError, ValueError):
+            secret = b""  # absent or short: __post_init__ says where it belongs
+        return cls(role=role, listen=str(extra.get("listen", "127.0.0.1:0")), secret=secret,
                    lease_timeout=float(extra.get("lease_timeout", 30.0)),
                    recv_timeout=float(extra.get("recv_timeout", 30.0)),
                    path=str(extra.get("path", "auto")),

@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from ..secrets import SECRET_ENV, load_secret
+
 START_TIMEOUT_S = 900.0
 # Two engines on a small CPU: one OpenMP thread each, unbound (vLLM CPU's default binds
 # every engine's threads to the same cores, and they spin against each other).
@@ -63,7 +65,8 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="kvxfer-vllm-demo-")
     model = export_hf(os.path.join(work, "smollm2-hf"), dtype="float32")
     print(f"exported SmolLM2-135M-Instruct to {model}", flush=True)
-    env = dict(os.environ, KVXFER_SECRET=os.environ.get("KVXFER_SECRET") or secrets.token_hex(16),
+    secret = load_secret(default=secrets.token_hex(16)).decode()  # $KVXFER_SECRET, else a fresh one
+    env = dict(os.environ, **{SECRET_ENV: secret},
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     for key, value in SMALL_CPU_ENV.items():
         env.setdefault(key, value)

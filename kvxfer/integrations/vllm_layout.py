@@ -26,7 +26,7 @@ def attention_path(vllm_config, block_size: int, head_dim: int) -> str:
 
 def cpu_layout(kv_caches: dict, vllm_config):
     """``{layer_name: [N, H, B, 2*D] tensor}`` (in layer order) -> KVLayout with the path."""
-    from ..layout import KVLayout
+    from .. import KVLayout
 
     tensors = list(kv_caches.values())
     if not tensors or any(t.dim() != 4 for t in tensors):

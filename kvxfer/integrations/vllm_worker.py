@@ -49,11 +49,12 @@ class WorkerHalf:
 
     # ---- setup -----------------------------------------------------------------------
     def register(self, kv_caches: dict, vllm_config) -> None:
-        from ..agent import Agent
+        from .. import Agent, AgentConfig
         from .vllm_layout import cpu_layout
 
         self.layout = cpu_layout(kv_caches, vllm_config)
         agent = Agent(self.name, listen=self.config.listen, secret=self.config.secret,
+                      config=AgentConfig.from_env(),
                       lease_timeout=self.config.lease_timeout, path=self.config.path,
                       on_release=self._on_release)
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .base import Backend, Capabilities, Connection
 
-__all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS", "vm_copy_limits"]
+__all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS", "vm_copy_limits", "vm_copy_threads"]
 
 BACKENDS = ("auto", "ucx", "vm", "loopback")
 
@@ -60,3 +60,13 @@ def vm_copy_limits() -> dict:
     C = load()
     return {"default_threads": C.VM_DEFAULT_THREADS, "max_threads": C.VM_MAX_THREADS,
             "split_bytes": C.VM_SPLIT_BYTES}
+
+
+def vm_copy_threads(copy_threads: int | None, cores: int) -> int:
+    """Copying threads (the caller included) of one split same-host batch that
+    ``AgentConfig.copy_threads`` (None: the default) gives on ``cores`` cores: csrc's
+    rule (``min(cores, default_threads)``, capped at ``max_threads``), asked of
+    ``kvxfer._C``."""
+    from .._native import load
+
+    return load().vm_resolve_threads(copy_threads or 0, cores)

@@ -115,3 +115,10 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release every registration and endpoint; idempotent."""
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """``with make_backend(...) as b:`` closes ``b`` on the way out."""
+        self.close()

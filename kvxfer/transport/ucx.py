@@ -110,11 +110,13 @@ class UcxBackend(Backend):
         settings = {**UCX_DEFAULTS, **({"NET_DEVICES": net_devices} if net_devices else {}),
                     **config.ucx_settings()}
         native = load()
-        native.set_vm_copy_config(config.copy_threads or 0,
-                                  -1 if config.vm_split_bytes is None else config.vm_split_bytes)
+        # the copy pool is the process's: the first agent that sets copy_threads fixes it,
+        # a different setting later raises ValueError (csrc/vm_copy.h)
+        native.set_vm_copy_threads(config.copy_threads or 0)
+        split = native.VM_SPLIT_BYTES if config.vm_split_bytes is None else config.vm_split_bytes
         self._allow_vm = allow_vm or require_vm
         self._require_vm = require_vm
-        self._engine = native.Engine(self._allow_vm, settings, config.hugepages, config.tcp_lanes)
+        self._engine = native.Engine(self._allow_vm, settings, config.hugepages, config.tcp_lanes, split)
         self.registry = MemoryRegistry(self._engine, pin=pin)
         self._conns: dict[int, UcxConnection] = {}
 
@@ -223,12 +225,6 @@ class UcxBackend(Backend):
     def close(self) -> None:
         self._conns.clear()
         self._engine.close()
-
-    def __enter__(self) -> "UcxBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._engine.closed else f"{len(self._conns)} connections"

@@ -75,6 +75,10 @@ class BlockManager:
         if self._events is None:
             self._events = {}
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now (at most ``num_blocks``)."""
+        return list(self._hash_to_block)
+
     def drain_events(self) -> tuple[list[int], list[int]]:
         """``(stored, removed)``: the hashes that entered and left the cache since the
         last drain (net: a hash is in one list at most). The caller must drain

@@ -11,6 +11,26 @@ from ..model.config import MATMUL_DTYPES, check_positive
 SCHEDULES = ("mixed", "separate")
 
 
+def parse_cpu_group(text: str) -> tuple[int, ...]:
+    """``"0-2,5"`` -> ``(0, 1, 2, 5)``."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list {text!r}: expected e.g. '0', '0-3', '0,2'") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        cpus.extend(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"empty CPU list {text!r}")
+    return tuple(dict.fromkeys(cpus))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Budgets of one engine: KV pool size, batch limits, threads.

@@ -20,7 +20,7 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from kvxfer.layout import KVLayout
+    from kvxfer import KVLayout
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvxfer.layout import KVLayout
+    from kvxfer import KVLayout
 
 
 class KVCache:
@@ -66,7 +66,7 @@ class KVCache:
     def kv_layout(self) -> "KVLayout":
         """The pool as a :class:`kvxfer.KVLayout` (built on first call, then cached)."""
         if self._layout is None:
-            from kvxfer.layout import KVLayout
+            from kvxfer import KVLayout
 
             self._layout = KVLayout.from_tensors(self.tensor, self.DIMS,
                                                  byte_format=self.format_tag)

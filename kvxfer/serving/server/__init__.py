@@ -3,7 +3,7 @@
 ``router`` (HTTP, SSE, ``guard``, ``api``; uvicorn's connection limits in
 ``http_limits``) -> ``dispatch`` (per request) ->
 ``launcher`` (local workers) or ``remote`` (workers found through discovery), over
-``ipc`` / ``netchannel`` messages; ``serve_config`` is the frozen server config;
+the messages of :mod:`kvxfer.serving.channel`; ``serve_config`` is the frozen server config;
 ``rebalancer`` (``--adaptive``) moves workers between prefill and decode as
 ``adaptive_policy`` (a pure function of observed stats) decides.
 """

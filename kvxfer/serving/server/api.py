@@ -175,6 +175,31 @@ def _show(value) -> str:
         return type(value).__name__
 
 
+def field_check(field: str, check):
+    """A pydantic validator of ``field`` (after its type is checked) that returns
+    ``check(value)``; ``check`` raises ValueError for a value the server refuses."""
+    return field_validator(field)(classmethod(lambda cls, value: check(value)))
+
+
+def _check_prompt(value):
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("prompt: an empty list")
+        if not isinstance(value[0], int) and len(value) > MAX_CHOICES:
+            raise ValueError(f"prompt: at most {MAX_CHOICES} prompts in one request")
+    if isinstance(value, str):
+        return check_text(value, "prompt")
+    if value and isinstance(value[0], str):
+        return [check_text(p, "prompt") for p in value]
+    return value
+
+
+def _check_content(value):
+    if isinstance(value, list):
+        value = "".join(part.text for part in value)
+    return check_text(value, "content")
+
+
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
@@ -185,19 +210,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Any = None
     best_of: Any = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_text(cls, value):
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt: an empty list")
-            if not isinstance(value[0], int) and len(value) > MAX_CHOICES:
-                raise ValueError(f"prompt: at most {MAX_CHOICES} prompts in one request")
-        if isinstance(value, str):
-            return check_text(value, "prompt")
-        if value and isinstance(value[0], str):
-            return [check_text(p, "prompt") for p in value]
-        return value
+    _prompt_text = field_check("prompt", _check_prompt)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -226,12 +239,7 @@ class ChatMessage(_Strict):
     audio: Any = None
     annotations: Any = None
 
-    @field_validator("content")
-    @classmethod
-    def _content_text(cls, value):
-        if isinstance(value, list):
-            value = "".join(part.text for part in value)
-        return check_text(value, "content")
+    _content_text = field_check("content", _check_content)
 
     def unsupported(self) -> str | None:
         """The first field set to something this server would ignore, else None."""

@@ -1,7 +1,7 @@
 """Start, watch and stop the worker processes.
 
 Each worker is ``python -m kvxfer.serving.workers`` with one end of a private
-socket pair (:mod:`kvxfer.serving.server.ipc`). The agents' shared secret travels in
+socket pair (:mod:`kvxfer.serving.channel.ipc`). The agents' shared secret travels in
 the child's environment (``KVXFER_AGENT_SECRET``), never on a command line and
 never in a log.
 
@@ -30,8 +30,7 @@ import time
 from typing import Callable
 
 from ...errors import KVXferError
-from ..workers.main import AGENT_SECRET_ENV
-from .ipc import RouterChannel
+from ..channel.ipc import AGENT_SECRET_ENV, RouterChannel
 from .serve_config import ServeConfig, WorkerSpec
 from .worker_ref import WorkerRef, relay_messages
 

@@ -3,7 +3,7 @@
 :class:`RemoteCluster` has the interface of :class:`kvxfer.serving.server.launcher.Cluster`
 (``workers``, ``pick``, ``start``, ``stop``, ``health``) but spawns nothing: it
 watches the discovery prefix (:mod:`kvxfer.discovery`) and connects to each
-published worker's control address (:mod:`kvxfer.serving.server.netchannel`,
+published worker's control address (:mod:`kvxfer.serving.channel.netchannel`,
 authenticated with the shared secret).
 
 - A worker that appears is connected at once and takes requests as soon as its
@@ -15,7 +15,8 @@ authenticated with the shared secret).
 - A worker that stops being published (lease expired: a dead host, a partition)
   is dropped within the lease TTL plus one poll.
 - ``stop()`` closes the connections only: the workers keep running, abort what
-  this router handed them, and a restarted router finds them again.
+  this router handed them, and a restarted router finds them again (and asks each
+  for its prefix cache's hashes, ``op: kv_snapshot``, for the routing index).
 """
 from __future__ import annotations
 
@@ -62,11 +63,11 @@ class RemoteCluster:
 
     def __init__(self, config: ServeConfig, on_message: Callable, on_worker_exit: Callable):
         from ...discovery import open_discovery
-        from ..workers.main import load_secret
+        from ...secrets import load_secret
 
         self.config = config
         self.discovery = open_discovery(config.discovery)
-        self._secret = load_secret(config.secret_file)
+        self._secret = load_secret(config.secret_file, remove=True)
         self._on_message = on_message
         self._on_worker_exit = on_worker_exit
         self._by_key: dict[str, RemoteWorker] = {}
@@ -131,7 +132,7 @@ class RemoteCluster:
                 self._spawn(self._connect(w), f"connect-{key}")
 
     async def _connect(self, w: RemoteWorker) -> None:
-        from .netchannel import connect_worker
+        from ..channel.netchannel import connect_worker
 
         while not self._is_stopping and self._by_key.get(w.key) is w:
             try:
@@ -157,6 +158,7 @@ class RemoteCluster:
             w.is_alive, w.failures, w.connected_at = True, 0, time.monotonic()
             if type(ready.get("num_blocks")) is int and ready["num_blocks"] > 0:
                 self.routing.set_capacity(w.name, ready["num_blocks"])
+            w.send({"op": "kv_snapshot"})  # a running worker's cache, for the routing index
             w.connects += 1
             log.info("worker %s (%s) connected at %s, agent %s", w.name, w.role, w.address,
                      w.agent_address)

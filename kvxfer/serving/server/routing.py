@@ -20,9 +20,10 @@ walks the chain: a worker's *hit* is the length of the longest chain prefix it
 holds. The walk stops at the first hash no candidate holds, so a prompt costs
 one hash per matched block plus one. Bounds: at most ``max_blocks_per_worker``
 hashes a worker (lowered to the worker's ``num_blocks`` by :meth:`set_capacity`;
-a worker's cache never holds more, so a longer stream evicts the worker's oldest
-entries) and at most ``max_workers`` workers, so the index holds at most
-``max_workers * max_blocks_per_worker`` entries.
+a worker's cache never holds more, so a longer stream evicts that worker's
+oldest entries), at most ``max_workers`` workers and at most ``max_entries``
+entries in all (a worker storing past it evicts its own oldest entries, never
+another worker's).
 
 **Policies** (``kvxfer serve --routing``):
 
@@ -43,11 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence as Seq
 
+from ..channel.ipc import MAX_EVENT_HASHES
 from ..engine.block_manager import block_hash
 
-MAX_EVENT_HASHES = 4096  # hashes (stored + removed) in one kv_events message
-MAX_BLOCKS_PER_WORKER = 1 << 20  # index entries of one worker before set_capacity lowers it
+MAX_BLOCKS_PER_WORKER = 1 << 18  # index entries of one worker before set_capacity lowers it
 MAX_WORKERS = 1024  # workers the index tracks at once
+MAX_ENTRIES = 1 << 22  # (worker, hash) entries in all: a few hundred bytes each
 _HASH_LIMIT = 1 << 64  # block_hash is a 64-bit digest
 
 
@@ -80,19 +82,21 @@ class PrefixIndex:
     """Block hash -> the workers whose prefix cache holds it (bounds: module docstring)."""
 
     def __init__(self, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER,
-                 max_workers: int = MAX_WORKERS) -> None:
-        if max_blocks_per_worker <= 0 or max_workers <= 0:
-            raise ValueError("need max_blocks_per_worker > 0 and max_workers > 0, "
-                             f"got {max_blocks_per_worker}, {max_workers}")
+                 max_workers: int = MAX_WORKERS, max_entries: int = MAX_ENTRIES) -> None:
+        if min(max_blocks_per_worker, max_workers, max_entries) <= 0:
+            raise ValueError("need max_blocks_per_worker, max_workers and max_entries > 0, got "
+                             f"{max_blocks_per_worker}, {max_workers}, {max_entries}")
         self.max_blocks_per_worker = max_blocks_per_worker
         self.max_workers = max_workers
+        self.max_entries = max_entries
+        self._num_entries = 0
         self._holders: dict[int, set[str]] = {}
         self._by_worker: dict[str, dict[int, None]] = {}  # insertion order: oldest first
         self._capacity: dict[str, int] = {}
 
     def __len__(self) -> int:
         """Entries (worker, hash) held."""
-        return sum(len(hashes) for hashes in self._by_worker.values())
+        return self._num_entries
 
     def num_blocks(self, worker: str) -> int:
         return len(self._by_worker.get(worker, ()))
@@ -134,6 +138,7 @@ class PrefixIndex:
                 del mine[h]  # stored again: now the newest
             else:
                 self._holders.setdefault(h, set()).add(worker)
+                self._num_entries += 1
             mine[h] = None
         self._trim(worker)
         if not mine:
@@ -161,6 +166,7 @@ class PrefixIndex:
         return out
 
     def _unhold(self, h: int, worker: str) -> None:
+        self._num_entries -= 1
         holders = self._holders[h]
         holders.discard(worker)
         if not holders:
@@ -170,7 +176,8 @@ class PrefixIndex:
         mine = self._by_worker.get(worker)
         if mine is None:
             return
-        cap = self._capacity.get(worker, self.max_blocks_per_worker)
+        cap = min(self._capacity.get(worker, self.max_blocks_per_worker),
+                  self.max_entries - (self._num_entries - len(mine)))
         while len(mine) > cap:
             h = next(iter(mine))
             del mine[h]
@@ -201,11 +208,11 @@ class RoutingPolicy:
     name = ""
 
     def __init__(self, block_size: int, *, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER,
-                 max_workers: int = MAX_WORKERS) -> None:
+                 max_workers: int = MAX_WORKERS, max_entries: int = MAX_ENTRIES) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
-        self.index = PrefixIndex(max_blocks_per_worker, max_workers)
+        self.index = PrefixIndex(max_blocks_per_worker, max_workers, max_entries)
         self.stats = {"routed": 0, "hit_blocks": 0, "prompt_blocks": 0}
 
     def __repr__(self) -> str:
@@ -294,7 +301,7 @@ POLICIES = {p.name: p for p in (LeastLoadedRouting, KVRouting)}
 
 def make_policy(name: str, block_size: int, **knobs) -> RoutingPolicy:
     """The policy ``name`` (``"least-loaded"`` or ``"kv"``) for blocks of ``block_size``
-    tokens. Knobs: ``max_blocks_per_worker``, ``max_workers`` (both); ``load_gap``,
+    tokens. Knobs: ``max_blocks_per_worker``, ``max_workers``, ``max_entries`` (both); ``load_gap``,
     ``min_hit_blocks`` (``kv``). ``ValueError`` for an unknown name, ``TypeError``
     for a knob the policy does not take."""
     cls = POLICIES.get(name)

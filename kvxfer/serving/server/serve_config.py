@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ...secrets import has_secret
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 from .adaptive_policy import AdaptivePolicy
@@ -16,26 +17,6 @@ from .routing import POLICIES as ROUTING_POLICIES
 
 TRANSFER_POLICIES = ("fail", "recompute")
 ENGINES = ("real", "sim")
-
-
-def parse_cpu_group(text: str) -> tuple[int, ...]:
-    """``"0-2,5"`` -> ``(0, 1, 2, 5)``."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise ValueError(f"bad CPU list {text!r}: expected e.g. '0', '0-3', '0,2'") from None
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r} in {text!r}")
-        cpus.extend(range(first, last + 1))
-    if not cpus:
-        raise ValueError(f"empty CPU list {text!r}")
-    return tuple(dict.fromkeys(cpus))
 
 
 @dataclass(frozen=True)
@@ -103,7 +84,7 @@ class ServeConfig:
     sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
 
     def __post_init__(self) -> None:
-        if self.store is not None and not self.discovery and not (self.secret_file or os.environ.get("KVXFER_SECRET")):
+        if self.store is not None and not self.discovery and not has_secret(self.secret_file):
             raise ValueError("--store needs the store nodes' secret: $KVXFER_SECRET or --secret-file")
         if self.store is not None and self.num_colocated:
             raise ValueError("--store: prefill workers use the pool; --colocated has none")

@@ -18,7 +18,7 @@ class WorkerRef:
     def __init__(self, name: str, role: str):
         self.name = name
         self.role = role
-        self.channel = None  # kvxfer.serving.server.ipc.RouterChannel once connected
+        self.channel = None  # kvxfer.serving.channel.ipc.RouterChannel once connected
         self.info: dict = {}
         self.inflight: set[str] = set()
         self.is_alive = False

@@ -2,6 +2,6 @@
 
 Each runs ``python -m kvxfer.serving.workers --role ...`` (see :mod:`.main`),
 owns one model replica and KV pool, and talks to the router over the socket
-pair of :mod:`kvxfer.serving.server.ipc`. Prefill and decode workers each own one
+pair of :mod:`kvxfer.serving.channel.ipc`. Prefill and decode workers each own one
 :class:`kvxfer.Agent`; KV moves between them through it, never through the router.
 """

@@ -11,6 +11,8 @@ since the previous step (``BlockManager.drain_events``) as ``ev: kv_events``
 messages of at most ``MAX_EVENT_HASHES`` hashes, before any token of the step,
 so the router's routing index (:mod:`kvxfer.serving.server.routing`) follows the
 cache and a router that saw a request finish knows the blocks it cached.
+``op: kv_snapshot`` (a router that connects to a running worker) is answered with
+every hash the cache holds, as ``stored`` events.
 
 Role switch (``op: switch_role``, adaptive P/D rebalancing): the worker stops
 taking requests, finishes what it holds, and :meth:`WorkerLoop.run` returns with
@@ -26,13 +28,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..server.routing import MAX_EVENT_HASHES
+from ..channel.ipc import MAX_EVENT_HASHES
 
 if TYPE_CHECKING:
-    from ...agent import Agent
+    from ... import Agent
     from ..engine.runtime import Runtime
-    from ..server.ipc import WorkerChannel
-    from ..server.netchannel import NetWorkerChannel
+    from ..channel.ipc import WorkerChannel
+    from ..channel.netchannel import NetWorkerChannel
 
 log = logging.getLogger("kvxfer.worker")
 
@@ -119,6 +121,9 @@ class WorkerLoop:
             elif not self.is_draining:
                 self.is_draining, self.next_role = True, msg["role"]
             return True
+        if op == "kv_snapshot":
+            self._send_kv_events(self.runtime.blocks.cached_hashes(), [])
+            return True
         if op == "stats":
             info = dict(self.agent.metrics.info) if self.agent is not None else {}
             self.send({"ev": "stats", "qid": msg.get("qid"), "counters": self._all_stats(),
@@ -149,7 +154,9 @@ class WorkerLoop:
         return step
 
     def _publish_kv_events(self) -> None:
-        stored, removed = self.runtime.blocks.drain_events()
+        self._send_kv_events(*self.runtime.blocks.drain_events())
+
+    def _send_kv_events(self, stored: list[int], removed: list[int]) -> None:
         while stored or removed:  # a hash is in one list only: the split order is free
             n = min(len(removed), MAX_EVENT_HASHES)
             msg = {"ev": "kv_events", "stored": stored[:MAX_EVENT_HASHES - n], "removed": removed[:n]}

@@ -7,7 +7,7 @@ the agent, and only then report ``ready`` with the agent's address.
 Two ways to reach the router: ``--ipc-fd`` (spawned by ``kvxfer serve``, a
 private socket pair; the worker exits with its router) or ``--listen HOST:PORT``
 (``kvxfer worker`` on any host: an authenticated TCP channel,
-:mod:`kvxfer.serving.server.netchannel`; the worker outlives routers and, with
+:mod:`kvxfer.serving.channel.netchannel`; the worker outlives routers and, with
 ``--discovery``, publishes itself so routers find it).
 
 The agents' shared secret: ``KVXFER_AGENT_SECRET`` (hex, set by ``kvxfer serve``
@@ -23,29 +23,19 @@ import os
 import queue
 import sys
 
-from ...secrets import MIN_SECRET_BYTES, SECRET_ENV as USER_SECRET_ENV
+from ...secrets import load_secret, normalize_secret
+from ..channel.ipc import AGENT_SECRET_ENV
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 
-AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"  # hex, from kvxfer serve to the workers it spawns
 
-
-def load_secret(secret_file: str | None = None, *, for_store: bool = False) -> bytes:
-    """The deployment's shared secret (see the module docstring); ValueError if absent/short.
+def worker_secret(secret_file: str | None = None, *, for_store: bool = False) -> bytes:
+    """This worker's shared secret (see the module docstring); ValueError if absent/short.
     ``for_store``: the store nodes' secret (``--store``): never ``kvxfer serve``'s per-server
     agent secret, and ``$KVXFER_SECRET`` stays in the environment for the agents' own call."""
     if os.environ.get(AGENT_SECRET_ENV) and not for_store:
-        secret = bytes.fromhex(os.environ.pop(AGENT_SECRET_ENV))
-    elif secret_file:
-        with open(secret_file, "rb") as f:
-            secret = f.read().strip()
-    elif os.environ.get(USER_SECRET_ENV):
-        secret = (os.environ.get if for_store else os.environ.pop)(USER_SECRET_ENV).encode()
-    else:
-        raise ValueError(f"no shared secret: set {USER_SECRET_ENV} or pass --secret-file")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes")
-    return secret
+        return normalize_secret(bytes.fromhex(os.environ.pop(AGENT_SECRET_ENV)))
+    return load_secret(secret_file, remove=not for_store)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,7 +88,7 @@ def pin_threads(cpus: str | None, num_threads: int) -> None:
     """Pin this process to ``cpus`` (a CPU group, e.g. ``"0-3"``) and torch to ``num_threads`` threads."""
     import torch
 
-    from ..server.serve_config import parse_cpu_group
+    from ..engine.config import parse_cpu_group
 
     if cpus:
         os.sched_setaffinity(0, parse_cpu_group(cpus))
@@ -111,9 +101,10 @@ def pin_threads(cpus: str | None, num_threads: int) -> None:
 
 def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.SimpleQueue,
                 secret: bytes, listen: str):
-    from ...agent import Agent
+    from ... import Agent, AgentConfig
 
-    agent = Agent(name, listen=listen, secret=secret, lease_timeout=lease_timeout_s,
+    agent = Agent(name, listen=listen, secret=secret, config=AgentConfig.from_env(),
+                  lease_timeout=lease_timeout_s,
                   on_release=lambda request_id, block_ids, reason: released.put(request_id))
     agent.register_kv(runtime.cache.kv_layout())
     return agent
@@ -125,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(args.nice)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
-    from ..server.ipc import WorkerChannel
+    from ..channel.ipc import WorkerChannel
 
     try:
         # the store's secret first: the agents' call takes the environment's secrets out of it
-        store_secret = load_secret(args.store_secret_file or args.secret_file, for_store=True) if args.store else None
-        secret = load_secret(args.secret_file)
+        store_secret = worker_secret(args.store_secret_file or args.secret_file, for_store=True) if args.store else None
+        secret = worker_secret(args.secret_file)
         if args.listen is not None:
-            from ..server.netchannel import NetWorkerChannel
+            from ..channel.netchannel import NetWorkerChannel
 
             channel = NetWorkerChannel(args.listen, secret)
         else:

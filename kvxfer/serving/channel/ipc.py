@@ -21,6 +21,7 @@ request-scoped message carries ``rid``):
 ``op: shutdown``        any: finish in-flight requests, then exit
 ``op: switch_role``     prefill/decode: finish what it holds, free every KV
                         block, then serve as ``role`` (adaptive rebalancing)
+``op: kv_snapshot``     any: send every hash of the prefix cache (``ev: kv_events``)
 ``ev: ready``           worker is up (``agent_address``, ``num_blocks``, ...)
 ``ev: admitted``        decode: blocks reserved, ``cached_blocks`` reused
 ``ev: token``           a generated token id (``token``), and its ``logprobs``
@@ -33,7 +34,7 @@ request-scoped message carries ``rid``):
 ``ev: role_changed``    answer to ``switch_role`` (``ok``, ``role``, ``error``)
 ``ev: kv_events``       the prefix cache changed: block hashes ``stored``
                         (cached now) and ``removed`` (gone), at most
-                        ``routing.MAX_EVENT_HASHES`` in all (after each step)
+                        ``MAX_EVENT_HASHES`` in all (after each step)
 ======================  =====================================================
 """
 from __future__ import annotations
@@ -49,8 +50,12 @@ from ...errors import ProtocolError
 
 log = logging.getLogger("kvxfer.worker")
 
+# kvxfer serve hands its spawned workers the agents' secret in this variable (hex), never on
+# a command line; the worker takes it out of its environment once read
+AGENT_SECRET_ENV = "KVXFER_AGENT_SECRET"
 IPC_MSG = 0x40  # frame type of a router <-> worker message (agent control types are < 0x40)
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits
+MAX_EVENT_HASHES = 4096  # hashes (stored + removed) in one kv_events message
 
 
 def encode(msg: dict) -> bytes:

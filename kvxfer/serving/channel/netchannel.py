@@ -1,6 +1,6 @@
 """Router <-> worker messaging over TCP, for workers on other hosts (``kvxfer worker``).
 
-The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.server.ipc`,
+The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.channel.ipc`,
 behind a mutual HMAC-SHA256 challenge over the deployment's shared secret (the
 secret never crosses the wire; labels differ from the agents' handshake, so a
 proof cannot be replayed from one protocol into the other)::
@@ -11,7 +11,10 @@ proof cannot be replayed from one protocol into the other)::
                       (or {"auth": "refused"} and close)
 
 Before that exchange a frame may hold at most ``PRE_AUTH_MAX_BYTES`` and the whole
-exchange must finish within ``HANDSHAKE_TIMEOUT_S``. The traffic itself is not
+exchange must finish within ``HANDSHAKE_TIMEOUT_S``. Unauthenticated connections are
+admitted by the agents' gate (:class:`kvxfer.HandshakeGate`: bounded pending slots,
+per source too; a new connection evicts the oldest pending one of the source holding
+the most, so connections that stall in the handshake never lock a router out). The traffic itself is not
 encrypted (as the agents' control traffic): run it on a private network.
 
 :class:`NetWorkerChannel` (worker side) keeps listening: one router at a time,
@@ -33,7 +36,7 @@ import select
 import socket
 import threading
 
-from ...secrets import MIN_SECRET_BYTES
+from ...secrets import normalize_secret
 from ...errors import AuthenticationError, ProtocolError
 from .ipc import RouterChannel, encode, recv_message, recv_message_async
 
@@ -41,13 +44,20 @@ log = logging.getLogger("kvxfer.worker")
 
 PRE_AUTH_MAX_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_PENDING_HANDSHAKES = 8
 HELLO = "kvxfer-worker/1"
 _FINISHING = {"done", "error", "sent", "send_failed"}  # a request's last event on this worker
 
 
 def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+
+
+class _Pending:
+    """A connection still in the handshake: an entry of the :class:`~kvxfer.HandshakeGate`."""
+
+    def __init__(self, sock: socket.socket, source: str):
+        self.sock, self.source = sock, source
+        self.said_hello = False  # the router answered the worker's hello
 
 
 class _Conn:
@@ -59,15 +69,13 @@ class _Conn:
 
 class NetWorkerChannel:
     """Worker end: listens on ``listen`` (``host:port``); same ``inbox``/``send`` as
-    :class:`kvxfer.serving.server.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
+    :class:`kvxfer.serving.channel.ipc.WorkerChannel`. ``set_hello(msg)`` stores the ``ready``
     message every newly connected router receives first."""
 
     def __init__(self, listen: str, secret: bytes):
-        from ...agent.peers import split_address
+        from ... import HandshakeGate, split_address
 
-        if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError("the shared secret must be at least 16 bytes")
-        self._secret = secret
+        self._secret = normalize_secret(secret)
         host, port = split_address(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._lsock = socket.socket(family, socket.SOCK_STREAM)
@@ -83,7 +91,7 @@ class NetWorkerChannel:
         self._hello: dict | None = None
         self._current: _Conn | None = None
         self._lock = threading.Lock()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._gate = HandshakeGate()  # guarded by self._lock
         self._closed = threading.Event()
         self._acceptor = threading.Thread(target=self._accept_loop, name="net-accept", daemon=True)
         self._acceptor.start()
@@ -127,13 +135,16 @@ class NetWorkerChannel:
                 if self._closed.is_set():
                     return
                 continue
-            if not self._pending.acquire(blocking=False):
-                sock.close()  # too many half-open connections: refuse, stay fair to the rest
-                continue
-            threading.Thread(target=self._handshake, args=(sock, f"{addr[0]}:{addr[1]}"),
+            entry = _Pending(sock, addr[0])
+            with self._lock:
+                evicted = self._gate.admit(entry)
+            for old in evicted:  # its handshake thread sees the end of stream and closes it
+                _shutdown(old.sock)
+            threading.Thread(target=self._handshake, args=(entry, f"{addr[0]}:{addr[1]}"),
                              name="net-handshake", daemon=True).start()
 
-    def _handshake(self, sock: socket.socket, peer: str) -> None:
+    def _handshake(self, entry: _Pending, peer: str) -> None:
+        sock = entry.sock
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             nonce_s = os.urandom(32)
@@ -141,6 +152,7 @@ class NetWorkerChannel:
             reply = recv_message(sock, PRE_AUTH_MAX_BYTES)
             if reply is None:
                 raise ProtocolError("router closed during the handshake")
+            entry.said_hello = True
             nonce_r = bytes.fromhex(str(reply.get("nonce", "")))
             got = bytes.fromhex(str(reply.get("mac", "")))
             if len(nonce_r) != 32 or not hmac.compare_digest(
@@ -154,7 +166,8 @@ class NetWorkerChannel:
             sock.close()
             return
         finally:
-            self._pending.release()
+            with self._lock:
+                self._gate.release(entry)
         conn = _Conn(sock, peer)
         with self._lock:
             old, self._current = self._current, conn
@@ -210,7 +223,7 @@ async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> 
     """Router end: connect, prove the secret, check the worker's proof; returns the
     channel and the worker's ``ready`` message. Raises ``OSError``/``asyncio.TimeoutError``,
     :class:`AuthenticationError` or :class:`ProtocolError`."""
-    from ...agent.peers import split_address
+    from ... import split_address
 
     host, port = split_address(address)
 

@@ -129,6 +129,8 @@ class VirtualCluster:
         self._order = itertools.count()
         self.requests: dict[str, _Request] = {}  # unfinished
         self.finished: list[_Request] = []
+        self.rejected: list[_Request] = []  # longer than a worker's pool, as the router refuses
+        self.pool_tokens = engine.num_blocks * engine.block_size
         self.counters = collections.Counter()
         self.recent: collections.deque = collections.deque(maxlen=SLO_WINDOW)
         self.policy_state = PolicyState()
@@ -157,7 +159,11 @@ class VirtualCluster:
         for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it
             self.counters["query_tokens"] += w.runtime.blocks.num_query_tokens
             self.counters["hit_tokens"] += w.runtime.blocks.num_hit_tokens
-        return SimResult([self._record(r) for r in self.finished], dict(self.counters), self.now)
+        records = [self._record(r) for r in self.finished]
+        records += [{"ok": False, "sent_s": r.arrival_s, "input_tokens": len(r.prompt_ids),
+                     "error": f"prompt + max_tokens exceeds a worker's KV pool "
+                              f"({self.pool_tokens} tokens)"} for r in self.rejected]
+        return SimResult(records, dict(self.counters), self.now)
 
     def _record(self, r: _Request) -> dict:
         return {"ok": True, "sent_s": r.arrival_s, "ttft_s": r.token_times[0] - r.arrival_s,
@@ -188,6 +194,11 @@ class VirtualCluster:
             stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
 
     def _arrive(self, r: _Request) -> None:
+        if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
+            self.counters["rejected_too_long"] += 1
+            self.rejected.append(r)
+            self._num_left -= 1
+            return
         self.requests[r.rid] = r
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         if not self.config.is_disaggregated:

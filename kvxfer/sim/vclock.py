@@ -244,6 +244,7 @@ class VirtualCluster:
                 prefill = r.prefill = self._pick("prefill", r.prompt_ids)
             prefill.inflight.add(r.rid)
             pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid)
+            pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
             prefill.runtime.scheduler.add(pseq)
             self._kick(prefill)
         self._publish(worker)

@@ -1,4 +1,4 @@
-"""The ``kvxfer`` command: ``bench``, ``serve``, ``worker``, ``store``, ``loadgen``, ``profile``, ``export-hf``, ``proxy``.
+"""The ``kvxfer`` command: ``bench``, ``serve``, ``worker``, ``store``, ``loadgen``, ``profile``, ``simulate``, ``plan``, ``export-hf``, ``proxy``.
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``,
 which registers its arguments and sets ``func`` (``args -> int`` exit code).
@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # module path, in the order shown by --help
-_COMMANDS = ("kvxfer.cli.bench", "kvxfer.cli.serve", "kvxfer.cli.worker", "kvxfer.cli.store", "kvxfer.cli.loadgen", "kvxfer.cli.profile",
+_COMMANDS = ("kvxfer.cli.bench", "kvxfer.cli.serve", "kvxfer.cli.worker", "kvxfer.cli.store", "kvxfer.cli.loadgen", "kvxfer.cli.profile", "kvxfer.cli.simulate", "kvxfer.cli.plan",
              "kvxfer.cli.export_hf", "kvxfer.cli.proxy")
 
 

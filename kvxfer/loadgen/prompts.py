@@ -32,6 +32,9 @@ above kind began almost live page got earth need far hand high year mother light
 country father let night following picture being study second eyes soon times story
 """.split())
 
+ID_BASE = 256  # prompt_ids start here (past a Llama-family vocabulary's special ids)
+MAX_HASH_ID = 1 << 21  # prompt_ids' hash ids (the conversation trace's reach 182,789)
+
 
 class PromptBuilder:
     """Deterministic prompt text for trace requests (see module doc)."""
@@ -63,6 +66,32 @@ class PromptBuilder:
         return max(1, round(req.output_length * self.output_scale))
 
     def prompt(self, req: TraceRequest) -> str:
+        return " ".join(self.words(req))
+
+    def prompt_ids(self, req: TraceRequest) -> list[int]:
+        """The prompt as token ids, what the virtual clock runs (it has no tokenizer): as
+        many ids as :meth:`prompt` has words, hash id ``h``'s block the run of ids
+        ``ID_BASE + h * n ...`` (``n`` words a block), so equal leading hash ids give equal
+        leading ids and different ones never match. No words are drawn (a replay of
+        thousands of requests builds its prompts in milliseconds)."""
+        want, n = self.num_words(req), self.block_words
+        ids: list[int] = []
+        for hash_id in req.hash_ids:
+            if not 0 <= hash_id < MAX_HASH_ID:
+                raise ValueError(f"trace hash id {hash_id} outside [0, {MAX_HASH_ID})")
+            ids.extend(range(ID_BASE + hash_id * n, ID_BASE + (hash_id + 1) * n))
+            if len(ids) >= want:
+                return ids[:want]
+        # a row with fewer ids than its length needs: ids past every hash id's, unique to it
+        row = hash((req.timestamp_ms, req.input_length, len(req.hash_ids))) % (1 << 10)
+        base = ID_BASE + MAX_HASH_ID * n + row * want
+        if base + want >= 1 << 32:  # the block hash packs ids as 32-bit
+            raise ValueError(f"prompt of {want} tokens at length scale {self.length_scale}: "
+                             "its ids would pass 2**32")
+        ids.extend(range(base, base + want - len(ids)))
+        return ids
+
+    def words(self, req: TraceRequest) -> list[str]:
         want = self.num_words(req)
         words: list[str] = []
         for hash_id in req.hash_ids:
@@ -74,4 +103,4 @@ class PromptBuilder:
         while len(words) < want:
             words.extend(self.block(-1 - hash((req.timestamp_ms, req.input_length, filler)) % (1 << 30)))
             filler += 1
-        return " ".join(words[:want])
+        return words[:want]

@@ -17,6 +17,8 @@ change since the previous drain.
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence as Seq
 
 from kvxfer.errors import KVXferError
@@ -43,8 +45,31 @@ def block_hash(token_ids: Seq[int], prefix_hash: int | None) -> int:
     """Chained 64-bit hash of one full block; stable across processes."""
     h = hashlib.blake2b(digest_size=8)
     h.update((prefix_hash if prefix_hash is not None else 0).to_bytes(8, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # 4 bytes little-endian each
     return int.from_bytes(h.digest(), "little")
+
+
+class HashChain:
+    """The chained hashes of one sequence's full blocks, computed once each.
+
+    A sequence's tokens only grow, so block ``i``'s hash never changes once the block
+    is full: :meth:`upto` extends the memo and returns it. Kept on the sequence
+    (``Sequence.hash_chain``); sequences of one prompt may share one."""
+
+    __slots__ = ("block_size", "hashes")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.hashes: list[int] = []
+
+    def upto(self, token_ids: Seq[int], num_blocks: int) -> list[int]:
+        """The memo, holding at least the hashes of the first ``num_blocks`` full blocks of
+        ``token_ids`` (the sequence's tokens; ``num_blocks`` of them must be full)."""
+        hashes, size = self.hashes, self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(block_hash(token_ids[i * size:(i + 1) * size],
+                                     hashes[-1] if hashes else None))
+        return hashes
 
 
 class BlockManager:
@@ -55,7 +80,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU
+        # insertion order = LRU; an OrderedDict, as taking the oldest of a plain dict
+        # whose head was deleted scans the deleted slots (quadratic over a run)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self._events: dict[int, bool] | None = None  # hash -> in the cache now (since the last drain)
         # prefix-cache effect, summed over allocate(): tokens asked for, tokens found cached
@@ -106,8 +133,34 @@ class BlockManager:
             prev = h
         return ids, hashes
 
+    def chain(self, seq: Sequence) -> HashChain:
+        """``seq``'s :class:`HashChain` for this manager's block size (made on first use)."""
+        chain = seq.hash_chain
+        if chain is None or chain.block_size != self.block_size:
+            chain = seq.hash_chain = HashChain(self.block_size)
+        return chain
+
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """:meth:`match_prefix` of ``seq``'s tokens, its hashes from ``seq``'s chain."""
+        if not self.enable_prefix_caching:
+            return [], []
+        size, tokens = self.block_size, seq.token_ids
+        ids: list[int] = []
+        num_full = (len(tokens) - 1) // size
+        if not num_full:
+            return [], []
+        chain = self.chain(seq)
+        get = self._hash_to_block.get
+        for i in range(num_full):
+            h = chain.upto(tokens, i + 1)[i]
+            bid = get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(tokens[i * size:(i + 1) * size]):
+                break
+            ids.append(bid)
+        return ids, chain.hashes[:len(ids)]
+
     def _blocks_needed(self, seq: Sequence) -> tuple[list[int], list[int], int]:
-        hits, hashes = self.match_prefix(seq.token_ids)
+        hits, hashes = self._match(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return hits, hashes, seq.num_blocks(self.block_size) - len(hits) + revived
 
@@ -179,13 +232,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         size = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // size):
-            tokens = tuple(seq.block_token_ids(i, size))
-            h = block_hash(tokens, seq.block_hashes[-1] if seq.block_hashes else None)
+        num_full = seq.num_computed_tokens // size
+        if len(seq.block_hashes) >= num_full:
+            return
+        hashes = self.chain(seq).upto(seq.token_ids, num_full)
+        for i in range(len(seq.block_hashes), num_full):
+            h = hashes[i]
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids = h, tuple(seq.block_token_ids(i, size))
                 if self._hash_to_block.setdefault(h, block.block_id) == block.block_id \
                         and self._events is not None:
                     self._events[h] = True

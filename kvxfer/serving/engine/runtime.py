@@ -53,10 +53,10 @@ class Step(NamedTuple):
 class Runtime:
     def __init__(self, model: "LlamaModel | None", config: EngineConfig, cache=None):
         """``cache``: the KV pool, by default ``model.kv_cache`` (the simulated engine has
-        no model and passes its own)."""
+        no model and passes its own; the virtual clock has neither: ``cache`` stays None)."""
         self.model = model
         self.config = config
-        self.cache = cache if cache is not None else model.kv_cache
+        self.cache = cache if cache is not None or model is None else model.kv_cache
         # the projections' resolved dtype, reported in the worker's ``ready``
         self.matmul_dtype = model.matmul_dtype if model is not None else ""
         self.blocks = BlockManager(config.num_blocks, config.block_size,

@@ -26,7 +26,8 @@ class Sequence:
     ``block_table[i]`` holds positions ``i*B .. i*B+B-1``. Positions
     ``< num_computed_tokens`` are in the cache; the first ``num_cached_tokens``
     of them came from prefix-cache hits. ``block_hashes[i]`` is the chained
-    hash of full block ``i`` once registered with the block manager.
+    hash of full block ``i`` once registered with the block manager;
+    ``hash_chain`` memoizes every full block's hash, registered or not.
     """
 
     def __init__(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
@@ -35,11 +36,12 @@ class Sequence:
             raise ValueError("a prompt needs at least one token")
         self.request_id = str(next(_ids)) if request_id is None else str(request_id)
         self.params = params if params is not None else SamplingParams()
-        self.token_ids = [int(t) for t in prompt_token_ids]
+        self.token_ids = list(map(int, prompt_token_ids))
         self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        self.hash_chain = None  # BlockManager's HashChain memo of full-block hashes
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None

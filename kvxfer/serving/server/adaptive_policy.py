@@ -158,6 +158,16 @@ def decide(obs: Observation, state: PolicyState, p: AdaptivePolicy) -> tuple[Mov
     return wish, replace(state, wish=None, streak=0)
 
 
+def attainment(recent, slo_ms: tuple[float, float] | None) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) attainment of ``recent`` ``(ttft_s, tpot_s)`` pairs against ``slo_ms``
+    ``(ttft_ms, tpot_ms)``: the shares meeting each; ``(None, None)`` without an SLO or data."""
+    if slo_ms is None or not recent:
+        return None, None
+    ttft_s, tpot_s = slo_ms[0] / 1e3, slo_ms[1] / 1e3
+    n = len(recent)
+    return sum(t <= ttft_s for t, _ in recent) / n, sum(p <= tpot_s for _, p in recent) / n
+
+
 def changed(state: PolicyState, now: float) -> PolicyState:
     """The state after a role change finished at ``now`` (starts the dwell time)."""
     return replace(state, last_change_at=now, wish=None, streak=0)

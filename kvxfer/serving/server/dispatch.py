@@ -57,6 +57,14 @@ class NoWorkerAvailable(KVXferError):
 RETRYABLE_KINDS = ("worker_error", "shutting_down")
 
 
+def prefill_queue_full(prefill_load: int, config: ServeConfig) -> bool:
+    """Conditional disaggregation's router rule: whether a request arriving while the chosen
+    prefill worker holds ``prefill_load`` requests is prefilled on its decode worker instead
+    (``config.local_prefill_queue``; 0: never). Pure: the virtual clock calls it too."""
+    limit = config.local_prefill_queue
+    return bool(limit) and prefill_load >= limit
+
+
 def _usable(worker, role: str) -> bool:
     return (worker is not None and worker.is_alive and worker.role == role
             and not worker.is_switching)
@@ -109,8 +117,7 @@ class Dispatcher:
             decode, prefill = self._pick("decode", prompt_ids), self._pick("prefill", prompt_ids)
             if decode is None or prefill is None:
                 raise NoWorkerAvailable("no live prefill or decode worker")
-            queue_limit = self.config.local_prefill_queue
-            if queue_limit and prefill.load >= queue_limit:  # conditional disaggregation
+            if prefill_queue_full(prefill.load, self.config):  # conditional disaggregation
                 mode = "local"
                 self.m_local_prefills.inc(reason="prefill_queue")
                 st.transfer_settled.set()

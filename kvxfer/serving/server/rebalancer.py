@@ -31,7 +31,8 @@ import collections
 import logging
 import time
 
-from .adaptive_policy import AdaptivePolicy, Move, Observation, PolicyState, changed, decide
+from .adaptive_policy import (AdaptivePolicy, Move, Observation, PolicyState, attainment, changed,
+                              decide)
 
 log = logging.getLogger("kvxfer.serve")
 
@@ -90,12 +91,7 @@ class Rebalancer:
         self.recent.append((st.ttft_s, tpot))
 
     def _attainment(self) -> tuple[float | None, float | None]:
-        if self.slo_ms is None or not self.recent:
-            return None, None
-        ttft_s, tpot_s = self.slo_ms[0] / 1e3, self.slo_ms[1] / 1e3
-        n = len(self.recent)
-        return (sum(t <= ttft_s for t, _ in self.recent) / n,
-                sum(p <= tpot_s for _, p in self.recent) / n)
+        return attainment(self.recent, self.slo_ms)
 
     def serving(self, role: str) -> list:
         return [w for w in self.cluster.role(role) if w.is_alive and not w.is_switching]

@@ -1,0 +1,156 @@
+"""``kvxfer simulate``: replay a trace on simulated clusters on the virtual clock, no processes.
+
+    kvxfer simulate --trace T.jsonl --profile h100-llama2-7b-vidur --config colocated:8 \\
+        --config 2P6D --config conditional:2P6D --config adaptive:2P6D --slo 2500,150 --json s.json
+
+Each ``--config`` (``colocated:N``, ``xPyD``, ``conditional:xPyD``, ``adaptive:xPyD``;
+docs/simulate.md) runs the real scheduler, block manager, router and rebalancer
+decisions with the profile's modelled step and transfer times (:mod:`kvxfer.sim.vclock`).
+Goodput and SLO attainment are ``kvxfer loadgen``'s (:mod:`kvxfer.loadgen.metrics`).
+"""
+from __future__ import annotations
+
+import json
+
+DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
+
+
+def add_common(p) -> None:
+    """The trace, profile, engine and SLO options ``simulate`` and ``plan`` share."""
+    from ..serving.engine.config import EngineConfig
+
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake jsonl trace")
+    p.add_argument("--profile", required=True, help="cost profile: a shipped name or a JSON file")
+    p.add_argument("--start", type=int, default=0, help="first trace line (0-based)")
+    p.add_argument("--max-requests", type=int, default=None, help="at most this many requests")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace timestamps (0.1 = 10x rate)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply input/output lengths (as kvxfer loadgen)")
+    p.add_argument("--routing", choices=("least-loaded", "kv"), default="least-loaded",
+                   help="how the router picks decode/colocated workers")
+    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks,
+                   help="KV blocks per worker")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--json", metavar="FILE", help="write {best, configs: [...]} and the records")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="virtual-clock replay of a trace on simulated clusters",
+                       description=__doc__.splitlines()[0])
+    add_common(p)
+    p.add_argument("--config", action="append", required=True, metavar="CONFIG",
+                   help="colocated:N, xPyD, conditional:xPyD or adaptive:xPyD (repeatable)")
+    p.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS", help="SLO for goodput")
+    p.set_defaults(func=run)
+
+
+def arrivals(args, time_scale: float | None = None) -> list[tuple[float, list[int], int]]:
+    """The trace slice as ``(arrival_s, prompt_ids, max_tokens)``, prompts built as
+    ``kvxfer loadgen`` builds them (:class:`kvxfer.loadgen.prompts.PromptBuilder`)."""
+    from ..loadgen.prompts import PromptBuilder
+    from ..loadgen.trace import read_trace
+
+    scale = args.time_scale if time_scale is None else time_scale
+    if not scale > 0:
+        raise ValueError(f"--time-scale must be > 0, got {scale}")
+    try:
+        reqs = read_trace(args.trace, start=args.start, max_requests=args.max_requests)
+    except OSError as exc:
+        raise ValueError(f"cannot read trace {args.trace}: {exc.strerror}") from None
+    prompts = PromptBuilder(length_scale=args.length_scale)
+    return [(r.timestamp_ms * scale / 1e3, prompts.prompt_ids(r), prompts.max_tokens(r))
+            for r in reqs]
+
+
+def run_config(name: str, args, profile, slo, requests) -> dict:
+    """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
+    "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO."""
+    from ..loadgen.metrics import summarize_run
+    from ..sim.configs import parse_config
+    from ..sim.vclock import simulate
+
+    config = parse_config(name, slo_ms=(slo.ttft_ms, slo.tpot_ms) if slo else None,
+                          num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    result = simulate(config, profile, requests, routing=args.routing)
+    summary = summarize_run(result.records, slo)
+    counts = result.counters
+    return {"name": name, "goodput_rps": summary.get("goodput"),
+            "slo_attainment": summary.get("slo_attainment"),
+            "request_throughput": summary["request_throughput"],
+            "ttft_p50_ms": summary["ttft_ms"]["median"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
+            "tpot_p50_ms": summary["tpot_ms"]["median"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
+            "prefix_hit_ratio": (counts["hit_tokens"] / counts["query_tokens"]
+                                 if counts.get("query_tokens") else 0.0),
+            "virtual_s": result.end_s, "counters": result.counters,
+            "records": result.records}
+
+
+def best_of(rows: list[dict]) -> str:
+    """The name of the row with the highest goodput (request throughput without an SLO)."""
+    key = "goodput_rps" if rows[0]["goodput_rps"] is not None else "request_throughput"
+    return max(rows, key=lambda r: r[key])["name"]
+
+
+def print_rows(title: str, rows: list[dict], best: str) -> None:
+    from .. import report
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    table = [{"config": r["name"] + (" *" if r["name"] == best else ""),
+              "goodput": fmt(r["goodput_rps"], ".3f"),
+              "attain": fmt(None if r["slo_attainment"] is None else 100 * r["slo_attainment"], ".1f"),
+              "rps": f"{r['request_throughput']:.3f}",
+              "ttft50": f"{r['ttft_p50_ms']:.0f}", "ttft99": f"{r['ttft_p99_ms']:.0f}",
+              "tpot50": f"{r['tpot_p50_ms']:.1f}", "tpot99": f"{r['tpot_p99_ms']:.1f}",
+              "hits": f"{100 * r['prefix_hit_ratio']:.1f}"} for r in rows]
+    cols = [("config", "config"), ("goodput req/s", "goodput"), ("SLO met %", "attain"),
+            ("req/s", "rps"), ("TTFT p50 ms", "ttft50"), ("TTFT p99", "ttft99"),
+            ("TPOT p50 ms", "tpot50"), ("TPOT p99", "tpot99"), ("prefix hit %", "hits")]
+    report.print_table(title, cols, table, caption=f"best: {best}")
+
+
+def write_json(path: str, best: str, rows: list[dict], extra: dict) -> None:
+    doc = {"best": best, "configs": rows, **extra}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def load_inputs(args):
+    """(profile, slo or None, requests); ``SystemExit`` with a clear message on bad input."""
+    from ..loadgen.metrics import SLO
+    from ..sim.profile import ProfileError, load_profile
+
+    try:
+        slo = SLO.parse(args.slo) if args.slo else None
+        profile = load_profile(args.profile)
+        requests = arrivals(args)
+    except (ProfileError, ValueError) as exc:
+        raise SystemExit(f"kvxfer {args.command}: {exc}") from None
+    return profile, slo, requests
+
+
+def run(args) -> int:
+    from ..sim.configs import ConfigError, parse_config
+
+    try:
+        for name in args.config:  # every name checked before anything runs
+            parse_config(name)
+    except ConfigError as exc:
+        raise SystemExit(f"kvxfer simulate: {exc}") from None
+    profile, slo, requests = load_inputs(args)
+    try:
+        rows = [run_config(name, args, profile, slo, requests) for name in args.config]
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"kvxfer simulate: {exc}") from None
+    best = best_of(rows)
+    print_rows(f"virtual clock: {len(requests)} requests, profile {profile.name}", rows, best)
+    if args.json:
+        write_json(args.json, best, rows, {"profile": profile.name, "routing": args.routing,
+                                           "slo": args.slo, "num_requests": len(requests)})
+    return 0

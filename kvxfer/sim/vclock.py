@@ -1,0 +1,382 @@
+"""The virtual clock: a cluster of simulated workers in one discrete-event loop, no processes.
+
+:func:`simulate` replays trace requests on the cluster a :class:`ServeConfig` describes
+and returns per-request records in ``kvxfer loadgen``'s form (``sent_s``, ``ttft_s``,
+``e2e_s``, ``output_tokens``, ``ok``, ``tpot_s``), which :func:`kvxfer.loadgen.metrics.summarize_run`
+scores. What runs is the serving code itself, each worker with its own:
+
+- :class:`~kvxfer.serving.engine.runtime.Runtime` step (the real :class:`Scheduler` and
+  :class:`BlockManager`, prefix cache, chunked prefill, preemption), its forward pass
+  replaced by the profile's modelled step time (:class:`VirtualRuntime`);
+- :class:`~kvxfer.sim.link.NicQueue` for the P->D transfer (egress on the prefill worker
+  frees its blocks at the modelled end; ingress on the decode worker, booked when the
+  send is posted, decides when decoding starts: as ``--engine sim`` does);
+
+and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
+or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
+them (:meth:`BlockManager.drain_events`), the conditional
+disaggregation rule (:func:`~kvxfer.serving.server.dispatch.prefill_queue_full`; the decode
+worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and the
+rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
+``policy.interval_s`` of virtual time, a moved worker drained first as the rebalancer does.
+
+Times are virtual seconds from the first arrival. A step changes the scheduler's state
+when it starts and delivers its tokens when it ends. Not modelled: HTTP, IPC and
+tokenization times (the wall-clock engine has them; the validation measures the gap),
+the router's per-message costs, the time a role switch takes.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from ..serving.engine.config import EngineConfig
+from ..serving.engine.runtime import Runtime, finish_reason
+from ..serving.engine.sampling import SamplingParams
+from ..serving.engine.scheduler import ScheduledChunk
+from ..serving.engine.sequence import Sequence, SequenceStatus
+from ..serving.server.adaptive_policy import Observation, PolicyState, attainment, changed, decide
+from ..serving.server.dispatch import prefill_queue_full
+from ..serving.server.rebalancer import SLO_WINDOW
+from ..serving.server.serve_config import ServeConfig
+from ..serving.server.routing import MAX_EVENT_HASHES, make_policy
+from ..serving.server.worker_ref import WorkerRef
+from .link import NicQueue
+from .profile import Profile
+from .runtime import next_token
+
+
+class VirtualRuntime(Runtime):
+    """The engine core with no model and no pool: a step's time is the profile's model
+    (:attr:`last_step_s`), its tokens :func:`kvxfer.sim.runtime.next_token`'s."""
+
+    def __init__(self, config: EngineConfig, profile: Profile) -> None:
+        if config.block_size != profile.block_size:
+            raise ValueError(f"the profile {profile.name!r} was fitted with block size "
+                             f"{profile.block_size}, the engine uses {config.block_size}")
+        super().__init__(None, config)
+        self.profile = profile
+        self.last_step_s = 0.0
+
+    def _forward(self, chunks: list[ScheduledChunk]):
+        self.last_step_s = self.profile.fit.step_seconds((c.num_tokens, c.start) for c in chunks)
+
+        def pick(row: int, seq: Sequence) -> tuple[int, None]:
+            return next_token(seq.token_ids[-1], seq.num_tokens, seq.params.stop_token_ids), None
+
+        return pick
+
+
+class SimWorker(WorkerRef):
+    """One simulated worker: the router's view (:class:`WorkerRef`) and its engine."""
+
+    def __init__(self, name: str, role: str, config: EngineConfig, profile: Profile) -> None:
+        super().__init__(name, role)
+        self.is_alive = True
+        self.runtime = VirtualRuntime(config, profile)
+        self.nic = NicQueue(profile.link)
+        self.is_stepping = False
+        self.admit_queue: collections.deque = collections.deque()  # decode: remote admits
+        self.seqs: dict[str, Sequence] = {}  # what this worker holds, by request id
+        self.busy_s = 0.0
+
+
+@dataclass
+class _Request:
+    rid: str
+    arrival_s: float
+    prompt_ids: list[int]
+    max_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    prefill: SimWorker | None = None
+    decode: SimWorker | None = None
+    cached_blocks: int = 0  # decode worker's prefix hits (blocks not sent)
+    prefill_hit_blocks: int = 0
+    mode: str = "local"
+    kv_transfer_ms: float | None = None
+    done_s: float | None = None
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` measured: per-request records (loadgen's form) and counters."""
+
+    records: list[dict]
+    counters: dict
+    end_s: float
+
+
+class VirtualCluster:
+    """The event loop over the workers of ``config`` (see the module docstring)."""
+
+    def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
+                 **routing_knobs) -> None:
+        self.config = config
+        self.profile = profile
+        self.routing = make_policy(routing, profile.block_size, **routing_knobs)
+        engine = EngineConfig(num_blocks=config.num_blocks, block_size=profile.block_size,
+                              max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              schedule=config.schedule)
+        self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+        for w in self.workers:
+            w.runtime.blocks.record_events()
+            self.routing.set_capacity(w.name, engine.num_blocks)
+        self.now = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+        self.requests: dict[str, _Request] = {}  # unfinished
+        self.finished: list[_Request] = []
+        self.rejected: list[_Request] = []  # longer than a worker's pool, as the router refuses
+        self.pool_tokens = engine.num_blocks * engine.block_size
+        self.counters = collections.Counter()
+        self.recent: collections.deque = collections.deque(maxlen=SLO_WINDOW)
+        self.policy_state = PolicyState()
+        self._switching: SimWorker | None = None
+        self._switch_to: tuple[str, float] | None = None  # (role, abandon at)
+
+    # ---- the loop -----------------------------------------------------------------
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def run(self, arrivals: list[tuple[float, list[int], int]]) -> SimResult:
+        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion."""
+        for i, (t, ids, max_tokens) in enumerate(arrivals):
+            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens))
+        if self.config.adaptive is not None and arrivals:
+            self.at(self.config.adaptive.interval_s, self._observe)
+        self._num_left = len(arrivals)
+        while self._events:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+        stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
+        if self._num_left or stuck:
+            raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
+                               f"(workers with work: {stuck}): a request cannot fit a KV pool "
+                               f"of {self.config.num_blocks} blocks")
+        for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it
+            self.counters["query_tokens"] += w.runtime.blocks.num_query_tokens
+            self.counters["hit_tokens"] += w.runtime.blocks.num_hit_tokens
+        records = [self._record(r) for r in self.finished]
+        records += [{"ok": False, "sent_s": r.arrival_s, "input_tokens": len(r.prompt_ids),
+                     "error": f"prompt + max_tokens exceeds a worker's KV pool "
+                              f"({self.pool_tokens} tokens)"} for r in self.rejected]
+        return SimResult(records, dict(self.counters), self.now)
+
+    def _record(self, r: _Request) -> dict:
+        return {"ok": True, "sent_s": r.arrival_s, "ttft_s": r.token_times[0] - r.arrival_s,
+                "e2e_s": r.token_times[-1] - r.arrival_s, "output_tokens": len(r.token_times),
+                "tpot_s": ((r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
+                           if len(r.token_times) > 1 else None),
+                "input_tokens": len(r.prompt_ids), "mode": r.mode,
+                "cached_blocks": r.cached_blocks, "prefill_hit_blocks": r.prefill_hit_blocks,
+                "kv_transfer_ms": r.kv_transfer_ms,
+                "decode": r.decode.name, "prefill": r.prefill.name if r.prefill else None}
+
+    # ---- the router ---------------------------------------------------------------
+    def role(self, role: str) -> list[SimWorker]:
+        return [w for w in self.workers if w.role == role]
+
+    def _pick(self, role: str, prompt_ids: list[int]) -> SimWorker | None:
+        """The routing policy's pick among the workers of ``role`` taking requests (as
+        :meth:`kvxfer.serving.server.launcher.Cluster.route`)."""
+        live = [w for w in self.role(role) if not w.is_switching]
+        return self.routing.pick(live, prompt_ids) if live else None
+
+    def _publish(self, worker: SimWorker) -> None:
+        """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
+        stored, removed = worker.runtime.blocks.drain_events()
+        while stored or removed:  # in messages of the size the workers send
+            n = min(len(removed), MAX_EVENT_HASHES)
+            self.routing.on_kv_event(worker.name, stored[:MAX_EVENT_HASHES - n], removed[:n])
+            stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
+
+    def _arrive(self, r: _Request) -> None:
+        if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
+            self.counters["rejected_too_long"] += 1
+            self.rejected.append(r)
+            self._num_left -= 1
+            return
+        self.requests[r.rid] = r
+        params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+        if not self.config.is_disaggregated:
+            r.decode = self._pick("colocated", r.prompt_ids)
+            self._admit_local(r, params)
+            return
+        r.decode = self._pick("decode", r.prompt_ids)
+        prefill = self._pick("prefill", r.prompt_ids)
+        if prefill_queue_full(prefill.load, self.config):
+            self.counters["local_prefill_queue"] += 1
+            self._admit_local(r, params)
+            return
+        r.prefill, r.mode = prefill, "remote"
+        r.decode.inflight.add(r.rid)
+        seq = r.decode.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        r.decode.admit_queue.append(seq)
+        self._try_admit_remote(r.decode)
+
+    def _admit_local(self, r: _Request, params: SamplingParams) -> None:
+        worker = r.decode
+        worker.inflight.add(r.rid)
+        seq = worker.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        worker.runtime.scheduler.add(seq)
+        self._kick(worker)
+
+    def _try_admit_remote(self, worker: SimWorker) -> None:
+        """The decode worker's admit queue (as :mod:`kvxfer.serving.workers.decode`)."""
+        blocks = worker.runtime.blocks
+        while worker.admit_queue and blocks.can_allocate(worker.admit_queue[0]):
+            seq = worker.admit_queue.popleft()
+            r = self.requests[seq.request_id]
+            blocks.allocate(seq)
+            seq.status = SequenceStatus.PREFILLING
+            r.cached_blocks = seq.num_cached_tokens // blocks.block_size
+            if seq.num_prompt_tokens - seq.num_cached_tokens < self.config.local_prefill_tokens:
+                worker.runtime.scheduler.add_allocated(seq)
+                r.prefill, r.mode = None, "local"
+                self.counters["local_prefill_tokens"] += 1
+                self._kick(worker)
+                continue
+            prefill = r.prefill
+            if prefill.is_switching:  # as the dispatcher: another one if it is being moved
+                prefill = r.prefill = self._pick("prefill", r.prompt_ids)
+            prefill.inflight.add(r.rid)
+            pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid)
+            pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
+            prefill.runtime.scheduler.add(pseq)
+            self._kick(prefill)
+        self._publish(worker)
+
+    # ---- workers ------------------------------------------------------------------
+    def _kick(self, worker: SimWorker) -> None:
+        """Start ``worker``'s next step if it is idle and has one."""
+        if worker.is_stepping or not worker.runtime.scheduler.has_work():
+            return
+        step = worker.runtime.step()
+        self._publish(worker)
+        if not step.num_tokens:  # nothing fits the free blocks: a finish or free kicks again
+            return
+        worker.is_stepping = True
+        worker.busy_s += worker.runtime.last_step_s
+        self.counters["steps"] += 1
+        self.at(self.now + worker.runtime.last_step_s, self._step_done, worker, step.produced)
+
+    def _step_done(self, worker: SimWorker, produced) -> None:
+        worker.is_stepping = False
+        for seq, token in produced:
+            r = self.requests[seq.request_id]
+            if worker.role == "prefill":
+                self._prefilled(worker, r, seq, token)
+                continue
+            if not r.token_times and r.mode == "local":  # its prefix hits on this worker
+                r.cached_blocks = seq.num_cached_tokens // worker.runtime.block_size
+            seq.token_ids.append(token)
+            r.token_times.append(self.now)
+            reason = finish_reason(seq, token)
+            if reason is not None:
+                worker.runtime.scheduler.finish(seq, reason)
+                self._done(worker, r)
+        self._kick(worker)
+        if worker.admit_queue:
+            self._try_admit_remote(worker)
+
+    def _prefilled(self, worker: SimWorker, r: _Request, seq: Sequence, token: int) -> None:
+        """Token 0 on the prefill worker: streamed at once; the prompt's uncached blocks go
+        to the decode worker over the two NICs (module docstring)."""
+        worker.runtime.scheduler.running.remove(seq)
+        r.token_times.append(self.now)
+        r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
+        num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
+        nbytes = num_blocks * self.profile.block_bytes
+        _, sent_at = worker.nic.reserve(self.now, nbytes)
+        _, landed_at = r.decode.nic.reserve(self.now, nbytes)
+        r.kv_transfer_ms = (sent_at - self.now) * 1e3
+        self.counters["kv_bytes"] += nbytes
+        self.at(sent_at, self._sent, worker, r, seq)
+        self.at(landed_at, self._landed, r, token)
+
+    def _sent(self, worker: SimWorker, r: _Request, seq: Sequence) -> None:
+        worker.runtime.release(seq, "stop")
+        del worker.seqs[r.rid]
+        worker.inflight.discard(r.rid)
+        self._kick(worker)
+        self._maybe_switch(worker)
+
+    def _landed(self, r: _Request, token: int) -> None:
+        worker = r.decode
+        seq = worker.seqs[r.rid]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        worker.runtime.blocks.cache_full_blocks(seq)
+        self._publish(worker)
+        seq.token_ids.append(token)
+        seq.status = SequenceStatus.DECODING
+        if finish_reason(seq, token) is not None:
+            worker.runtime.release(seq, "length")
+            self._done(worker, r)
+            self._try_admit_remote(worker)
+        else:
+            worker.runtime.scheduler.add_running(seq)
+        self._kick(worker)
+
+    def _done(self, worker: SimWorker, r: _Request) -> None:
+        del self.requests[r.rid]
+        del worker.seqs[r.rid]
+        worker.inflight.discard(r.rid)
+        r.done_s = self.now
+        self.finished.append(r)
+        self._num_left -= 1
+        times = r.token_times
+        self.recent.append((times[0] - r.arrival_s,
+                            (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0))
+        self._maybe_switch(worker)
+
+    # ---- the rebalancer -----------------------------------------------------------
+    def _observe(self) -> None:
+        policy = self.config.adaptive
+        if self._num_left:
+            self.at(self.now + policy.interval_s, self._observe)
+        if self._switching is not None:  # one move at a time, as the rebalancer awaits it
+            if self.now >= self._switch_to[1]:  # drain took too long: it stays
+                self._switching.is_switching = False
+                self._switching = None
+            return
+        prefill = [w for w in self.role("prefill") if not w.is_switching]
+        decode = [w for w in self.role("decode") if not w.is_switching]
+        waiting = sum(1 for r in self.requests.values() if not r.token_times)
+        total = sum(w.runtime.blocks.num_blocks for w in decode)
+        free = sum(w.runtime.blocks.num_free_blocks for w in decode)
+        ttft_att, tpot_att = attainment(self.recent, self.config.adaptive_slo_ms)
+        obs = Observation(self.now, len(prefill), len(decode), waiting,
+                          len(self.requests) - waiting, kv_use=(total - free) / total if total else 0.0,
+                          ttft_attainment=ttft_att, tpot_attainment=tpot_att)
+        move, self.policy_state = decide(obs, self.policy_state, policy)
+        if move is None:
+            return
+        candidates = [w for w in self.role(move.src) if not w.is_switching]
+        if len(candidates) < 2:
+            return
+        worker = min(candidates, key=lambda w: w.load)
+        worker.is_switching = True
+        self._switching, self._switch_to = worker, (move.dst, self.now + policy.drain_timeout_s)
+        self.counters[f"move_{move.src}_to_{move.dst}"] += 1
+        self._maybe_switch(worker)
+
+    def _maybe_switch(self, worker: SimWorker) -> None:
+        """A drained worker being moved takes its new role (its pool is all free)."""
+        if worker is not self._switching or worker.inflight or worker.seqs:
+            return
+        worker.role = self._switch_to[0]
+        worker.is_switching = False
+        self._switching = None
+        self.policy_state = changed(self.policy_state, self.now)
+        self.counters["role_changes"] += 1
+
+
+def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
+             *, routing: str = "least-loaded", **routing_knobs) -> SimResult:
+    """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
+    cluster ``config`` describes, on the virtual clock, the router's picks by the routing
+    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`)."""
+    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals)

@@ -1,0 +1,247 @@
+"""The virtual clock (kvxfer simulate / kvxfer plan): configuration names, prompt ids,
+modelled times, routing and rebalancing on the real serving classes, the CLIs' JSON."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer.cli.plan import search, split_grid
+from kvxfer.loadgen.prompts import PromptBuilder
+from kvxfer.loadgen.trace import TraceRequest
+from kvxfer.sim.configs import ConfigError, configs_for, parse_config
+from kvxfer.sim.cost_model import StepCostModel
+from kvxfer.sim.link import Link
+from kvxfer.sim.profile import Profile
+from kvxfer.sim.vclock import simulate
+
+FIT = StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-3, 1e-6))  # a, b, c (prefill); a, d, e (decode)
+LINK = Link(1e9, 1e-5, "test")
+
+
+def _profile(**kw) -> Profile:
+    args = dict(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
+                kv_bytes_per_token=1024, fit=FIT, link=LINK, source="s", licence="MIT")
+    args.update(kw)
+    return Profile(**args)
+
+
+def _conversations(num_convs: int, turns: int, *, gap_s: float = 0.5, out: int = 8,
+                   blocks_per_turn: int = 2, length_scale: float = 1 / 16):
+    """Multi-turn chats: turn k of a conversation repeats its first k turns' hash ids."""
+    builder = PromptBuilder(length_scale=length_scale)  # 32 ids a hash block
+    arrivals = []
+    for turn in range(turns):
+        for c in range(num_convs):
+            ids = tuple(1000 * c + i for i in range(blocks_per_turn * (turn + 1)))
+            req = TraceRequest(0.0, len(ids) * 512 - 100, out * 16, ids)
+            t = (turn * num_convs + c) * gap_s
+            arrivals.append((t, builder.prompt_ids(req), builder.max_tokens(req)))
+    return arrivals
+
+
+# ---- configuration names ---------------------------------------------------------
+def test_config_names_parse_to_serve_configs():
+    c = parse_config("colocated:8")
+    assert (c.num_colocated, c.num_prefill, c.num_decode) == (8, 0, 0) and not c.is_disaggregated
+    c = parse_config("2P6D", num_blocks=64)
+    assert (c.num_prefill, c.num_decode, c.num_blocks, c.local_prefill_queue) == (2, 6, 64, 0)
+    c = parse_config("Conditional:2p6d")
+    assert c.local_prefill_tokens > 0 and c.local_prefill_queue > 0
+    c = parse_config("adaptive:1P2D", slo_ms=(2500.0, 150.0))
+    assert c.adaptive is not None and c.adaptive_slo_ms == (2500.0, 150.0)
+
+
+@pytest.mark.parametrize("name", ["colocated:0", "colocated:x", "3X", "0P2D", "2P0D",
+                                  "mixed:2P2D", "colocated:2P2D", "adaptive:1P1D", ""])
+def test_bad_config_names_raise_config_error(name):
+    with pytest.raises(ConfigError):
+        parse_config(name)
+    with pytest.raises(ValueError):  # ConfigError is a ValueError too
+        parse_config(name)
+
+
+def test_config_name_types_and_the_sweep():
+    with pytest.raises(TypeError):
+        parse_config(8)
+    assert configs_for(1) == ["colocated:1"]
+    assert configs_for(2) == ["colocated:2", "1P1D", "conditional:1P1D"]
+    names = configs_for(16)
+    assert len(names) == 1 + 3 * 15 and "adaptive:8P8D" in names and len(set(names)) == len(names)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError):
+            configs_for(bad)
+
+
+# ---- prompts ---------------------------------------------------------------------
+def test_prompt_ids_share_prefixes_as_hash_ids_do():
+    pb = PromptBuilder(length_scale=0.1)  # 51 ids a hash block
+    a = TraceRequest(0.0, 1400, 10, (5, 6, 7))
+    b = TraceRequest(1.0, 1500, 10, (5, 6, 9))
+    c = TraceRequest(2.0, 4000, 10, (5,))  # fewer ids than its length: padded, unique to it
+    ia, ib, ic = pb.prompt_ids(a), pb.prompt_ids(b), pb.prompt_ids(c)
+    assert (len(ia), len(ib), len(ic)) == (pb.num_words(a), pb.num_words(b), pb.num_words(c))
+    assert ia[:102] == ib[:102] and ia[102] != ib[102]
+    assert ic[:51] == ia[:51] and not set(ic[51:]) & set(ia) and len(set(ic)) == len(ic)
+    assert PromptBuilder(length_scale=0.1).prompt_ids(a) == ia  # deterministic
+    assert len(pb.prompt(a).split(" ")) == len(ia)  # as many ids as the text has words
+    with pytest.raises(ValueError):
+        pb.prompt_ids(TraceRequest(0.0, 10, 1, (1 << 40,)))
+
+
+# ---- the event loop --------------------------------------------------------------
+def test_every_request_gets_max_tokens_and_runs_are_deterministic():
+    arrivals = _conversations(4, 3)
+    for name in ("colocated:2", "1P1D", "conditional:1P2D", "adaptive:1P2D"):
+        config = parse_config(name, num_blocks=256)
+        res = simulate(config, _profile(), arrivals)
+        assert len(res.records) == len(arrivals) and all(r["ok"] for r in res.records)
+        want = sorted(m for _, _, m in arrivals)
+        assert sorted(r["output_tokens"] for r in res.records) == want
+        assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in res.records)
+        assert simulate(config, _profile(), arrivals).records == res.records, name
+
+
+def test_modelled_times_of_one_disaggregated_request():
+    prompt = list(range(1000, 1064))  # 64 tokens: 4 blocks, one prefill step
+    res = simulate(parse_config("1P1D"), _profile(), [(0.0, prompt, 3)])
+    (rec,) = res.records
+    prefill_s = 0.01 + 1e-4 * 64  # a + b * tokens (c = 0)
+    assert rec["ttft_s"] == pytest.approx(prefill_s)
+    transfer_s = LINK.seconds(4 * 16 * 1024)  # the real model's bytes of 4 blocks
+    assert rec["kv_transfer_ms"] == pytest.approx(transfer_s * 1e3)
+    assert res.counters["kv_bytes"] == 4 * 16 * 1024
+    decode_s = [0.005 + 1e-3 + 1e-6 * ctx for ctx in (65, 66)]  # a + d * batch + e * context
+    assert rec["e2e_s"] == pytest.approx(prefill_s + transfer_s + sum(decode_s))
+    assert rec["mode"] == "remote" and rec["prefill"] == "prefill-0"
+
+
+def test_transfers_sharing_a_nic_queue_behind_each_other():
+    prompts = [list(range(10_000 * k, 10_000 * k + 64)) for k in (1, 2)]
+    slow = _profile(link=Link(1e6, 0.0, "slow"))  # 65 ms a transfer
+    res = simulate(parse_config("1P1D"), slow, [(0.0, p, 2) for p in prompts])
+    times = sorted(r["kv_transfer_ms"] for r in res.records)
+    assert times[0] == pytest.approx(65.536) and times[1] > times[0] + 40  # waited on the egress
+
+
+def test_a_request_longer_than_a_pool_is_refused_not_stuck():
+    long_prompt = list(range(5000, 5000 + 40 * 16))
+    res = simulate(parse_config("1P1D", num_blocks=32), _profile(),
+                   [(0.0, long_prompt, 4), (0.1, list(range(64)), 4)])
+    bad = [r for r in res.records if not r["ok"]]
+    assert len(bad) == 1 and "KV pool" in bad[0]["error"] and res.counters["rejected_too_long"] == 1
+    assert sum(r["ok"] for r in res.records) == 1
+
+
+def test_kv_routing_follows_cached_prefixes():
+    # requests overlap, so least-loaded spreads a conversation's turns over the workers
+    arrivals = _conversations(6, 4, gap_s=0.01, out=32)  # 6 chats over 4 workers
+    config = parse_config("colocated:4", num_blocks=512)
+    ratios = {}
+    for routing in ("least-loaded", "kv"):
+        c = simulate(config, _profile(), arrivals, routing=routing).counters
+        ratios[routing] = c["hit_tokens"] / c["query_tokens"]
+    assert ratios["kv"] >= 2 * ratios["least-loaded"] and ratios["kv"] > 0.5, ratios
+
+
+def test_kv_routing_gives_way_to_load():
+    # every request shares one prefix; arriving at once, they would pile on one worker
+    arrivals = _conversations(1, 1, out=4) * 12
+    arrivals = [(0.001 * i, ids, m) for i, (_, ids, m) in enumerate(arrivals)]
+    res = simulate(parse_config("colocated:4", num_blocks=512), _profile(), arrivals,
+                   routing="kv", load_gap=2)
+    assert len({r["decode"] for r in res.records}) >= 3
+
+
+def test_adaptive_moves_a_worker_when_the_mix_shifts():
+    # long prompts with one token each: the prefill side is the bottleneck
+    pb = PromptBuilder(length_scale=1.0)
+    arrivals = [(0.05 * i, pb.prompt_ids(TraceRequest(0.0, 1000, 1, (50_000 + i,))), 1)
+                for i in range(200)]
+    # decode pools big enough to stay cool while they hold the admitted requests' blocks
+    res = simulate(parse_config("adaptive:1P3D", num_blocks=4096), _profile(), arrivals)
+    assert res.counters.get("move_decode_to_prefill", 0) >= 1 and res.counters["role_changes"] >= 1
+    static = simulate(parse_config("1P3D", num_blocks=4096), _profile(), arrivals)
+    assert static.counters.get("role_changes", 0) == 0
+    p50 = sorted(r["ttft_s"] for r in res.records)[100]
+    assert p50 < sorted(r["ttft_s"] for r in static.records)[100]
+
+
+# ---- kvxfer plan's search ----------------------------------------------------------
+def test_split_grid_spans_the_splits():
+    assert split_grid(2) == [1] and split_grid(4) == [1, 2, 3]
+    assert split_grid(16) == [1, 4, 8, 12, 15] and split_grid(7) == [1, 2, 4, 5, 6]
+
+
+@pytest.mark.parametrize("peak", [1, 5, 11, 15])
+def test_search_finds_the_best_split_of_a_unimodal_goodput(peak):
+    runs = []
+
+    def evaluate(names):
+        runs.extend(names)
+        rows = []
+        for n in names:
+            x = int(n.split(":")[-1].split("P")[0]) if "P" in n else 0
+            g = 0.5 if n.startswith("colocated") else 10 - abs(x - peak)
+            rows.append({"name": n, "goodput_rps": g + (0.1 if n.startswith("conditional") else 0)})
+        return rows
+
+    rows = search(16, evaluate, variants=2)
+    best = max(rows, key=lambda r: r["goodput_rps"])
+    assert best["name"] == f"conditional:{peak}P{16 - peak}D"
+    assert len(runs) == len(set(runs)) and len(runs) <= 16  # of 46
+
+
+# ---- the CLIs ----------------------------------------------------------------------
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with open(path, "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"timestamp": 400 * i, "input_length": 900 + 37 * i,
+                                "output_length": 40, "hash_ids": [i % 3, 100 + i]}) + "\n")
+    return path
+
+
+def _kvxfer(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvxfer.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_simulate_cli_writes_the_json_schema(trace, tmp_path):
+    out = tmp_path / "s.json"
+    p = _kvxfer("simulate", "--trace", trace, "--profile", "cpu-smollm2", "--length-scale", "0.1",
+                "--config", "colocated:2", "--config", "1P1D", "--slo", "5000,400",
+                "--num-blocks", "128", "--json", out)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    assert [c["name"] for c in doc["configs"]] == ["colocated:2", "1P1D"]
+    assert doc["best"] == max(doc["configs"], key=lambda c: c["goodput_rps"])["name"]
+    for c in doc["configs"]:
+        assert 0 <= c["slo_attainment"] <= 1 and c["goodput_rps"] >= 0
+        assert len(c["records"]) == 24
+    bad = _kvxfer("simulate", "--trace", trace, "--profile", "cpu-smollm2", "--config", "9Q")
+    assert bad.returncode != 0 and "unknown configuration" in bad.stderr
+    missing = _kvxfer("simulate", "--trace", tmp_path / "nope.jsonl", "--profile", "cpu-smollm2",
+                      "--config", "1P1D")
+    assert missing.returncode != 0 and "cannot read trace" in missing.stderr
+
+
+def test_plan_cli_prunes_and_agrees_with_the_exhaustive_sweep(trace, tmp_path):
+    common = ("plan", "--trace", trace, "--profile", "cpu-smollm2", "--length-scale", "0.1",
+              "--slo", "5000,400", "--gpus", "4", "--num-blocks", "128", "--jobs", "2")
+    docs = {}
+    for mode in ("pruned", "exhaustive"):
+        out = tmp_path / f"{mode}.json"
+        p = _kvxfer(*common, *(["--exhaustive"] if mode == "exhaustive" else []), "--json", out)
+        assert p.returncode == 0, p.stderr
+        docs[mode] = json.loads(out.read_text())
+    assert len(docs["exhaustive"]["configs"]) == len(configs_for(4))
+    assert docs["pruned"]["runs"] <= len(configs_for(4))
+    full = {c["name"]: c["goodput_rps"] for c in docs["exhaustive"]["configs"]}
+    for c in docs["pruned"]["configs"]:  # the same runs give the same figures
+        assert c["goodput_rps"] == full[c["name"]]
+    assert full[docs["pruned"]["best"]] >= 0.95 * max(full.values())

@@ -245,3 +245,20 @@ def test_plan_cli_prunes_and_agrees_with_the_exhaustive_sweep(trace, tmp_path):
     for c in docs["pruned"]["configs"]:  # the same runs give the same figures
         assert c["goodput_rps"] == full[c["name"]]
     assert full[docs["pruned"]["best"]] >= 0.95 * max(full.values())
+
+
+def test_simulate_reads_the_slice_as_loadgen_does(trace):
+    from argparse import Namespace
+
+    from kvxfer.cli.simulate import arrivals
+
+    base = dict(trace=str(trace), start=2, max_requests=10, time_scale=0.5, length_scale=0.1,
+                output_scale=0.5, arrival_jitter_ms=0.0, seed=0)
+    plain = arrivals(Namespace(**base))
+    assert [t for t, _, _ in plain] == pytest.approx([0.2 * i for i in range(10)])  # 400 ms, x0.5
+    assert all(m == 20 for _, _, m in plain)  # 40 output tokens x0.5
+    spread = arrivals(Namespace(**{**base, "arrival_jitter_ms": 300.0, "seed": 1}))
+    times = [t for t, _, _ in spread]
+    assert times == sorted(times) and times != [t for t, _, _ in plain]
+    assert all(0 <= a - b < 0.15 for a, b in zip(times, [t for t, _, _ in plain]))
+    assert arrivals(Namespace(**{**base, "arrival_jitter_ms": 300.0, "seed": 1})) == spread

@@ -27,6 +27,11 @@ def add_common(p) -> None:
                    help="multiply trace timestamps (0.1 = 10x rate)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply input/output lengths (as kvxfer loadgen)")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help="multiply output lengths instead (default: --length-scale)")
+    p.add_argument("--arrival-jitter-ms", type=float, default=0.0, metavar="MS",
+                   help="spread each arrival within a window, as kvxfer loadgen (--seed)")
+    p.add_argument("--seed", type=int, default=0, help="jitter seed, as kvxfer loadgen")
     p.add_argument("--routing", choices=("least-loaded", "kv"), default="least-loaded",
                    help="how the router picks decode/colocated workers")
     p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks,
@@ -51,7 +56,7 @@ def arrivals(args, time_scale: float | None = None) -> list[tuple[float, list[in
     """The trace slice as ``(arrival_s, prompt_ids, max_tokens)``, prompts built as
     ``kvxfer loadgen`` builds them (:class:`kvxfer.loadgen.prompts.PromptBuilder`)."""
     from ..loadgen.prompts import PromptBuilder
-    from ..loadgen.trace import read_trace
+    from ..loadgen.trace import jitter, read_trace
 
     scale = args.time_scale if time_scale is None else time_scale
     if not scale > 0:
@@ -60,7 +65,9 @@ def arrivals(args, time_scale: float | None = None) -> list[tuple[float, list[in
         reqs = read_trace(args.trace, start=args.start, max_requests=args.max_requests)
     except OSError as exc:
         raise ValueError(f"cannot read trace {args.trace}: {exc.strerror}") from None
-    prompts = PromptBuilder(length_scale=args.length_scale)
+    if args.arrival_jitter_ms:  # as kvxfer loadgen spreads them (sorted by the new time)
+        reqs = jitter(reqs, args.arrival_jitter_ms, seed=args.seed)
+    prompts = PromptBuilder(length_scale=args.length_scale, output_scale=args.output_scale)
     return [(r.timestamp_ms * scale / 1e3, prompts.prompt_ids(r), prompts.max_tokens(r))
             for r in reqs]
 

@@ -213,7 +213,7 @@ def _plot(folder: str, curves: dict[str, list[dict]], target: float) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("kvxfer plan: --plot needs matplotlib (pip install 'kvxfer[sim]')") from None
+        raise SystemExit("kvxfer plan: --plot needs matplotlib (pip install 'kvxfer[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

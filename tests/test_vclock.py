@@ -262,3 +262,15 @@ def test_simulate_reads_the_slice_as_loadgen_does(trace):
     assert times == sorted(times) and times != [t for t, _, _ in plain]
     assert all(0 <= a - b < 0.15 for a, b in zip(times, [t for t, _, _ in plain]))
     assert arrivals(Namespace(**{**base, "arrival_jitter_ms": 300.0, "seed": 1})) == spread
+
+
+def test_the_table_prints_without_rich(monkeypatch, capsys):
+    from kvxfer.cli.simulate import print_rows
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # rich is in the bench extra only
+    row = {"name": "colocated:2", "goodput_rps": 1.5, "slo_attainment": 0.75,
+           "request_throughput": 2.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 900.0,
+           "tpot_p50_ms": 5.0, "tpot_p99_ms": 9.0, "prefix_hit_ratio": 0.25}
+    print_rows("title", [row], "colocated:2")
+    out = capsys.readouterr().out
+    assert "colocated:2 *" in out and "1.500" in out and "75.0" in out and "best: colocated:2" in out

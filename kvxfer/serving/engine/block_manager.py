@@ -113,25 +113,27 @@ class BlockManager:
         stored = [h for h, is_in in events.items() if is_in]
         return stored, [h for h, is_in in events.items() if not is_in]
 
-    def match_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: Seq[int],
+                     chain: HashChain | None = None) -> tuple[list[int], list[int]]:
         """Cached blocks holding a prefix of ``token_ids``: ``(block_ids, hashes)``.
 
         The last token is never covered, so a prefill always has a token to run.
+        ``chain``: the tokens' :class:`HashChain` (each hash computed once; a fresh one
+        if None). Hashes are computed only as far as the match goes.
         """
         if not self.enable_prefix_caching:
             return [], []
-        ids, hashes, prev = [], [], None
         size = self.block_size
+        if chain is None:
+            chain = HashChain(size)
+        ids: list[int] = []
+        get = self._hash_to_block.get
         for i in range((len(token_ids) - 1) // size):
-            tokens = tuple(token_ids[i * size:(i + 1) * size])
-            h = block_hash(tokens, prev)
-            bid = self._hash_to_block.get(h)
-            if bid is None or self.blocks[bid].token_ids != tokens:
+            bid = get(chain.upto(token_ids, i + 1)[i])
+            if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * size:(i + 1) * size]):
                 break
             ids.append(bid)
-            hashes.append(h)
-            prev = h
-        return ids, hashes
+        return ids, chain.hashes[:len(ids)]
 
     def chain(self, seq: Sequence) -> HashChain:
         """``seq``'s :class:`HashChain` for this manager's block size (made on first use)."""
@@ -140,27 +142,8 @@ class BlockManager:
             chain = seq.hash_chain = HashChain(self.block_size)
         return chain
 
-    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """:meth:`match_prefix` of ``seq``'s tokens, its hashes from ``seq``'s chain."""
-        if not self.enable_prefix_caching:
-            return [], []
-        size, tokens = self.block_size, seq.token_ids
-        ids: list[int] = []
-        num_full = (len(tokens) - 1) // size
-        if not num_full:
-            return [], []
-        chain = self.chain(seq)
-        get = self._hash_to_block.get
-        for i in range(num_full):
-            h = chain.upto(tokens, i + 1)[i]
-            bid = get(h)
-            if bid is None or self.blocks[bid].token_ids != tuple(tokens[i * size:(i + 1) * size]):
-                break
-            ids.append(bid)
-        return ids, chain.hashes[:len(ids)]
-
     def _blocks_needed(self, seq: Sequence) -> tuple[list[int], list[int], int]:
-        hits, hashes = self._match(seq)
+        hits, hashes = self.match_prefix(seq.token_ids, self.chain(seq))
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return hits, hashes, seq.num_blocks(self.block_size) - len(hits) + revived
 

@@ -29,31 +29,38 @@ CONFIGS = {"1P1D": ["--prefill", "1", "--decode", "1", "--cpus", "0", "1", "--th
            "2P1D": ["--prefill", "2", "--decode", "1", "--cpus", "0-1", "--threads", "1"]}
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300, num_workers: int = 0) -> None:
+    """Until ``url``'s /health says ok with at least ``num_workers`` workers; RuntimeError if
+    the server exits, TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kvxfer serve exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if json.load(r).get("status") == "ok":
-                    return
+                doc = json.load(r)
+            if doc.get("status") == "ok" and len(doc.get("workers", ())) >= num_workers:
+                return
         except OSError:
             pass
         time.sleep(1)
-    raise TimeoutError("server not healthy")
+    raise TimeoutError(f"server not healthy within {timeout:.0f} s")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (from /proc; clock ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (from /proc; clock ticks); NaN once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _worker_pids(url: str) -> dict[str, int]:
+def worker_pids(url: str) -> dict[str, int]:
+    """``{worker name: pid}`` from ``url``'s /health (workers without a pid left out)."""
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
-        return {w["name"]: w["pid"] for w in json.load(r)["workers"]}
+        return {w["name"]: w["pid"] for w in json.load(r)["workers"] if w.get("pid")}
 
 
 def _metrics(url: str) -> str:
@@ -70,9 +77,9 @@ def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: st
     # get a new scheduler autogroup, where the caller's nice value does not apply
     proc = subprocess.Popen(cmd, process_group=0, stdin=subprocess.DEVNULL)
     try:
-        _wait_healthy(url, proc)
-        pids = _worker_pids(url)
-        cpu0 = {"router": _cpu_seconds(proc.pid), **{n: _cpu_seconds(p) for n, p in pids.items()}}
+        wait_healthy(url, proc)
+        pids = worker_pids(url)
+        cpu0 = {"router": cpu_seconds(proc.pid), **{n: cpu_seconds(p) for n, p in pids.items()}}
         load0 = os.getloadavg()[0]
         path = os.path.join(out_dir, f"{label}.json")
         began = time.monotonic()
@@ -80,8 +87,8 @@ def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: st
                         "--label", label, "--json", path, "--no-progress", *loadgen_args],
                        check=False, timeout=1800)
         wall = time.monotonic() - began
-        cpu = {"router": _cpu_seconds(proc.pid) - cpu0["router"],
-               **{n: _cpu_seconds(p) - cpu0[n] for n, p in pids.items()}}
+        cpu = {"router": cpu_seconds(proc.pid) - cpu0["router"],
+               **{n: cpu_seconds(p) - cpu0[n] for n, p in pids.items()}}
         metrics = _metrics(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -56,8 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvxfer.loadgen.metrics import SLO, summarize_run  # noqa: E402
 from kvxfer.loadgen.prompts import PromptBuilder  # noqa: E402
-from kvxfer.loadgen.trace import jitter, read_trace  # noqa: E402
+from kvxfer.loadgen.trace import read_trace  # noqa: E402
 from kvxfer.sim import configs as sim_configs  # noqa: E402
+from sim_validate import cpu_seconds, wait_healthy, worker_pids  # noqa: E402  (benchmarks/)
 
 DEFAULT_CONFIGS = ("colocated:8", "2P6D", "conditional:2P6D", "adaptive:2P6D")
 _LIVE: list[subprocess.Popen] = []  # servers to kill on exit
@@ -95,37 +96,6 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _on_signal(signum, frame):
     raise SystemExit(f"signal {signum}")
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, num_workers: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvxfer serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                doc = json.load(r)
-            if doc.get("status") == "ok" and len(doc.get("workers", ())) >= num_workers:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server not healthy within {timeout:.0f} s")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (from /proc; clock ticks)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _worker_pids(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(url + "/health", timeout=5) as r:
-        return {w["name"]: w["pid"] for w in json.load(r)["workers"] if w.get("pid")}
 
 
 def _per_worker(url: str) -> dict[str, dict[str, float]]:
@@ -191,10 +161,10 @@ def wall_run(name: str, args, engine: list[str], loadgen: list[str], out_dir: st
     _LIVE.append(proc)
     try:
         began = time.monotonic()
-        _wait_healthy(url, proc, num_workers, args.start_timeout)
+        wait_healthy(url, proc, args.start_timeout, num_workers)
         started_s = time.monotonic() - began
-        pids = {"router": proc.pid, **_worker_pids(url)}
-        cpu0 = {n: _cpu_seconds(p) for n, p in pids.items()}
+        pids = {"router": proc.pid, **worker_pids(url)}
+        cpu0 = {n: cpu_seconds(p) for n, p in pids.items()}
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         load0 = os.getloadavg()
         sampler = _Sampler(url, args.sample_period) if args.sample_period else None
@@ -207,7 +177,7 @@ def wall_run(name: str, args, engine: list[str], loadgen: list[str], out_dir: st
                             check=False, timeout=args.run_timeout).returncode
         wall = time.monotonic() - began
         children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = {n: _cpu_seconds(p) - cpu0[n] for n, p in pids.items()}
+        cpu = {n: cpu_seconds(p) - cpu0[n] for n, p in pids.items()}
         cpu["loadgen"] = (children1.ru_utime + children1.ru_stime
                           - children0.ru_utime - children0.ru_stime)
         load1 = os.getloadavg()
@@ -263,14 +233,14 @@ def fit_slice(args, path: str) -> dict:
 
 
 def arrivals(args) -> list[tuple[float, list[int], int]]:
-    """The slice as loadgen sends it: same jitter, time scale, lengths; prompts as ids."""
-    reqs = read_trace(args.slice, max_requests=args.max_requests)
-    if args.arrival_jitter_ms:
-        reqs = jitter(reqs, args.arrival_jitter_ms, seed=args.seed)
-    prompts = PromptBuilder(length_scale=args.length_scale, output_scale=args.output_scale,
-                            seed=args.seed)
-    return [(r.timestamp_ms / 1e3 * args.time_scale, prompts.prompt_ids(r), prompts.max_tokens(r))
-            for r in reqs]
+    """The slice as loadgen sends it (same jitter, time scale, lengths), read as
+    ``kvxfer simulate`` reads a slice; prompts as ids."""
+    from kvxfer.cli.simulate import arrivals as simulate_arrivals
+
+    return simulate_arrivals(types.SimpleNamespace(
+        trace=args.slice, start=0, max_requests=args.max_requests, time_scale=args.time_scale,
+        length_scale=args.length_scale, output_scale=args.output_scale,
+        arrival_jitter_ms=args.arrival_jitter_ms, seed=args.seed))
 
 
 def tokens_vs_words(args) -> dict:

@@ -398,3 +398,13 @@ def test_dispatcher_feeds_the_index_drops_bad_messages_and_forgets_the_dead():
     w1.is_alive = False
     d.on_worker_exit(w1)
     assert len(d.cluster.routing.index) == 0
+
+
+def test_kv_event_batches_keep_every_hash_once_within_the_limit():
+    from kvxfer.serving.channel.ipc import kv_event_batches
+
+    stored, removed = list(range(5000)), list(range(10_000, 14_100))
+    parts = list(kv_event_batches(stored, removed))
+    assert all(0 < len(s) + len(r) <= MAX_EVENT_HASHES for s, r in parts)
+    assert sum((s for s, _ in parts), []) == stored and sum((r for _, r in parts), []) == removed
+    assert list(kv_event_batches([], [])) == []

@@ -32,6 +32,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from ..serving.channel.ipc import kv_event_batches
 from ..serving.engine.config import EngineConfig
 from ..serving.engine.runtime import Runtime, finish_reason
 from ..serving.engine.sampling import SamplingParams
@@ -41,7 +42,7 @@ from ..serving.server.adaptive_policy import Observation, PolicyState, attainmen
 from ..serving.server.dispatch import prefill_queue_full
 from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
-from ..serving.server.routing import MAX_EVENT_HASHES, make_policy
+from ..serving.server.routing import make_policy
 from ..serving.server.worker_ref import WorkerRef
 from .link import NicQueue
 from .profile import Profile
@@ -188,10 +189,8 @@ class VirtualCluster:
     def _publish(self, worker: SimWorker) -> None:
         """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
         stored, removed = worker.runtime.blocks.drain_events()
-        while stored or removed:  # in messages of the size the workers send
-            n = min(len(removed), MAX_EVENT_HASHES)
-            self.routing.on_kv_event(worker.name, stored[:MAX_EVENT_HASHES - n], removed[:n])
-            stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
+        for part_stored, part_removed in kv_event_batches(stored, removed):  # as workers send
+            self.routing.on_kv_event(worker.name, part_stored, part_removed)
 
     def _arrive(self, r: _Request) -> None:
         if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400

@@ -58,6 +58,16 @@ MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits
 MAX_EVENT_HASHES = 4096  # hashes (stored + removed) in one kv_events message
 
 
+def kv_event_batches(stored: list[int], removed: list[int]):
+    """``(stored, removed)`` split into the lists of successive ``kv_events`` messages, at
+    most :data:`MAX_EVENT_HASHES` hashes each (a hash is in one list only, so the split
+    order is free); nothing for two empty lists."""
+    while stored or removed:
+        n = min(len(removed), MAX_EVENT_HASHES)
+        yield stored[:MAX_EVENT_HASHES - n], removed[:n]
+        stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
+
+
 def encode(msg: dict) -> bytes:
     return json_frame(IPC_MSG, msg, MAX_MESSAGE_BYTES)
 

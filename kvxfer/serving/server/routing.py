@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence as Seq
 
 from ..channel.ipc import MAX_EVENT_HASHES
-from ..engine.block_manager import block_hash
+from ..engine.block_manager import HashChain
 
 MAX_BLOCKS_PER_WORKER = 1 << 18  # index entries of one worker before set_capacity lowers it
 MAX_WORKERS = 1024  # workers the index tracks at once
@@ -63,10 +63,9 @@ class WorkerLike(Protocol):
 def prefix_hashes(prompt_ids: Seq[int], block_size: int) -> Iterator[int]:
     """The chained hashes of ``prompt_ids``'s full blocks, first block first, as the
     worker's ``BlockManager.match_prefix`` computes them (the last token never counts)."""
-    prev = None
+    chain = HashChain(block_size)  # computed lazily: a walk that stops early hashes no further
     for i in range((len(prompt_ids) - 1) // block_size):
-        prev = block_hash(prompt_ids[i * block_size:(i + 1) * block_size], prev)
-        yield prev
+        yield chain.upto(prompt_ids, i + 1)[i]
 
 
 def _check_hashes(what: str, hashes) -> list[int]:

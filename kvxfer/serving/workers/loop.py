@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..channel.ipc import MAX_EVENT_HASHES
+from ..channel.ipc import kv_event_batches
 
 if TYPE_CHECKING:
     from ... import Agent
@@ -157,11 +157,8 @@ class WorkerLoop:
         self._send_kv_events(*self.runtime.blocks.drain_events())
 
     def _send_kv_events(self, stored: list[int], removed: list[int]) -> None:
-        while stored or removed:  # a hash is in one list only: the split order is free
-            n = min(len(removed), MAX_EVENT_HASHES)
-            msg = {"ev": "kv_events", "stored": stored[:MAX_EVENT_HASHES - n], "removed": removed[:n]}
-            stored, removed = stored[MAX_EVENT_HASHES - n:], removed[n:]
-            self.send(msg)
+        for part_stored, part_removed in kv_event_batches(stored, removed):
+            self.send({"ev": "kv_events", "stored": part_stored, "removed": part_removed})
 
     def _all_stats(self) -> dict:
         stats = dict(self.counters)

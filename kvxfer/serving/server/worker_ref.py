@@ -41,7 +41,6 @@ class WorkerRef:
         self.channel.send(msg)
 
 
-
 async def relay_messages(worker: WorkerRef, on_message: Callable[[WorkerRef, dict], None]) -> None:
     """Hand each message of ``worker``'s channel to ``on_message(worker, msg)`` until the
     channel ends; a handler's exception is logged and the next message read."""

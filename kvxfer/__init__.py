@@ -41,6 +41,7 @@ _LAZY = {
     "HandshakeGate": "kvxfer.agent.handshake",
     "AgentConfig": "kvxfer.config",
     "PeerLimits": "kvxfer.config",
+    "CostModel": "kvxfer.transport.paths",
     "TransferHandle": "kvxfer.handle",
     "HandleState": "kvxfer.handle",
     "shared_empty": "kvxfer.shared_memory",

@@ -39,6 +39,7 @@ _LAZY = {
     "Peer": "kvxfer.agent",
     "split_address": "kvxfer.agent.peers",
     "HandshakeGate": "kvxfer.agent.handshake",
+    "HmacChallenge": "kvxfer.agent.handshake",
     "AgentConfig": "kvxfer.config",
     "PeerLimits": "kvxfer.config",
     "CostModel": "kvxfer.transport.paths",

@@ -151,10 +151,10 @@ class NetWorkerChannel:
         would bound each read, not the handshake: a router dripping one byte a second
         would hold its slot for hours.)"""
         now = time.monotonic()
-        with self._lock:
-            late = [e for e in self._gate.entries() if e.deadline <= now]
-        for entry in late:
-            _shutdown(entry.sock)
+        with self._lock:  # under the lock: a connection that authenticated meanwhile is no entry any more
+            for entry in self._gate.entries():
+                if entry.deadline <= now:
+                    _shutdown(entry.sock)
 
     def _handshake(self, entry: _Pending, peer: str) -> None:
         sock = entry.sock

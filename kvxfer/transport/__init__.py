@@ -10,7 +10,8 @@ from __future__ import annotations
 from .base import Backend, Capabilities, Connection
 from .paths import CostModel
 
-__all__ = ["Backend", "Capabilities", "Connection", "CostModel", "make_backend", "BACKENDS", "vm_copy_limits", "vm_copy_threads"]
+__all__ = ["Backend", "Capabilities", "Connection", "CostModel", "make_backend", "BACKENDS", "vm_copy_limits",
+           "vm_copy_threads"]
 
 BACKENDS = ("auto", "ucx", "vm", "loopback")
 

@@ -60,7 +60,8 @@ def receiver(args) -> int:
     n = args.tokens // MODELS[args.model][3]
     src_ids, dst_ids = ids_for(n, args.pool_blocks, 1), ids_for(n, args.pool_blocks, 2)
     want = kvxfer.pack(src, src_ids, backend="reference")
-    with Agent("d", secret=SECRET, backend=args.backend, staging_bytes=args.staging_mib << 20, config=AgentConfig.from_env()) as agent:
+    with Agent("d", secret=SECRET, backend=args.backend,
+               config=AgentConfig.from_env(staging_bytes=args.staging_mib << 20)) as agent:
         agent.register_kv(dst)
         print(json.dumps({"address": agent.address}), flush=True)
         for phase in args.phases.split(","):
@@ -115,8 +116,8 @@ def sender(args) -> int:
         result["copy_gbps"] = nbytes / statistics.median(copy) / 1e9
         for phase in args.phases.split(","):
             path = "pack" if phase == "pack" else "zero_copy"
-            with Agent(f"p-{phase}", secret=SECRET, backend=args.backend, path=path,
-                       staging_bytes=args.staging_mib << 20, config=AgentConfig.from_env()) as agent:
+            with Agent(f"p-{phase}", secret=SECRET, backend=args.backend,
+                       config=AgentConfig.from_env(path=path, staging_bytes=args.staging_mib << 20)) as agent:
                 agent.register_kv(src)
                 peer = agent.connect(address)
                 times = []

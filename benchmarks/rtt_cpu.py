@@ -29,7 +29,7 @@ def clocks():
     return out
 def prefill(addr, n, q, back, ev):
     from kvxfer import Agent, AgentConfig
-    with Agent("p", secret=SECRET, lease_timeout=600, config=AgentConfig.from_env()) as p:
+    with Agent("p", secret=SECRET, config=AgentConfig.from_env(lease_timeout=600)) as p:
         p.register_kv(pool())
         peer = p.connect(addr)
         hs = [p.send(peer, f"r{i}", [1]) for i in range(n)]

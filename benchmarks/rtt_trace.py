@@ -35,7 +35,7 @@ def patch(marks):
 def prefill(addr, n, q):
     marks = []; patch(marks)
     from kvxfer import Agent, AgentConfig
-    with Agent("p", secret=SECRET, lease_timeout=600, config=AgentConfig.from_env()) as p:
+    with Agent("p", secret=SECRET, config=AgentConfig.from_env(lease_timeout=600)) as p:
         p.register_kv(pool())
         peer = p.connect(addr)
         hs = [p.send(peer, f"r{i}", [1]) for i in range(n)]

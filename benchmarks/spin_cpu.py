@@ -39,7 +39,7 @@ def delta(c0, c1):
 
 def prefill(addr, n, q, back):
     from kvxfer import Agent, AgentConfig
-    with Agent("p", secret=SECRET, lease_timeout=600, config=AgentConfig.from_env()) as p:
+    with Agent("p", secret=SECRET, config=AgentConfig.from_env(lease_timeout=600)) as p:
         p.register_kv(pool())
         peer = p.connect(addr)
         hs = [p.send(peer, f"r{i}", [1]) for i in range(n + 1)]  # the last one stays pending

@@ -2,16 +2,19 @@
 
 Built once at the entry point and passed down: ``Agent(..., config=AgentConfig(...))``
 hands the transport knobs to the backend (and through it to ``kvxfer._C``), the
-per-peer limits to every peer's book and the timeouts to the I/O loop. An Agent
+per-peer limits to every peer's book and the timeouts to the I/O loop. The bounds
+every listener applies before a connection authenticated (``PREAUTH_MAX_FRAME``,
+``HANDSHAKE_TIMEOUT_S``, the pending-handshake slots) are defined here too, once, for
+the agents, the store nodes and the serving workers' router channel. An Agent
 given no config uses ``AgentConfig()``, the defaults. The ``KVXFER_*`` variables are
 read in one place, :meth:`AgentConfig.from_env`, which only entry points call (the
 ``kvxfer`` CLI commands, ``kvxfer worker``, the vLLM connector, the benchmarks;
 documented in ``docs/api.md``, "AgentConfig"); there a field the caller gives
 explicitly beats the environment. The deployment's secret (``KVXFER_SECRET``) is read
 the same way, by :func:`kvxfer.secrets.load_secret`, which only entry points call.
-Nothing below the entry point reads a ``KVXFER_*`` variable. What else is read is another tool's process-wide knob, not an agent's: UCX
-reads its own ``UCX_*`` variables (an explicit one beats ``AgentConfig.ucx``, UCX's
-rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set, the
+Nothing below the entry point reads a ``KVXFER_*`` variable. What else is read is
+another tool's process-wide knob, not an agent's: UCX reads its own ``UCX_*``
+variables (an explicit one beats ``AgentConfig.ucx``, UCX's rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set, the
 pack kernels check Triton's ``TRITON_INTERPRET``, and :mod:`kvxfer.report.envinfo`
 records the environment a benchmark ran in.::
 
@@ -25,6 +28,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .transport.paths import CostModel
+
+__all__ = ["AgentConfig", "PeerLimits", "HANDSHAKE_TIMEOUT_S", "PREAUTH_MAX_FRAME", "MAX_PENDING_HANDSHAKES",
+           "MAX_PENDING_PER_SOURCE", "HELLO_DEADLINE_S"]
 
 HUGEPAGES_MODES = ("advise", "collapse", "off")
 PATHS = ("auto", "zero_copy", "pack")
@@ -62,6 +69,14 @@ MAX_TOMBSTONE_BYTES_PER_AGENT = 8 << 20
 MAX_NOTES_PER_AGENT = 4096
 MAX_NOTE_BYTES_PER_AGENT = 64 << 20
 MAX_STAGE_REQS_PER_AGENT = 1024
+
+# ---- before authentication (every listener of a deployment: agents, store nodes and
+# the serving workers' router channel; docs/api.md, "Limits")
+HANDSHAKE_TIMEOUT_S = 10.0  # a whole handshake, from accept (AgentConfig.handshake_timeout's default)
+PREAUTH_MAX_FRAME = 4096  # bytes of one frame before authentication (the proofs are ~100)
+MAX_PENDING_HANDSHAKES = 256  # unauthenticated connections held at once (HandshakeGate)
+MAX_PENDING_PER_SOURCE = 16  # of them from one source address
+HELLO_DEADLINE_S = 2.0  # an agents' or store node's listener drops a connection without HELLO by then
 
 # what a tombstone costs besides the characters of its request id and reason: the
 # two str headers, the (xid, code, reason, nbytes) tuple, its ints and the table slot
@@ -103,6 +118,10 @@ class AgentConfig:
     - ``staging_bytes``: size of each of the two registered staging buffers (pack path).
     - ``path``: ``"auto"`` (cost model), ``"zero_copy"`` or ``"pack"`` to force one.
     - ``lease_timeout``: seconds P holds blocks for a pending send, and D's default recv timeout.
+    - ``cost_model``: the :class:`~kvxfer.transport.paths.CostModel` with which
+      ``path="auto"`` picks zero-copy or pack per piece (a frozen value, so it is
+      configuration); None: the default model with the backend's per-descriptor cost,
+      at least 0.75 us (what ``process_vm_writev`` measured for runs of a few hundred bytes).
     - ``hugepages``: ``"advise"`` | ``"collapse"`` | ``"off"``: transparent huge pages for
       registered host ranges (``docs/registration.md``).
     - ``copy_threads``: threads (caller included) that copy one large same-host batch;
@@ -121,7 +140,8 @@ class AgentConfig:
       lanes are for machines with cores to spare (docs/benchmarks.md, "Striping one
       request over several TCP connections").
     - ``limits``: per-peer bounds (:class:`PeerLimits`).
-    - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake.
+    - ``handshake_timeout``: seconds for ``connect`` and an inbound handshake
+      (default :data:`HANDSHAKE_TIMEOUT_S`).
     - ``progress_busy_s`` / ``progress_idle_s``: how often the I/O thread drives a UCX
       target while a recv is pending / otherwise (a backstop behind its event fd).
     - ``loop_spin_s``: after each event (and after a ``recv`` is posted), while a send
@@ -135,13 +155,14 @@ class AgentConfig:
     staging_bytes: int = 32 << 20
     path: str = "auto"
     lease_timeout: float = 30.0
+    cost_model: CostModel | None = None
     hugepages: str = "advise"
     copy_threads: int | None = None
     vm_split_bytes: int | None = None
     ucx: tuple = ()  # ((key, value), ...); a dict is accepted too
     tcp_lanes: int = 1
     limits: PeerLimits = field(default_factory=PeerLimits)
-    handshake_timeout: float = 10.0
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S
     progress_busy_s: float = 0.0005
     progress_idle_s: float = 0.05
     loop_spin_s: float = 0.002
@@ -150,6 +171,8 @@ class AgentConfig:
         _check_int("staging_bytes", self.staging_bytes, 4096)
         if self.path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(f"AgentConfig.cost_model must be a CostModel or None, got {type(self.cost_model).__name__}")
         if self.hugepages not in HUGEPAGES_MODES:
             raise ValueError(f"hugepages must be one of {HUGEPAGES_MODES}, got {self.hugepages!r}")
         if self.copy_threads is not None:

@@ -9,12 +9,12 @@ streams layers also records each layer as it lands, so ``wait(layer=l)`` can
 return before the whole request has arrived. :meth:`TransferHandle.add_done_callback`
 runs a function once the handle is final (for engines that poll nothing).
 
-The agent side never writes a handle's fields (it reads the public ones, as a caller
-does: ``state``, ``done()``, ``kind``, ``path``, ``nbytes``): it creates a
-:class:`HandleCompleter`, gives the caller ``completer.handle`` and changes it only
+The agent side never writes a handle's fields (it reads public ones, as a caller
+does: ``state``, ``done()``, ``kind``, ``request_id``, ``path``, ``nbytes``): it creates
+a :class:`HandleCompleter`, gives the caller ``completer.handle`` and changes it only
 through the completer's small interface (``succeed``, ``fail``, ``mark_layers``,
-``expect_layers``, and ``set_path``/``set_peer``/``add_bytes`` for what the caller
-reads while it runs).
+``expect_layers``, ``set_canceller`` for what ``cancel()`` does, and
+``set_path``/``set_peer``/``add_bytes`` for what the caller reads while it runs).
 """
 from __future__ import annotations
 

@@ -42,10 +42,11 @@ def make_pool(dims: str, seed: int | None, *, dtype="float16", tp_rank=0, tp_siz
 def loopback_pair(config=None, dims: str = "2 N B H D"):
     """Two in-process agents over the loopback backend, zero-copy path: P's pool seeded,
     D's zeroed, P connected to D. Yields ``(p, d, peer, src, dst)``; closes both."""
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
-    p = Agent("p", secret=SECRET, backend="loopback", path="zero_copy", config=config)
-    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy", config=config)
+    config = (config or AgentConfig()).replace(path="zero_copy")
+    p = Agent("p", secret=SECRET, backend="loopback", config=config)
+    d = Agent("d", secret=SECRET, backend="loopback", config=config)
     try:
         src, dst = make_pool(dims, 1), make_pool(dims, None)
         p.register_kv(src)
@@ -61,12 +62,12 @@ def prefill(address, request_ids, block_ids, out_q, *, dims="2 N B H D", seed=1,
             staging_bytes=32 << 20):
     """P: connect to D, send each request (from ``block_ids``, or from ``block_ids[request]``
     if it is a dict), report ("ok", stats) or ("err", repr)."""
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
     try:
         layout = make_pool(dims, seed, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, shape=shape)
-        with Agent(f"p{tp_rank}", secret=SECRET, backend=backend, path=path,
-                   staging_bytes=staging_bytes) as agent:
+        with Agent(f"p{tp_rank}", secret=SECRET, backend=backend,
+                   config=AgentConfig(path=path, staging_bytes=staging_bytes)) as agent:
             agent.register_kv(layout)
             peer = agent.connect(address)
             if stream_then_hang:

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer import Agent
+from kvxfer import Agent, AgentConfig
 
 import agent_procs
 from agent_procs import SECRET, make_pool
 
 T = 30.0
 STAGING = 8 << 10
+PACK = AgentConfig(path="pack", staging_bytes=STAGING)
 SHAPE = {"L": 2, "N": 64}  # block_nbytes = 2 * 4 * 4 * 16 * 2 B = 1 KiB per block-layer
 
 
@@ -39,8 +40,8 @@ def _check(src_layout, src, dst_layout, dst):
 def test_pack_requests_larger_than_staging_are_complete(multiple, p_dims, d_dims):
     pl = make_pool(p_dims, 1, shape=SHAPE)
     dl = make_pool(d_dims, None, shape=SHAPE)
-    p = Agent("p", secret=SECRET, backend="loopback", path="pack", staging_bytes=STAGING)
-    d = Agent("d", secret=SECRET, backend="loopback", path="pack", staging_bytes=STAGING)
+    p = Agent("p", secret=SECRET, backend="loopback", config=PACK)
+    d = Agent("d", secret=SECRET, backend="loopback", config=PACK)
     try:
         p.register_kv(pl)
         d.register_kv(dl)
@@ -65,7 +66,7 @@ def test_pack_5x_staging_between_processes():
     """The same across two processes over the default backend, NHD -> HND."""
     ctx = mp.get_context("spawn")
     dl = make_pool("N 2 H B D", None, shape=SHAPE)
-    d = Agent("d", secret=SECRET, path="pack", staging_bytes=STAGING)
+    d = Agent("d", secret=SECRET, config=PACK)
     n = _blocks(5)
     src, dst = list(range(n)), list(range(2 * n, n, -1))
     q = ctx.Queue()

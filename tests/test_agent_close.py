@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from kvxfer import Agent
+from kvxfer import Agent, AgentConfig
 from kvxfer.errors import KVXferError, RegistrationError, TransferTimeout
 from kvxfer.transport.ucx import UcxBackend
 
@@ -67,7 +67,7 @@ def test_close_after_a_timed_out_ucx_write_finishes(monkeypatch):
         monkeypatch.setenv(k, v)
     layout = make_pool("2 N B H D", 2)
     with idle_agent("ucx") as (proc, _, address):
-        p = Agent("p", secret=SECRET, backend="ucx", lease_timeout=2.0)
+        p = Agent("p", secret=SECRET, backend="ucx", config=AgentConfig(lease_timeout=2.0))
         p.register_kv(layout)
         peer = p.connect(address)
         os.kill(proc.pid, signal.SIGSTOP)  # the target cannot serve the emulated RMA
@@ -88,8 +88,8 @@ def test_closed_agents_free_their_staging_buffers_without_the_cycle_collector():
     gc.disable()
     try:
         for _ in range(5):
-            p = Agent("p", secret=SECRET, staging_bytes=4 << 20)
-            d = Agent("d", secret=SECRET, staging_bytes=4 << 20)
+            p = Agent("p", secret=SECRET, config=AgentConfig(staging_bytes=4 << 20))
+            d = Agent("d", secret=SECRET, config=AgentConfig(staging_bytes=4 << 20))
             p.register_kv(make_pool("2 N B H D", 1))
             d.register_kv(make_pool("2 N B H D", None))
             hr = d.recv("r", [3, 4], timeout=T)

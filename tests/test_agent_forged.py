@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer import Agent
+from kvxfer import Agent, AgentConfig
 from kvxfer.framing import encode_frame
 from kvxfer.agent.protocol import Msg, encode
 from kvxfer.agent.datapath import _GrantWait
@@ -34,8 +34,8 @@ def agents():
     made = []
 
     def make(path="pack", d_dims="N 2 H B D"):
-        p = Agent("p", secret=SECRET, backend="loopback", path=path)
-        d = Agent("d", secret=SECRET, backend="loopback", path=path)
+        p = Agent("p", secret=SECRET, backend="loopback", config=AgentConfig(path=path))
+        d = Agent("d", secret=SECRET, backend="loopback", config=AgentConfig(path=path))
         made.extend([p, d])
         p.register_kv(make_pool("2 N B H D", 1))
         d.register_kv(make_pool(d_dims, None))

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvxfer
-from kvxfer import Agent
+from kvxfer import Agent, AgentConfig
 from kvxfer.errors import KVXferError, TransferCancelled, TransferTimeout
 
 from agent_procs import SECRET, make_pool
@@ -21,11 +21,12 @@ T = 20.0  # generous wait limit; nothing here should take more than a fraction o
 
 
 def pair(p_dims="2 N B H D", d_dims="2 N B H D", *, path="auto", dtype="float16", p_tp=(0, 1),
-         d_tp=(0, 1), **kw):
+         d_tp=(0, 1), lease_timeout=30.0, **kw):
     p_layout = make_pool(p_dims, 1, dtype=dtype, tp_rank=p_tp[0], tp_size=p_tp[1])
     d_layout = make_pool(d_dims, None, dtype=dtype, tp_rank=d_tp[0], tp_size=d_tp[1])
-    p = Agent("p", secret=SECRET, backend="loopback", path=path, **kw)
-    d = Agent("d", secret=SECRET, backend="loopback", path=path, **kw)
+    cfg = AgentConfig(path=path, lease_timeout=lease_timeout)
+    p = Agent("p", secret=SECRET, backend="loopback", config=cfg, **kw)
+    d = Agent("d", secret=SECRET, backend="loopback", config=cfg, **kw)
     p.register_kv(p_layout)
     d.register_kv(d_layout)
     return p, d, p_layout, d_layout, p.connect(d.address)
@@ -126,7 +127,7 @@ class _GatedBackend(LoopbackBackend):
 def test_receiver_timeout_mid_write_keeps_blocks_until_writer_quiet():
     released = []
     p_backend = _GatedBackend()
-    p = Agent("p", secret=SECRET, backend=p_backend, path="pack")
+    p = Agent("p", secret=SECRET, backend=p_backend, config=AgentConfig(path="pack"))
     d = Agent("d", secret=SECRET, backend="loopback", on_release=lambda r, b, why: released.append((r, why)))
     try:
         p.register_kv(make_pool("2 N B H D", 1))
@@ -192,12 +193,12 @@ def test_64_concurrent_requests_one_peer():
 @pytest.mark.parametrize("path", ["zero_copy", "pack"])
 def test_tp2_to_tp1_two_senders(path):
     d_layout = make_pool("N 2 H B D", None)
-    d = Agent("d", secret=SECRET, backend="loopback", path=path)
+    d = Agent("d", secret=SECRET, backend="loopback", config=AgentConfig(path=path))
     d.register_kv(d_layout)
     ps = []
     try:
         for rank in range(2):
-            a = Agent(f"p{rank}", secret=SECRET, backend="loopback", path=path)
+            a = Agent(f"p{rank}", secret=SECRET, backend="loopback", config=AgentConfig(path=path))
             a.register_kv(make_pool("2 N B H D", 10 + rank, tp_rank=rank, tp_size=2))
             ps.append(a)
         hr = d.recv("r", [6, 1, 20], timeout=T)
@@ -423,8 +424,8 @@ class _NeverCompletes(LoopbackBackend):
 
 def test_backend_timeout_names_the_request_id():
     p_layout, d_layout = make_pool("2 N B H D", 1), make_pool("2 N B H D", None)
-    p = Agent("p", secret=SECRET, backend=_NeverCompletes(), path="zero_copy")
-    d = Agent("d", secret=SECRET, backend="loopback", path="zero_copy")
+    p = Agent("p", secret=SECRET, backend=_NeverCompletes(), config=AgentConfig(path="zero_copy"))
+    d = Agent("d", secret=SECRET, backend="loopback", config=AgentConfig(path="zero_copy"))
     try:
         p.register_kv(p_layout)
         d.register_kv(d_layout)
@@ -465,7 +466,7 @@ def test_a_write_that_waits_for_its_target_never_blocks_the_io_thread():
     on a transport whose write waits for the target, the I/O thread that matched the
     RECV_POST must stay free for every other peer's frames (here: a handshake)."""
     backend = _TargetDrivenBackend()
-    p = Agent("p", secret=SECRET, backend=backend, path="zero_copy")
+    p = Agent("p", secret=SECRET, backend=backend, config=AgentConfig(path="zero_copy"))
     d = Agent("d", secret=SECRET, backend="loopback")
     other = Agent("other", secret=SECRET, backend="loopback")
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer import Agent, AgentConfig
+from kvxfer import Agent, AgentConfig, CostModel
 from kvxfer.config import PeerLimits
 
 from agent_procs import SECRET, make_pool
@@ -21,7 +21,8 @@ def test_defaults_frozen_and_exported():
     cfg = AgentConfig()
     assert kvxfer.AgentConfig is AgentConfig
     assert (cfg.staging_bytes, cfg.path, cfg.lease_timeout, cfg.hugepages) == (32 << 20, "auto", 30.0, "advise")
-    assert cfg.limits == PeerLimits()
+    assert cfg.limits == PeerLimits() and cfg.cost_model is None
+    assert kvxfer.CostModel is kvxfer.transport.CostModel
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.path = "pack"
     assert cfg.replace(path="pack").path == "pack" and cfg.path == "auto"
@@ -73,12 +74,46 @@ def test_ucx_settings_accept_a_dict_or_pairs():
         "TLS": "tcp", "TCP_TX_SEG_SIZE": "64k"}
 
 
-def test_agent_uses_its_config_and_keywords_override_it():
-    cfg = AgentConfig(staging_bytes=1 << 20, path="pack", lease_timeout=7.0)
-    with Agent("c", secret=SECRET, backend="loopback", config=cfg, staging_bytes=2 << 20) as a:
-        assert a.config.staging_bytes == 2 << 20 and a.config.path == "pack" and a.leases.default_ttl_s == 7.0
+def test_agent_uses_its_config():
+    cfg = AgentConfig(staging_bytes=2 << 20, path="pack", lease_timeout=7.0)
+    with Agent("c", secret=SECRET, backend="loopback", config=cfg) as a:
+        assert a.config is cfg and a.leases.default_ttl_s == 7.0
         a.register_kv(make_pool("2 N B H D", None))
         assert a._state.pool.stage_in_t.numel() == 2 << 20
+
+
+@pytest.mark.parametrize("kwarg,value", [("lease_timeout", 7.0), ("staging_bytes", 2 << 20), ("path", "pack"),
+                                         ("cost_model", CostModel())])
+def test_agent_takes_settings_only_through_its_config(kwarg, value):
+    """The config is the one configuration surface: the former keyword overrides are gone."""
+    with pytest.raises(TypeError, match=kwarg):
+        Agent("c", secret=SECRET, backend="loopback", **{kwarg: value})
+    AgentConfig(**{kwarg: value})  # where each of them lives now
+
+
+def test_cost_model_is_a_validated_config_field():
+    cm = CostModel(per_desc_us=1e6)  # every piece goes pack
+    with pytest.raises(TypeError):
+        AgentConfig(cost_model="pack")
+    for bad in (dict(pack_gbps=0), dict(per_desc_us=-1.0), dict(stage_rtt_us=float("inf"))):
+        with pytest.raises(ValueError):
+            CostModel(**bad)
+    with pytest.raises(TypeError):
+        CostModel(per_desc_us=True)
+    p = Agent("p", secret=SECRET, backend="loopback", config=AgentConfig(cost_model=cm))
+    d = Agent("d", secret=SECRET, backend="loopback")
+    try:
+        p.register_kv(make_pool("2 N B H D", 1))
+        d.register_kv(make_pool("2 N B H D", None))
+        peer = p.connect(d.address)
+        hr = d.recv("r", [3, 4], timeout=20.0)
+        hs = p.send(peer, "r", [1, 2])
+        hs.wait(20.0)
+        hr.wait(20.0)
+        assert hs.path == "pack" and p._state.cost is cm  # same layouts go zero-copy by default
+    finally:
+        p.close()
+        d.close()
 
 
 def test_config_path_and_limits_reach_the_transfer():

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from kvxfer import Agent, AgentConfig
+from kvxfer.config import MAX_PENDING_PER_SOURCE
 from kvxfer import secrets as kvsecrets
 from kvxfer.agent import handshake as gate
 from kvxfer.framing import recv_frame
@@ -157,7 +158,7 @@ def test_new_connection_evicts_the_oldest_pending_of_its_full_source():
     stalled = []
     try:
         c.register_kv(make_pool("2 N B H D", 1))
-        stalled = [_said_hello(srv.address, host) for _ in range(gate.MAX_PENDING_PER_SOURCE)]
+        stalled = [_said_hello(srv.address, host) for _ in range(MAX_PENDING_PER_SOURCE)]
         peer = c.connect(srv.address, timeout=T)  # refused (ConnectionRefused) before issue 25
         assert peer.is_connected
         kind, fields = decode(*recv_frame(stalled[0], T))  # the oldest was told why, then closed

@@ -97,7 +97,7 @@ def test_server_handshake_wrong_secret_learns_nothing():
     (msg_type, payload), = FrameReader().feed(frames[0])
     kind, fields = decode(msg_type, payload)
     assert kind == Msg.CHALLENGE and set(fields) == {"nonce"}  # a random nonce, nothing else
-    bad = auth.client_mac(b"wrong", fields["nonce"], b"\x01" * 32)
+    bad = auth.AGENT_CHALLENGE.client_mac(b"wrong", fields["nonce"], b"\x01" * 32)
     with pytest.raises(AuthenticationError):
         hs.on_frame(Msg.AUTH, {"mac": bad})
     assert decode(*FrameReader().feed(hs.reply_on_error)[0])[0] == Msg.AUTH_FAIL

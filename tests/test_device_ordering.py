@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer import Agent
+from kvxfer import Agent, AgentConfig
 
 from agent_procs import SECRET, make_pool
 from deferred_device import DeferredDevice, DeferredEvent, DeferredStream
@@ -23,8 +23,9 @@ SRC, DST = [9, 3, 31, 0, 4, 17], [2, 30, 7, 11, 5, 20]
 def _agents(path, *, p_delay=0.05, d_delay=0.05, staging=32 << 20):
     p_layout, d_layout = make_pool("2 N B H D", None), make_pool("2 N B H D", None)
     p_dev, d_dev = DeferredDevice(p_delay), DeferredDevice(d_delay)
-    p = Agent("p", secret=SECRET, backend="loopback", path=path, device=p_dev, staging_bytes=staging)
-    d = Agent("d", secret=SECRET, backend="loopback", path=path, device=d_dev, staging_bytes=staging)
+    cfg = AgentConfig(path=path, staging_bytes=staging)
+    p = Agent("p", secret=SECRET, backend="loopback", config=cfg, device=p_dev)
+    d = Agent("d", secret=SECRET, backend="loopback", config=cfg, device=d_dev)
     p.register_kv(p_layout)
     d.register_kv(d_layout)
     return p, d, p_layout, d_layout, p.connect(d.address), (p_dev, d_dev)
@@ -155,8 +156,8 @@ def test_gpu_send_after_a_busy_producer_stream(path):
     (``torch.cuda._sleep``) before it writes the KV; ``send(after=stream)`` must wait for
     it, and D's data must be visible to work queued after its recv completed."""
     pl, dl, want = _cuda_pool(None), _cuda_pool(None), _cuda_pool(5)
-    p = Agent("p", secret=SECRET, backend="ucx", path=path)
-    d = Agent("d", secret=SECRET, backend="ucx", path=path)
+    p = Agent("p", secret=SECRET, backend="ucx", config=AgentConfig(path=path))
+    d = Agent("d", secret=SECRET, backend="ucx", config=AgentConfig(path=path))
     try:
         p.register_kv(pl)
         d.register_kv(dl)

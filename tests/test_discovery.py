@@ -149,7 +149,7 @@ def test_worker_channel_refuses_a_large_frame_before_auth():
 
     from kvxfer.framing import HEADER, MAGIC, PROTOCOL_VERSION, read_frame
     from kvxfer.serving.channel import ipc
-    from kvxfer.serving.channel.netchannel import PRE_AUTH_MAX_BYTES
+    from kvxfer.config import PREAUTH_MAX_FRAME as PRE_AUTH_MAX_BYTES
 
     chan = NetWorkerChannel("127.0.0.1:0", SECRET)
     host, port = chan.address.rsplit(":", 1)
@@ -228,7 +228,7 @@ def test_worker_channel_tells_a_wrong_secret_nothing():
 
     from kvxfer.framing import read_frame
     from kvxfer.serving.channel import ipc
-    from kvxfer.serving.channel.netchannel import PRE_AUTH_MAX_BYTES
+    from kvxfer.config import PREAUTH_MAX_FRAME as PRE_AUTH_MAX_BYTES
 
     chan = NetWorkerChannel("127.0.0.1:0", SECRET)
     chan.set_hello({"ev": "ready", "role": "decode", "name": "secret-name"})

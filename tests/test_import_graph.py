@@ -26,7 +26,7 @@ ROOT = Path(kvxfer.__file__).parent
 CORE = ["*.py", "agent/*.py", "transport/*.py", "kernels/*.py"]
 OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report", "store")
 PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport", "kvxfer.secrets",
-                  "kvxfer.framing", "kvxfer.store", "kvxfer.discovery")
+                  "kvxfer.framing", "kvxfer.store", "kvxfer.discovery", "kvxfer.config")
 # client -> the other packages it is built on, any of whose modules it may import
 OPEN = {
     "bench": ("kvxfer.report",),
@@ -167,6 +167,7 @@ def test_clients_use_the_public_surface_only(area):
     ("from ..loadgen.trace import TraceRequest", "kvxfer.loadgen.trace (internal module)"),
     ("from ..framing import _recv_exact", "kvxfer.framing._recv_exact (private)"),
     ("from ..secrets import os", "kvxfer.secrets.os (not in kvxfer.secrets.__all__)"),
+    ("from ..config import ENV_OVERRIDES", "kvxfer.config.ENV_OVERRIDES (not in kvxfer.config.__all__)"),
     ("from ..store.node import StoreNode", "kvxfer.store.node (internal module)"),
     ("from ..serving.model.tokenizer import Tokenizer", "kvxfer.serving.model.tokenizer (internal module)"),
 ])
@@ -191,8 +192,26 @@ def test_the_check_allows_the_public_surface():
               "from ..transport import make_backend\nfrom ..kernels import num_threads\n"
               "from .. import report\nfrom ..report.stats import summarize\nfrom .copy_limit import MemcpyLimit\n"
               "from ..secrets import load_secret\nfrom ..framing import json_frame\nfrom ..store import KVStore\n"
-              "from ..discovery import open_discovery\n")
+              "from ..discovery import open_discovery\n"
+              "from ..config import PREAUTH_MAX_FRAME\nfrom .. import HmacChallenge, CostModel\n")
     assert public_surface_violations(ROOT / "bench" / "probe.py", source) == []
     source = ("from ... import Agent, split_address\nfrom ..engine.config import EngineConfig\n"
               "from ...sim.runtime import SimRuntime\n")
     assert public_surface_violations(ROOT / "serving" / "workers" / "probe.py", source) == []
+
+
+def hmac_calls(source: str) -> int:
+    """Calls of ``hmac.new``/``hmac.digest`` in ``source``: where a proof of the secret is made."""
+    return sum(1 for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr in ("new", "digest") and isinstance(node.func.value, ast.Name)
+               and node.func.value.id == "hmac")
+
+
+def test_one_hmac_challenge():
+    """Every protocol proves the shared secret through ``agent/handshake.py``'s
+    ``HmacChallenge`` (a domain of its own each), never with an HMAC of its own."""
+    makers = [p.relative_to(ROOT).as_posix() for p in _files("*.py", "*/*.py", "*/*/*.py")
+              if hmac_calls(p.read_text())]
+    assert makers == ["agent/handshake.py"]
+    assert hmac_calls("import hmac\nhmac.new(k, m, 'sha256').digest()\n") == 1

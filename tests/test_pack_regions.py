@@ -111,7 +111,7 @@ def test_agents_move_pools_registered_in_parts(monkeypatch, path):
     row that leaves its registered part), and the bytes arrive intact."""
     import kvxfer.agent
     import kvxfer.cuda_ranges
-    from kvxfer import Agent
+    from kvxfer import Agent, AgentConfig
 
     from agent_procs import SECRET, make_pool
 
@@ -120,8 +120,9 @@ def test_agents_move_pools_registered_in_parts(monkeypatch, path):
     monkeypatch.setattr(kvxfer.cuda_ranges, "oracle_for", fake)
     monkeypatch.setattr(kvxfer.agent.pool, "oracle_for", fake)
     pl, dl = make_pool("N L 2 B H D", 1), make_pool("2 N B H D", None)
-    p = Agent("p", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
-    d = Agent("d", secret=SECRET, backend="loopback", path=path, staging_bytes=64 << 10)
+    cfg = AgentConfig(path=path, staging_bytes=64 << 10)
+    p = Agent("p", secret=SECRET, backend="loopback", config=cfg)
+    d = Agent("d", secret=SECRET, backend="loopback", config=cfg)
     try:
         p.register_kv(pl)
         d.register_kv(dl)

@@ -138,7 +138,7 @@ def test_wrong_secret_learns_nothing(node):
     # byte by byte: a wrong MAC gets a random nonce, then AUTH_FAIL, then the close
     host, port = node.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(encode_msg(Msg.HELLO, nonce=auth.new_nonce()))
+        s.sendall(encode_msg(Msg.HELLO, nonce=auth.AGENT_CHALLENGE.new_nonce()))
         s.sendall(encode_msg(Msg.AUTH, mac=b"\0" * 32))
         got = b""
         while True:

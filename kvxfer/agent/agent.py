@@ -44,31 +44,31 @@ __all__ = ["Agent", "AgentConfig", "Peer"]
 
 
 class Agent:
-    """``Agent(name, listen="127.0.0.1:0", secret=..., backend="auto", config=AgentConfig())``.
+    """``Agent(name, listen="127.0.0.1:0", *, secret, backend="auto", config=None,
+    on_release=None, device=None)``.
 
     ``secret`` (bytes/str, >= 16 bytes, required): shared by every agent of a deployment;
-    it never leaves the process. ``config``: an :class:`~kvxfer.AgentConfig` (None: the
-    defaults, ``AgentConfig()``; the agent reads no environment variable, an entry point
-    that wants them passes ``AgentConfig.from_env()``). ``lease_timeout``, ``staging_bytes`` and ``path``
-    override the config's fields of those names. ``on_release(request_id, block_ids,
-    reason)``: called once per lease when blocks may be reused (``reason`` in done,
-    cancelled, failed, expired, closed); it runs on an agent thread, possibly with the
-    agent's lock held, so it must be quick and must not wait on the agent (hand the ids
-    to your scheduler's queue). ``device``: where pack/unpack run and how their
+    it never leaves the process. ``config``: an :class:`~kvxfer.AgentConfig`, the one
+    place every setting lives (staging size, path, lease timeout, cost model, limits,
+    timeouts, transport knobs); None means the defaults, ``AgentConfig()``. The agent
+    reads no environment variable: an entry point that wants them passes
+    ``AgentConfig.from_env(...)``. The other arguments are not settings but what the
+    agent is wired to: ``backend`` (a name from :data:`kvxfer.transport.BACKENDS`, or a
+    :class:`~kvxfer.transport.Backend` instance tests plug in), ``on_release(request_id,
+    block_ids, reason)``: called once per lease when blocks may be reused (``reason`` in
+    done, cancelled, failed, expired, closed); it runs on an agent thread, possibly with
+    the agent's lock held, so it must be quick and must not wait on the agent (hand the
+    ids to your scheduler's queue). ``device``: where pack/unpack run and how their
     completion is awaited (a :class:`kvxfer.kernels.device.Device`; default: the
     pool's, chosen at :meth:`register_kv`; tests plug in a deferred one).
     """
 
     def __init__(self, name: str, listen: str = "127.0.0.1:0", *, secret, backend="auto",
-                 lease_timeout: float | None = None, on_release=None, staging_bytes: int | None = None,
-                 path: str | None = None, cost_model: CostModel | None = None, device=None,
-                 config: AgentConfig | None = None) -> None:
+                 config: AgentConfig | None = None, on_release=None, device=None) -> None:
         if config is None:
             config = AgentConfig()
         elif not isinstance(config, AgentConfig):
             raise TypeError(f"config must be an AgentConfig, got {type(config).__name__}")
-        given = {"lease_timeout": lease_timeout, "staging_bytes": staging_bytes, "path": path}
-        config = config.replace(**{k: v for k, v in given.items() if v is not None})
         self.name = str(name)
         self.agent_id = uuid.uuid4().hex
         self.metrics = Metrics(self.name)
@@ -81,7 +81,7 @@ class Agent:
         # Backends quote their per-descriptor cost for large runs; for runs of a few hundred
         # bytes process_vm_writev measured ~0.75 us each (Llama-3-8B NHD->HND, 1M runs), so
         # that is the floor the zero-copy vs pack choice uses.
-        cost = cost_model or CostModel(per_desc_us=max(caps.per_desc_overhead_us, 0.75))
+        cost = config.cost_model or CostModel(per_desc_us=max(caps.per_desc_overhead_us, 0.75))
         self._state = s = AgentState(self.name, self.agent_id, config, back, self.metrics, self.leases, cost,
                                      device=device)
         try:

@@ -5,7 +5,7 @@ Mutual challenge-response over a shared secret (HMAC-SHA256). Sequence (C connec
 
     C -> S  HELLO     nonce_c                     (fresh 32 random bytes)
     S -> C  CHALLENGE nonce_s
-    C -> S  AUTH      HMAC(secret, "kvxfer-C" | nonce_s | nonce_c)
+    C -> S  AUTH      HMAC(secret, "kvxfer-C" | nonce_s | nonce_c)   (AGENT_CHALLENGE.client_mac)
     S -> C  AUTH_OK   HMAC(secret, "kvxfer-S" | nonce_c | nonce_s)   or AUTH_FAIL, close
     C <-> S INFO      name, layout geometry, backend metadata (keys)
 
@@ -22,11 +22,12 @@ not finish within the handshake timeout.
 
 Admission of unauthenticated connections (:class:`HandshakeGate`): cheap, bounded,
 and never a lockout. Before a connection has proved the shared secret it may cost
-this agent little: it holds one of :data:`MAX_PENDING_HANDSHAKES` slots, at most
-:data:`MAX_PENDING_PER_SOURCE` of them per source address, must send its HELLO
-within :data:`HELLO_DEADLINE_S` and authenticate within the handshake timeout,
-and may buffer at most :data:`PREAUTH_MAX_FRAME` bytes. A connection frees its
-slot the moment it authenticates.
+this agent little: it holds one of ``MAX_PENDING_HANDSHAKES`` slots, at most
+``MAX_PENDING_PER_SOURCE`` of them per source address, must send its HELLO
+within ``HELLO_DEADLINE_S`` and authenticate within the handshake timeout,
+and may buffer at most ``PREAUTH_MAX_FRAME`` bytes (these bounds live in
+:mod:`kvxfer.config`, shared with every other listener of a deployment). A
+connection frees its slot the moment it authenticates.
 
 A new connection is always admitted. When its source holds all its slots, the
 source's oldest pending connection is evicted to make room; when all slots are
@@ -48,6 +49,7 @@ import hmac
 import os
 import socket
 
+from ..config import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE
 from ..errors import AuthenticationError, ConnectionRefused, KVXferError, LayoutMismatch, ProtocolError
 from ..framing import recv_frame
 from .protocol import Msg, decode, encode
@@ -57,26 +59,61 @@ from .protocol import Msg, decode, encode
 NONCE_BYTES = 32
 
 
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
+class HmacChallenge:
+    """The mutual HMAC-SHA256 challenge of one protocol over a deployment's shared secret.
+
+    C (the side that proves first) answers S's nonce; S then proves itself::
+
+        client_mac = HMAC(secret, domain | "-C" | nonce_s | nonce_c)
+        server_mac = HMAC(secret, domain | "-S" | nonce_c | nonce_s)
+
+    ``domain`` (bytes) names the protocol. Every protocol that shares the secret has its
+    own -- :data:`AGENT_CHALLENGE` for the agents' and store nodes' control connections,
+    the serving workers' router channel another -- and since both nonces are exactly
+    :data:`NONCE_BYTES` long, the label is fixed by the message's length: a proof made
+    for one protocol (or one direction) is never valid in another. A nonce of another
+    length raises ValueError. The one implementation of the challenge; its pre-auth
+    bounds are in :mod:`kvxfer.config` (``PREAUTH_MAX_FRAME``, ``HANDSHAKE_TIMEOUT_S``).
+    """
+
+    __slots__ = ("domain",)
+
+    def __init__(self, domain: bytes) -> None:
+        if not isinstance(domain, bytes) or not domain:
+            raise TypeError(f"a challenge's domain must be non-empty bytes, got {domain!r}")
+        self.domain = domain
+
+    @staticmethod
+    def new_nonce() -> bytes:
+        """A fresh nonce: :data:`NONCE_BYTES` random bytes."""
+        return os.urandom(NONCE_BYTES)
+
+    def client_mac(self, secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+        """C's proof: it answers ``nonce_s`` (S's challenge) in the session C opened with ``nonce_c``."""
+        return self._mac(secret, b"-C", nonce_s, nonce_c)
+
+    def server_mac(self, secret: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
+        """S's proof, given only after C's checked out."""
+        return self._mac(secret, b"-S", nonce_c, nonce_s)
+
+    @staticmethod
+    def verify(expected: bytes, got: bytes) -> bool:
+        """Whether ``got`` is the proof ``expected`` (constant time)."""
+        return hmac.compare_digest(expected, got)
+
+    def _mac(self, secret: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+        if len(first) != NONCE_BYTES or len(second) != NONCE_BYTES:
+            raise ValueError(f"a nonce is {NONCE_BYTES} bytes, got {len(first)} and {len(second)}")
+        return hmac.new(secret, self.domain + side + first + second, hashlib.sha256).digest()
+
+    def __repr__(self) -> str:
+        return f"HmacChallenge({self.domain!r})"
 
 
-def client_mac(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
-    return hmac.new(secret, b"kvxfer-C" + nonce_s + nonce_c, hashlib.sha256).digest()
-
-
-def server_mac(secret: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
-    return hmac.new(secret, b"kvxfer-S" + nonce_c + nonce_s, hashlib.sha256).digest()
-
-
-def verify(expected: bytes, got: bytes) -> bool:
-    return hmac.compare_digest(expected, got)
+AGENT_CHALLENGE = HmacChallenge(b"kvxfer")  # the agents' and store nodes' handshake (below)
 
 
 # ---- the two halves -------------------------------------------------------------
-HANDSHAKE_TIMEOUT_S = 10.0
-
-
 def _expect(sock, timeout: float, *kinds: Msg) -> tuple[Msg, dict]:
     """The next frame, one of ``kinds``; a REJECT raises its typed error. A closed or
     reset connection raises the builtin ConnectionError (never a KVXferError)."""
@@ -100,7 +137,7 @@ def client_handshake(sock: socket.socket, secret: bytes, info: dict, check_info,
     fails -- including the server closing on us, which is how a server that
     found our proof wrong may also answer.
     """
-    nonce_c = new_nonce()
+    nonce_c = AGENT_CHALLENGE.new_nonce()
     try:
         sock.sendall(encode(Msg.HELLO, nonce=nonce_c))
         _, fields = _expect(sock, timeout, Msg.CHALLENGE)
@@ -110,7 +147,7 @@ def client_handshake(sock: socket.socket, secret: bytes, info: dict, check_info,
         raise ConnectionRefused(f"peer closed the connection before the handshake: {exc}") from None
     nonce_s = fields["nonce"]
     try:
-        sock.sendall(encode(Msg.AUTH, mac=client_mac(secret, nonce_s, nonce_c)))
+        sock.sendall(encode(Msg.AUTH, mac=AGENT_CHALLENGE.client_mac(secret, nonce_s, nonce_c)))
         kind, fields = _expect(sock, timeout, Msg.AUTH_OK, Msg.AUTH_FAIL)
     except KVXferError:  # e.g. REJECT busy: evicted while it waited for our proof
         raise
@@ -118,7 +155,7 @@ def client_handshake(sock: socket.socket, secret: bytes, info: dict, check_info,
         raise AuthenticationError("peer closed the connection during authentication") from None
     if kind == Msg.AUTH_FAIL:
         raise AuthenticationError("peer refused our proof of the shared secret")
-    if not verify(server_mac(secret, nonce_c, nonce_s), fields["mac"]):
+    if not AGENT_CHALLENGE.verify(AGENT_CHALLENGE.server_mac(secret, nonce_c, nonce_s), fields["mac"]):
         raise AuthenticationError("peer failed to prove the shared secret")
     sock.sendall(encode(Msg.INFO, **info))
     _, fields = _expect(sock, timeout, Msg.INFO)
@@ -155,16 +192,17 @@ class ServerHandshake:
         if kind != self._state:
             raise ProtocolError(f"handshake expected {self._state.name}, got {kind.name}")
         if kind == Msg.HELLO:
-            self._nonce_c, self._nonce_s = fields["nonce"], new_nonce()
+            self._nonce_c, self._nonce_s = fields["nonce"], AGENT_CHALLENGE.new_nonce()
             self._state = Msg.AUTH
             return [encode(Msg.CHALLENGE, nonce=self._nonce_s)], False
         if kind == Msg.AUTH:
-            expected = client_mac(self._secret, self._nonce_s, self._nonce_c)
-            if not verify(expected, fields["mac"]):
+            expected = AGENT_CHALLENGE.client_mac(self._secret, self._nonce_s, self._nonce_c)
+            if not AGENT_CHALLENGE.verify(expected, fields["mac"]):
                 self.reply_on_error = encode(Msg.AUTH_FAIL)
                 raise AuthenticationError("client failed the challenge")
             self._state = Msg.INFO
-            return [encode(Msg.AUTH_OK, mac=server_mac(self._secret, self._nonce_c, self._nonce_s))], False
+            mac = AGENT_CHALLENGE.server_mac(self._secret, self._nonce_c, self._nonce_s)
+            return [encode(Msg.AUTH_OK, mac=mac)], False
         # INFO: the client is authenticated; only now do keys and layouts flow
         try:
             self._check_info(fields)
@@ -177,12 +215,6 @@ class ServerHandshake:
 
 
 # ---- pre-auth admission ---------------------------------------------------------
-MAX_PENDING_HANDSHAKES = 256
-MAX_PENDING_PER_SOURCE = 16
-HELLO_DEADLINE_S = 2.0
-PREAUTH_MAX_FRAME = 4096  # bytes of one frame before authentication (HELLO and AUTH are ~100)
-
-
 class HandshakeGate:
     """The pending (unauthenticated) connections, oldest first per source. An entry is
     any object with a ``source`` (address) and a ``said_hello`` (bool) attribute."""
@@ -219,6 +251,11 @@ class HandshakeGate:
     def pending(self, source: str) -> list:
         """The pending entries of ``source``, oldest first."""
         return list(self._pending.get(source, ()))
+
+    def entries(self) -> list:
+        """Every pending entry (oldest first per source): for a listener that sweeps
+        expired handshakes instead of timing each one."""
+        return [e for mine in self._pending.values() for e in mine]
 
     def _evict(self, source: str):
         mine = self._pending[source]

@@ -29,10 +29,10 @@ import itertools
 import socket
 import sys
 
-from ..config import TOMBSTONE_OVERHEAD, PeerLimits
+from ..config import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME, TOMBSTONE_OVERHEAD, PeerLimits
 from ..errors import ConnectionRefused, KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
 from ..framing import MAX_PAYLOAD
-from .handshake import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME, HandshakeGate, ServerHandshake, client_handshake
+from .handshake import HandshakeGate, ServerHandshake, client_handshake
 from .pool import local_info, parse_info
 from .protocol import Msg, encode
 from .state import AgentState

@@ -32,8 +32,8 @@ def _prefill(spec: dict, rank: int, d_addresses: list, requests: list, rtt: int,
         # Every send is posted up front and D takes its time between requests (clearing and
         # verifying its pools), so P's leases must outlive the whole run, not the default 30 s.
         lease_s = TIMEOUT_S * (len(requests) + rtt + 1)
-        with Agent(f"prefill-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"],
-                   lease_timeout=lease_s, config=AgentConfig.from_env()) as agent:
+        with Agent(f"prefill-{rank}", secret=SECRET, backend=spec["backend"],
+                   config=AgentConfig.from_env(path=spec["path"], lease_timeout=lease_s)) as agent:
             agent.register_kv(layout)
             peers = [agent.connect(a, timeout=TIMEOUT_S) for a in d_addresses]
             src = block_ids(spec, 1)
@@ -73,8 +73,8 @@ def measure(spec: dict, iters: int, warmup: int, rtt_iters: int) -> dict:
     q = ctx.Queue()
     try:
         for rank in range(spec["d_tp"]):
-            a = Agent(f"decode-{rank}", secret=SECRET, backend=spec["backend"], path=spec["path"],
-                      config=AgentConfig.from_env())
+            a = Agent(f"decode-{rank}", secret=SECRET, backend=spec["backend"],
+                      config=AgentConfig.from_env(path=spec["path"]))
             d_agents.append(a)
             d_layouts.append(make_layout(spec, "d", rank, fill=False))
             a.register_kv(d_layouts[-1])

@@ -54,8 +54,8 @@ class WorkerHalf:
 
         self.layout = cpu_layout(kv_caches, vllm_config)
         agent = Agent(self.name, listen=self.config.listen, secret=self.config.secret,
-                      config=AgentConfig.from_env(),
-                      lease_timeout=self.config.lease_timeout, path=self.config.path,
+                      config=AgentConfig.from_env(lease_timeout=self.config.lease_timeout,
+                                                  path=self.config.path),
                       on_release=self._on_release)
         try:
             agent.register_kv(self.layout)

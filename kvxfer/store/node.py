@@ -29,7 +29,8 @@ import uuid
 
 from ..secrets import normalize_secret
 from ..framing import FrameReader
-from ..agent.handshake import HANDSHAKE_TIMEOUT_S, ServerHandshake
+from ..agent.handshake import ServerHandshake
+from ..config import HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_FRAME
 from ..agent.protocol import Msg, decode
 from ..agent.peers import split_address
 from ..errors import KVXferError, LayoutMismatch, ProtocolError
@@ -53,7 +54,7 @@ class _Client:
 
     def __init__(self, sock, addr, owner: int, hs: ServerHandshake) -> None:
         self.sock, self.addr, self.owner, self.hs = sock, addr, owner, hs
-        self.frames = FrameReader(max_payload=4096)  # handshake frames, small until authenticated
+        self.frames = FrameReader(max_payload=PREAUTH_MAX_FRAME)  # handshake frames, small until authenticated
         self.reader: RequestReader | None = None  # set once authenticated
         self.out = bytearray()
         self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S

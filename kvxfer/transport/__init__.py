@@ -8,8 +8,10 @@ cost model choosing zero-copy or pack, and the pack path's chunks).
 from __future__ import annotations
 
 from .base import Backend, Capabilities, Connection
+from .paths import CostModel
 
-__all__ = ["Backend", "Capabilities", "Connection", "make_backend", "BACKENDS", "vm_copy_limits", "vm_copy_threads"]
+__all__ = ["Backend", "Capabilities", "Connection", "CostModel", "make_backend", "BACKENDS", "vm_copy_limits",
+           "vm_copy_threads"]
 
 BACKENDS = ("auto", "ucx", "vm", "loopback")
 

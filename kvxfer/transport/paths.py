@@ -11,18 +11,28 @@ plus the staging round trip. Both paths move identical bytes to identical places
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Microseconds per path; zero-copy wins unless its runs are short."""
+    """Microseconds per path; zero-copy wins unless its runs are short. A frozen value
+    (``AgentConfig.cost_model``); every field a finite number, ``pack_gbps`` above 0."""
 
     per_desc_us: float = 1.0  # backend's per-descriptor cost (Capabilities)
     pack_gbps: float = 4.0  # gather (and again scatter) rate on this host
     # the staging grant round trip plus the extra worker hand-offs of the pack path;
     # measured 0.5-2 ms per small pack request on a loaded 2-core host
     stage_rtt_us: float = 500.0
+
+    def __post_init__(self) -> None:
+        for name in ("per_desc_us", "pack_gbps", "stage_rtt_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"CostModel.{name} must be a number, got {value!r}")
+            if not 0 <= value < math.inf or (name == "pack_gbps" and value == 0):
+                raise ValueError(f"CostModel.{name} must be finite and >= 0 (pack_gbps > 0), got {value!r}")
 
     def zero_copy_us(self, num_descs: int) -> float:
         return num_descs * self.per_desc_us

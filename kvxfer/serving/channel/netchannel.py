@@ -1,21 +1,25 @@
 """Router <-> worker messaging over TCP, for workers on other hosts (``kvxfer worker``).
 
 The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.channel.ipc`,
-behind a mutual HMAC-SHA256 challenge over the deployment's shared secret (the
-secret never crosses the wire; labels differ from the agents' handshake, so a
-proof cannot be replayed from one protocol into the other)::
+behind the agents' mutual HMAC-SHA256 challenge over the deployment's shared secret
+(:class:`kvxfer.HmacChallenge`, here with the domain ``kvxfer-router``: the secret
+never crosses the wire, and a proof made for the agents' handshake is refused here and
+the other way round)::
 
     worker -> router  {"hello": "kvxfer-worker/1", "nonce": Ns}
-    router -> worker  {"nonce": Nr, "mac": HMAC(secret, "kvxfer-router-C" | Ns | Nr)}
-    worker -> router  {"mac": HMAC(secret, "kvxfer-router-S" | Nr | Ns)}, then its ``ready``
+    router -> worker  {"nonce": Nr, "mac": CHALLENGE.client_mac(secret, Ns, Nr)}
+    worker -> router  {"mac": CHALLENGE.server_mac(secret, Nr, Ns)}, then its ``ready``
                       (or {"auth": "refused"} and close)
 
-Before that exchange a frame may hold at most ``PRE_AUTH_MAX_BYTES`` and the whole
-exchange must finish within ``HANDSHAKE_TIMEOUT_S``. Unauthenticated connections are
+It has the agents' pre-auth bounds (:mod:`kvxfer.config`): before that exchange a
+frame may hold at most ``PREAUTH_MAX_FRAME`` bytes, and the whole exchange must finish
+within ``HANDSHAKE_TIMEOUT_S`` of the accept (the worker closes a connection that has
+not; the router gives up after its ``timeout``). Unauthenticated connections are
 admitted by the agents' gate (:class:`kvxfer.HandshakeGate`: bounded pending slots,
 per source too; a new connection evicts the oldest pending one of the source holding
-the most, so connections that stall in the handshake never lock a router out). The traffic itself is not
-encrypted (as the agents' control traffic): run it on a private network.
+the most, so connections that stall in the handshake never lock a router out). The
+traffic itself is not encrypted (as the agents' control traffic): run it on a private
+network.
 
 :class:`NetWorkerChannel` (worker side) keeps listening: one router at a time,
 the newest authenticated one wins. When a router goes away, every request it
@@ -26,30 +30,26 @@ itself keeps running (a restarted router finds it again).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
-import os
 import queue
 import select
 import socket
 import threading
+import time
 
+from ... import HmacChallenge
+from ...config import HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_FRAME
 from ...secrets import normalize_secret
 from ...errors import AuthenticationError, ProtocolError
 from .ipc import RouterChannel, encode, recv_message, recv_message_async
 
 log = logging.getLogger("kvxfer.worker")
 
-PRE_AUTH_MAX_BYTES = 4096
-HANDSHAKE_TIMEOUT_S = 5.0
+CHALLENGE = HmacChallenge(b"kvxfer-router")  # the router proves first (C), the worker second (S)
 HELLO = "kvxfer-worker/1"
 _FINISHING = {"done", "error", "sent", "send_failed"}  # a request's last event on this worker
-
-
-def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
-    return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+_SWEEP_S = 0.5  # how often the acceptor closes handshakes past their deadline
 
 
 class _Pending:
@@ -58,6 +58,7 @@ class _Pending:
     def __init__(self, sock: socket.socket, source: str):
         self.sock, self.source = sock, source
         self.said_hello = False  # the router answered the worker's hello
+        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
 
 
 class _Conn:
@@ -126,8 +127,9 @@ class NetWorkerChannel:
     # ---- accepting routers ----------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._close_late_handshakes()
             try:
-                ready, _, _ = select.select([self._lsock], [], [], 0.5)
+                ready, _, _ = select.select([self._lsock], [], [], _SWEEP_S)
                 if not ready:
                     continue
                 sock, addr = self._lsock.accept()
@@ -143,23 +145,37 @@ class NetWorkerChannel:
             threading.Thread(target=self._handshake, args=(entry, f"{addr[0]}:{addr[1]}"),
                              name="net-handshake", daemon=True).start()
 
+    def _close_late_handshakes(self) -> None:
+        """Shut every pending connection past its deadline down; its handshake thread then
+        sees the end of the stream and gives the slot back. (A socket timeout alone
+        would bound each read, not the handshake: a router dripping one byte a second
+        would hold its slot for hours.)"""
+        now = time.monotonic()
+        with self._lock:  # under the lock: a connection that authenticated meanwhile is no entry any more
+            for entry in self._gate.entries():
+                if entry.deadline <= now:
+                    _shutdown(entry.sock)
+
     def _handshake(self, entry: _Pending, peer: str) -> None:
         sock = entry.sock
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            nonce_s = os.urandom(32)
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)  # no single read outlives the deadline's sweep by much
+            nonce_s = CHALLENGE.new_nonce()
             sock.sendall(encode({"hello": HELLO, "nonce": nonce_s.hex()}))
-            reply = recv_message(sock, PRE_AUTH_MAX_BYTES)
-            if reply is None:
-                raise ProtocolError("router closed during the handshake")
+            reply = recv_message(sock, PREAUTH_MAX_FRAME)
+            if reply is None or time.monotonic() > entry.deadline:
+                raise ProtocolError("router closed during the handshake, or did not finish it in time")
             entry.said_hello = True
             nonce_r = bytes.fromhex(str(reply.get("nonce", "")))
             got = bytes.fromhex(str(reply.get("mac", "")))
-            if len(nonce_r) != 32 or not hmac.compare_digest(
-                    got, _mac(self._secret, b"kvxfer-router-C", nonce_s, nonce_r)):
+            try:
+                proved = CHALLENGE.verify(CHALLENGE.client_mac(self._secret, nonce_s, nonce_r), got)
+            except ValueError:  # a nonce of the wrong length proves nothing
+                proved = False
+            if not proved:
                 sock.sendall(encode({"auth": "refused"}))
                 raise AuthenticationError("router failed to prove the shared secret")
-            sock.sendall(encode({"mac": _mac(self._secret, b"kvxfer-router-S", nonce_r, nonce_s).hex()}))
+            sock.sendall(encode({"mac": CHALLENGE.server_mac(self._secret, nonce_r, nonce_s).hex()}))
             sock.settimeout(None)
         except (OSError, ValueError, ProtocolError, AuthenticationError) as exc:
             log.warning("refused a router connection from %s: %s", peer, exc)
@@ -219,29 +235,31 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> tuple[RouterChannel, dict]:
-    """Router end: connect, prove the secret, check the worker's proof; returns the
-    channel and the worker's ``ready`` message. Raises ``OSError``/``asyncio.TimeoutError``,
-    :class:`AuthenticationError` or :class:`ProtocolError`."""
+async def connect_worker(address: str, secret: bytes,
+                         timeout: float = HANDSHAKE_TIMEOUT_S) -> tuple[RouterChannel, dict]:
+    """Router end: connect, prove the secret, check the worker's proof, all within
+    ``timeout`` seconds; returns the channel and the worker's ``ready`` message. Raises
+    ``OSError``/``asyncio.TimeoutError``, :class:`AuthenticationError` or :class:`ProtocolError`."""
     from ... import split_address
 
+    secret = normalize_secret(secret)
     host, port = split_address(address)
 
     async def handshake():
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 30)
         try:
-            hello = await recv_message_async(reader, PRE_AUTH_MAX_BYTES)
+            hello = await recv_message_async(reader, PREAUTH_MAX_FRAME)
             if hello.get("hello") != HELLO:
                 raise ProtocolError(f"not a kvxfer worker at {address}: {json.dumps(hello)[:80]}")
             nonce_s = bytes.fromhex(str(hello.get("nonce", "")))
-            nonce_r = os.urandom(32)
+            nonce_r = CHALLENGE.new_nonce()
             writer.write(encode({"nonce": nonce_r.hex(),
-                                 "mac": _mac(secret, b"kvxfer-router-C", nonce_s, nonce_r).hex()}))
-            proof = await recv_message_async(reader, PRE_AUTH_MAX_BYTES)
+                                 "mac": CHALLENGE.client_mac(secret, nonce_s, nonce_r).hex()}))
+            proof = await recv_message_async(reader, PREAUTH_MAX_FRAME)
             if proof.get("auth") == "refused":
                 raise AuthenticationError(f"worker at {address} refused our proof of the shared secret")
             got = bytes.fromhex(str(proof.get("mac", "")))
-            if not hmac.compare_digest(got, _mac(secret, b"kvxfer-router-S", nonce_r, nonce_s)):
+            if not CHALLENGE.verify(CHALLENGE.server_mac(secret, nonce_r, nonce_s), got):
                 raise AuthenticationError(f"worker at {address} failed to prove the shared secret")
             ready = await recv_message_async(reader, 1 << 20)
             return RouterChannel(reader, writer), ready
@@ -253,5 +271,5 @@ async def connect_worker(address: str, secret: bytes, timeout: float = 10.0) -> 
         return await asyncio.wait_for(handshake(), timeout)
     except asyncio.IncompleteReadError:
         raise ProtocolError(f"worker at {address} closed during the handshake") from None
-    except ValueError as exc:  # bad hex
+    except ValueError as exc:  # bad hex, or a nonce of the wrong length
         raise ProtocolError(f"malformed handshake from {address}: {exc}") from None

@@ -103,8 +103,7 @@ def _make_agent(name: str, runtime, lease_timeout_s: float, released: queue.Simp
                 secret: bytes, listen: str):
     from ... import Agent, AgentConfig
 
-    agent = Agent(name, listen=listen, secret=secret, config=AgentConfig.from_env(),
-                  lease_timeout=lease_timeout_s,
+    agent = Agent(name, listen=listen, secret=secret, config=AgentConfig.from_env(lease_timeout=lease_timeout_s),
                   on_release=lambda request_id, block_ids, reason: released.put(request_id))
     agent.register_kv(runtime.cache.kv_layout())
     return agent

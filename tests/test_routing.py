@@ -6,8 +6,9 @@ import pytest
 
 from kvxfer.serving.engine.block_manager import BlockManager, block_hash
 from kvxfer.serving.engine.sequence import Sequence
-from kvxfer.serving.server.routing import (MAX_EVENT_HASHES, KVRouting, LeastLoadedRouting,
-                                           PrefixIndex, make_policy, prefix_hashes)
+from kvxfer.serving.server.routing import (MAX_EVENT_HASHES, Booking, KVRouting,
+                                           LeastLoadedRouting, PrefixIndex, make_policy,
+                                           prefix_hashes)
 
 B = 4
 
@@ -209,6 +210,59 @@ def test_kv_min_hit_blocks_and_pool_hits():
     assert p.pick(ws, prompt, pool_hit_blocks=4).name == "a"
 
 
+def test_kv_books_blocks_and_weighs_them_over_request_counts():
+    p = make_policy("kv", B)  # overlap_weight 4: a block to prefill weighs 4 held
+    a, b = W("a"), W("b")
+    long_prompt = list(range(41))  # 10 full blocks, 11 with its last token
+    r = p.route([a, b], long_prompt, request_id="r1", max_tokens=7)
+    assert r.worker is a and p.booked("a") == Booking(10, 12)  # ceil((41 + 7) / 4) held
+    a.load, b.load = 1, 2  # least-loaded would now pick a
+    short = list(range(100, 109))  # 2 full blocks
+    # a: 4 * (10 + 2) + 12 = 60, b: 4 * 2 = 8 blocks
+    assert p.pick([a, b], short) is b and p.cost("a", 0, 2) == 60 and p.cost("b", 0, 2) == 8
+    p.prefilled("r1")  # its prompt is computed: only its held blocks weigh
+    assert p.booked("a") == Booking(0, 12) and p.cost("a", 0, 2) == 20
+    p.release("r1")
+    assert p.booked("a") == Booking(0, 0) and p.pick([a, b], short) is a  # equal: fewer requests
+    p.release("r1")  # a second release (or an unknown id) changes nothing
+    p.prefilled("nope")
+    assert p.booked("a") == Booking(0, 0)
+
+
+def test_kv_booking_per_worker_hits_and_decode_bookings():
+    p = make_policy("kv", B)
+    prompt = list(range(41))
+    p.on_kv_event("d1", chain(prompt)[:6], [])
+    d0, d1, p0 = W("d0"), W("d1"), W("p0")
+    # a decode worker receives the prompt's KV: nothing to prefill, the hit spares the transfer
+    assert p.route([d0, d1], prompt, request_id="r", max_tokens=3, prefills=False).worker is d1
+    assert p.booked("d1") == Booking(0, 11)
+    assert p.route([p0], prompt, request_id="r").worker is p0  # a prefill worker: no hit there
+    assert p.booked("p0") == Booking(10, 11)
+    p.route([p0], prompt, request_id="r", max_tokens=1)  # booked again: replaced, not added
+    assert p.booked("p0") == Booking(10, 11)
+    p.prefilled("r")
+    p.release("r", "p0")  # its KV was sent: the prefill worker is done with it
+    assert p.booked("p0") == Booking(0, 0) and p.booked("d1") == Booking(0, 11)
+    p.forget("d1")  # a dead worker's bookings go with its index entries
+    assert p.booked("d1") == Booking(0, 0)
+    p.release("r")
+    # a hit on a worker with much booked work loses to an idle worker
+    p.on_kv_event("d1", chain(prompt)[:6], [])
+    p.route([d1], list(range(200, 241)), request_id="busy")  # 10 blocks to prefill on d1
+    assert p.pick([d0, d1], prompt) is d0  # d0: 4 * 10 = 40; d1: 4 * (10 + 10 - 6) + 11 = 67
+
+
+def test_least_loaded_keeps_the_ledger_but_ignores_it():
+    p = make_policy("least-loaded", B)
+    a, b = W("a"), W("b", 1)
+    assert p.route([a, b], list(range(41)), request_id="r", max_tokens=3).worker is a
+    assert p.booked("a") == Booking(10, 11)
+    assert p.pick([a, b], list(range(41))) is a  # fewest requests, whatever is booked
+    p.release("r")
+    assert p.booked("a") == Booking(0, 0)
+
+
 def test_forget_drops_a_worker():
     p = make_policy("kv", B)
     prompt = list(range(40))
@@ -228,8 +282,13 @@ def test_make_policy_rejects_bad_input():
         make_policy("kv", B, load_gap=-1)
     with pytest.raises(ValueError):
         make_policy("kv", B, min_hit_blocks=0)
+    for bad in (-1.0, float("inf"), float("nan"), "2"):
+        with pytest.raises(ValueError):
+            make_policy("kv", B, overlap_weight=bad)
     with pytest.raises(TypeError):
         make_policy("least-loaded", B, load_gap=2)
+    with pytest.raises(TypeError):
+        make_policy("least-loaded", B, overlap_weight=2.0)
     assert isinstance(make_policy("kv", B, max_workers=4), KVRouting)
 
 
@@ -398,6 +457,33 @@ def test_dispatcher_feeds_the_index_drops_bad_messages_and_forgets_the_dead():
     w1.is_alive = False
     d.on_worker_exit(w1)
     assert len(d.cluster.routing.index) == 0
+
+
+def test_dispatcher_books_a_request_until_it_ends():
+    from kvxfer.serving.server.dispatch import Dispatcher
+    from kvxfer.serving.server.prom import Registry
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    d = Dispatcher(ServeConfig(num_prefill=1, num_decode=2, routing="kv"), Registry())
+    for w in d.cluster.workers:
+        w.is_alive, w.channel = True, _Channel()
+        w.info = {"agent_address": f"127.0.0.1:{len(w.name)}"}
+    prefill, decode = d.cluster.role("prefill")[0], d.cluster.role("decode")[0]
+    routing = d.cluster.routing
+    prompt = list(range(100))  # 6 full blocks of 16, 7 blocks with 12 tokens generated
+    st = d.submit("a", prompt, {"max_tokens": 12})
+    assert st.decode is decode and st.prefill is prefill
+    assert routing.booked(decode.name) == Booking(0, 7) and routing.booked(prefill.name) == Booking(6, 7)
+    d.on_message(decode, {"ev": "admitted", "rid": "a", "cached_blocks": 0})
+    d.on_message(prefill, {"ev": "token", "rid": "a", "token": 5})
+    assert routing.booked(prefill.name) == Booking(0, 7)  # prefilled: only held blocks
+    d.on_message(prefill, {"ev": "sent", "rid": "a", "transfer_ms": 1.0})
+    assert routing.booked(prefill.name) == Booking(0, 0) and routing.booked(decode.name) == Booking(0, 7)
+    d.on_message(decode, {"ev": "done", "rid": "a", "finish_reason": "length"})
+    assert routing.booked(decode.name) == Booking(0, 0)
+    d.submit("b", prompt, {"max_tokens": 12})
+    d.abort("b")  # a request that ends otherwise is released too
+    assert all(routing.booked(w.name) == Booking(0, 0) for w in d.cluster.workers)
 
 
 def test_kv_event_batches_keep_every_hash_once_within_the_limit():

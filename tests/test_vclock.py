@@ -138,7 +138,8 @@ def test_a_request_longer_than_a_pool_is_refused_not_stuck():
 
 def test_kv_routing_follows_cached_prefixes():
     # requests overlap, so least-loaded spreads a conversation's turns over the workers
-    arrivals = _conversations(6, 4, gap_s=0.01, out=32)  # 6 chats over 4 workers
+    # (a turn comes 0.12 s after the previous one, about when that one ends)
+    arrivals = _conversations(6, 4, gap_s=0.02, out=32)  # 6 chats over 4 workers
     config = parse_config("colocated:4", num_blocks=512)
     ratios = {}
     for routing in ("least-loaded", "kv"):

@@ -78,11 +78,15 @@ def add_parser(sub) -> None:
                         "role when its worker dies or fails before any token was streamed")
     p.add_argument("--routing", choices=("least-loaded", "kv"), default="least-loaded",
                    help="how a request's worker is picked: the least-loaded one, or (kv) the one "
-                        "whose prefix cache holds most of the prompt unless it holds "
-                        "--routing-load-gap more requests than the least-loaded (docs/serving.md)")
+                        "of least cost in blocks (prompt blocks it must prefill, weighted, plus "
+                        "blocks its requests hold) among those within --routing-load-gap "
+                        "requests of the least-loaded (docs/serving.md)")
     p.add_argument("--routing-load-gap", type=int, default=4, metavar="N",
                    help="--routing kv: the load excess (requests) past which a prefix hit no "
                         "longer draws the request")
+    p.add_argument("--routing-overlap-weight", type=float, default=None, metavar="W",
+                   help="--routing kv: a prompt block to prefill costs as much as W blocks held "
+                        "(default 4)")
     a = p.add_argument_group("adaptive P/D rebalancing (docs/serving.md)")
     a.add_argument("--adaptive", action="store_true",
                    help="move workers between the prefill and decode roles as the mix shifts "
@@ -157,6 +161,8 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes, retries=args.retries,
         routing=args.routing, routing_load_gap=args.routing_load_gap,
+        **({} if args.routing_overlap_weight is None
+           else {"routing_overlap_weight": args.routing_overlap_weight}),
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, limit_concurrency=args.limit_concurrency,
         adaptive=_adaptive_policy(args) if args.adaptive else None,

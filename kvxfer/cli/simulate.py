@@ -33,7 +33,11 @@ def add_common(p) -> None:
                    help="spread each arrival within a window, as kvxfer loadgen (--seed)")
     p.add_argument("--seed", type=int, default=0, help="jitter seed, as kvxfer loadgen")
     p.add_argument("--routing", choices=("least-loaded", "kv"), default="least-loaded",
-                   help="how the router picks decode/colocated workers")
+                   help="how the router picks its workers (kvxfer serve --routing)")
+    p.add_argument("--routing-load-gap", type=int, default=None, metavar="N",
+                   help="--routing kv: as kvxfer serve (default 4)")
+    p.add_argument("--routing-overlap-weight", type=float, default=None, metavar="W",
+                   help="--routing kv: as kvxfer serve (default 4)")
     p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks,
                    help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -72,6 +76,15 @@ def arrivals(args, time_scale: float | None = None) -> list[tuple[float, list[in
             for r in reqs]
 
 
+def routing_knobs(args) -> dict:
+    """The kv policy's knobs given on the command line (none for least-loaded)."""
+    if args.routing != "kv":
+        return {}
+    knobs = {"load_gap": getattr(args, "routing_load_gap", None),
+             "overlap_weight": getattr(args, "routing_overlap_weight", None)}
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
 def run_config(name: str, args, profile, slo, requests) -> dict:
     """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
     "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO."""
@@ -82,7 +95,7 @@ def run_config(name: str, args, profile, slo, requests) -> dict:
     config = parse_config(name, slo_ms=(slo.ttft_ms, slo.tpot_ms) if slo else None,
                           num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    result = simulate(config, profile, requests, routing=args.routing)
+    result = simulate(config, profile, requests, routing=args.routing, **routing_knobs(args))
     summary = summarize_run(result.records, slo)
     counts = result.counters
     return {"name": name, "goodput_rps": summary.get("goodput"),
@@ -92,6 +105,8 @@ def run_config(name: str, args, profile, slo, requests) -> dict:
             "tpot_p50_ms": summary["tpot_ms"]["median"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
             "prefix_hit_ratio": (counts["hit_tokens"] / counts["query_tokens"]
                                  if counts.get("query_tokens") else 0.0),
+            "routed_hit_ratio": (counts["routed_hit_blocks"] / counts["routed_prompt_blocks"]
+                                 if counts.get("routed_prompt_blocks") else 0.0),
             "virtual_s": result.end_s, "counters": result.counters,
             "records": result.records}
 

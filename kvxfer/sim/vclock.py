@@ -160,6 +160,11 @@ class VirtualCluster:
         for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it
             self.counters["query_tokens"] += w.runtime.blocks.num_query_tokens
             self.counters["hit_tokens"] += w.runtime.blocks.num_hit_tokens
+            self.counters["preemptions"] += w.runtime.scheduler.num_preemptions
+        # the router's view, once a pick: the index's hit on the chosen worker (a preempted
+        # request allocating again counts again in hit_tokens, never here)
+        self.counters["routed_hit_blocks"] = self.routing.stats["hit_blocks"]
+        self.counters["routed_prompt_blocks"] = self.routing.stats["prompt_blocks"]
         records = [self._record(r) for r in self.finished]
         records += [{"ok": False, "sent_s": r.arrival_s, "input_tokens": len(r.prompt_ids),
                      "error": f"prompt + max_tokens exceeds a worker's KV pool "
@@ -180,11 +185,16 @@ class VirtualCluster:
     def role(self, role: str) -> list[SimWorker]:
         return [w for w in self.workers if w.role == role]
 
-    def _pick(self, role: str, prompt_ids: list[int]) -> SimWorker | None:
+    def _pick(self, role: str, r: _Request) -> SimWorker | None:
         """The routing policy's pick among the workers of ``role`` taking requests (as
-        :meth:`kvxfer.serving.server.launcher.Cluster.route`)."""
+        :meth:`kvxfer.serving.server.launcher.Cluster.route`), ``r`` booked on it as the
+        dispatcher books it."""
         live = [w for w in self.role(role) if not w.is_switching]
-        return self.routing.pick(live, prompt_ids) if live else None
+        if not live:
+            return None
+        return self.routing.pick(live, r.prompt_ids, request_id=r.rid,
+                                 max_tokens=0 if role == "prefill" else r.max_tokens,
+                                 prefills=role != "decode")
 
     def _publish(self, worker: SimWorker) -> None:
         """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
@@ -201,13 +211,14 @@ class VirtualCluster:
         self.requests[r.rid] = r
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         if not self.config.is_disaggregated:
-            r.decode = self._pick("colocated", r.prompt_ids)
+            r.decode = self._pick("colocated", r)
             self._admit_local(r, params)
             return
-        r.decode = self._pick("decode", r.prompt_ids)
-        prefill = self._pick("prefill", r.prompt_ids)
+        r.decode = self._pick("decode", r)
+        prefill = self._pick("prefill", r)
         if prefill_queue_full(prefill.load, self.config):
             self.counters["local_prefill_queue"] += 1
+            self.routing.release(r.rid, prefill.name)
             self._admit_local(r, params)
             return
         r.prefill, r.mode = prefill, "remote"
@@ -234,13 +245,15 @@ class VirtualCluster:
             r.cached_blocks = seq.num_cached_tokens // blocks.block_size
             if seq.num_prompt_tokens - seq.num_cached_tokens < self.config.local_prefill_tokens:
                 worker.runtime.scheduler.add_allocated(seq)
+                self.routing.release(r.rid, r.prefill.name)
                 r.prefill, r.mode = None, "local"
                 self.counters["local_prefill_tokens"] += 1
                 self._kick(worker)
                 continue
             prefill = r.prefill
             if prefill.is_switching:  # as the dispatcher: another one if it is being moved
-                prefill = r.prefill = self._pick("prefill", r.prompt_ids)
+                self.routing.release(r.rid, prefill.name)
+                prefill = r.prefill = self._pick("prefill", r)
             prefill.inflight.add(r.rid)
             pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid)
             pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
@@ -271,6 +284,7 @@ class VirtualCluster:
                 continue
             if not r.token_times and r.mode == "local":  # its prefix hits on this worker
                 r.cached_blocks = seq.num_cached_tokens // worker.runtime.block_size
+                self.routing.prefilled(r.rid)
             seq.token_ids.append(token)
             r.token_times.append(self.now)
             reason = finish_reason(seq, token)
@@ -286,6 +300,7 @@ class VirtualCluster:
         to the decode worker over the two NICs (module docstring)."""
         worker.runtime.scheduler.running.remove(seq)
         r.token_times.append(self.now)
+        self.routing.prefilled(r.rid)
         r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
         num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
         nbytes = num_blocks * self.profile.block_bytes
@@ -300,6 +315,7 @@ class VirtualCluster:
         worker.runtime.release(seq, "stop")
         del worker.seqs[r.rid]
         worker.inflight.discard(r.rid)
+        self.routing.release(r.rid, worker.name)
         self._kick(worker)
         self._maybe_switch(worker)
 
@@ -323,6 +339,7 @@ class VirtualCluster:
         del self.requests[r.rid]
         del worker.seqs[r.rid]
         worker.inflight.discard(r.rid)
+        self.routing.release(r.rid)
         r.done_s = self.now
         self.finished.append(r)
         self._num_left -= 1

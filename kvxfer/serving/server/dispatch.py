@@ -113,18 +113,22 @@ class Dispatcher:
     def _place(self, st: RequestState) -> None:
         """Pick workers for ``st`` and admit it; raises NoWorkerAvailable."""
         rid, prompt_ids, params = st.rid, st.prompt_ids, st.params
+        max_tokens = int(params.get("max_tokens") or 0)
         if self.config.is_disaggregated:
-            decode, prefill = self._pick("decode", prompt_ids), self._pick("prefill", prompt_ids)
+            decode = self._pick("decode", prompt_ids, rid, max_tokens, prefills=False)
+            prefill = self._pick("prefill", prompt_ids, rid, 0)
             if decode is None or prefill is None:
+                self.cluster.routing.release(rid)
                 raise NoWorkerAvailable("no live prefill or decode worker")
             if prefill_queue_full(prefill.load, self.config):  # conditional disaggregation
+                self.cluster.routing.release(rid, prefill.name)
                 mode = "local"
                 self.m_local_prefills.inc(reason="prefill_queue")
                 st.transfer_settled.set()
             else:
                 st.prefill, mode = prefill, "remote"
         else:
-            decode, mode = self._pick("colocated", prompt_ids), "local"
+            decode, mode = self._pick("colocated", prompt_ids, rid, max_tokens), "local"
             if decode is None:
                 raise NoWorkerAvailable("no live colocated worker")
             st.transfer_settled.set()
@@ -134,9 +138,14 @@ class Dispatcher:
         decode.send({"op": "admit", "rid": rid, "prompt_ids": prompt_ids, "params": params,
                      "mode": mode, "local_below": self.config.local_prefill_tokens})
 
-    def _pick(self, role: str, prompt_ids: list[int]):
-        """The routing policy's worker of ``role`` for ``prompt_ids``, its hit counted."""
-        route = self.cluster.route(role, prompt_ids)
+    def _pick(self, role: str, prompt_ids: list[int], rid: str, max_tokens: int, *,
+              prefills: bool = True):
+        """The routing policy's worker of ``role`` for ``prompt_ids``, its hit counted and
+        request ``rid`` booked on it (the policy's ledger: released in :meth:`_release`,
+        :meth:`_finish`, :meth:`_retry`, on ``sent``/``send_failed`` for a prefill worker;
+        its prefill part on the first token)."""
+        route = self.cluster.route(role, prompt_ids, request_id=rid, max_tokens=max_tokens,
+                                   prefills=prefills)
         if route.worker is not None and route.prompt_blocks:
             policy = self.cluster.routing.name
             self.m_routed_blocks.inc(route.prompt_blocks, policy=policy, role=role, kind="prompt")
@@ -158,6 +167,7 @@ class Dispatcher:
         rid = st.rid
         del self.requests[rid]
         self._by_public.pop(st.public_rid, None)
+        self.cluster.routing.release(rid)
         st.is_finished = True
         st.transfer_settled.set()
         for worker in (st.prefill, st.decode):
@@ -188,12 +198,16 @@ class Dispatcher:
         if ev == "admitted":
             st.cached_blocks = int(msg.get("cached_blocks", 0))
             if msg.get("local"):  # short uncached prompt: the decode worker prefills it
+                if st.prefill is not None:
+                    self.cluster.routing.release(rid, st.prefill.name)
                 st.prefill = None
                 st.transfer_settled.set()
                 self.m_local_prefills.inc(reason="short_prompt")
                 return
             if not _usable(st.prefill, "prefill"):  # died or is switching roles meanwhile
-                st.prefill = self._pick("prefill", st.prompt_ids)
+                if st.prefill is not None:
+                    self.cluster.routing.release(rid, st.prefill.name)
+                st.prefill = self._pick("prefill", st.prompt_ids, rid, 0)
                 if st.prefill is None:
                     self._fail(st, "no live prefill worker", "worker_unavailable")
                     return
@@ -203,6 +217,8 @@ class Dispatcher:
                                         "dst_name": st.decode.name,
                                         "skip_blocks": st.cached_blocks})
         elif ev == "token":
+            if not st.token_times:
+                self.cluster.routing.prefilled(rid)
             if worker is st.prefill:
                 if st.token_times:  # the decode worker recomputed and sampled token 0 first
                     return
@@ -212,11 +228,13 @@ class Dispatcher:
             st.events.put_nowait(("token", int(msg["token"]), msg.get("logprobs")))
         elif ev == "sent":  # send posted -> data visible at the decode worker
             worker.inflight.discard(rid)
+            self.cluster.routing.release(rid, worker.name)
             st.kv_transfer_ms = float(msg.get("transfer_ms", 0.0))
             self.m_kv_time.observe(st.kv_transfer_ms / 1e3)
             st.transfer_settled.set()
         elif ev == "send_failed":
             worker.inflight.discard(rid)
+            self.cluster.routing.release(rid, worker.name)
             self._transfer_failed(st, msg.get("error", "transfer failed"))
         elif ev == "kv":  # the decode side: KV landed (or was recomputed)
             st.recomputed = bool(msg.get("recomputed"))
@@ -290,6 +308,7 @@ class Dispatcher:
         """Place ``st`` again (module docstring); the failed attempt's share is aborted."""
         old = st.rid
         del self.requests[old]
+        self.cluster.routing.release(old)
         for w in (st.prefill, st.decode):
             if w is not None and old in w.inflight:
                 w.inflight.discard(old)
@@ -324,6 +343,7 @@ class Dispatcher:
         st.is_finished = True
         self.requests.pop(st.rid, None)
         self._by_public.pop(st.public_rid, None)
+        self.cluster.routing.release(st.rid)
         if st.prefill is not None:
             st.prefill.inflight.discard(st.rid)
         self.m_requests.inc(outcome="ok")

@@ -90,10 +90,11 @@ class RemoteCluster:
         """The live worker of ``role`` the routing policy picks for ``prompt_ids``."""
         return self.route(role, prompt_ids).worker
 
-    def route(self, role: str, prompt_ids: list[int] | None = None):
-        """:meth:`pick` as a :class:`~kvxfer.serving.server.routing.Route` (with its prefix hit)."""
+    def route(self, role: str, prompt_ids: list[int] | None = None, **booking):
+        """:meth:`pick` as a :class:`~kvxfer.serving.server.routing.Route` (with its prefix
+        hit); ``booking``: ``request_id``, ``max_tokens``, ``prefills`` (the policy's ledger)."""
         live = [w for w in self.role(role) if w.is_alive and not w.is_draining]
-        return self.routing.route(live, prompt_ids)
+        return self.routing.route(live, prompt_ids, **booking)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

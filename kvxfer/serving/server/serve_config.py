@@ -13,6 +13,7 @@ from ...secrets import has_secret
 from ..engine.config import SCHEDULES, EngineConfig
 from ..model.config import MATMUL_DTYPES
 from .adaptive_policy import AdaptivePolicy
+from .routing import OVERLAP_WEIGHT
 from .routing import POLICIES as ROUTING_POLICIES
 
 TRANSFER_POLICIES = ("fail", "recompute")
@@ -79,6 +80,7 @@ class ServeConfig:
     retries: int = 0  # place a request again this often if its worker dies before token 0
     routing: str = "least-loaded"  # the worker-picking policy (kvxfer.serving.server.routing)
     routing_load_gap: int = 4  # --routing kv: a prefix hit draws requests up to this over the least load
+    routing_overlap_weight: float = OVERLAP_WEIGHT  # --routing kv: a block to prefill vs one held
     engine: str = "real"  # "sim": every worker runs the simulated engine (kvxfer.sim)
     profile: str | None = None  # --engine sim: the cost profile, a shipped name or a file
     sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
@@ -129,6 +131,9 @@ class ServeConfig:
             raise ValueError(f"routing must be one of {sorted(ROUTING_POLICIES)}, got {self.routing!r}")
         if type(self.routing_load_gap) is not int or self.routing_load_gap < 0:
             raise ValueError(f"routing_load_gap must be an int >= 0, got {self.routing_load_gap!r}")
+        if not 0 <= self.routing_overlap_weight < float("inf"):
+            raise ValueError("routing_overlap_weight must be a finite number >= 0, got "
+                             f"{self.routing_overlap_weight!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if (self.engine == "sim") != (self.profile is not None):
@@ -178,5 +183,6 @@ class ServeConfig:
         the workers' blocks of ``EngineConfig.block_size`` tokens."""
         from .routing import make_policy
 
-        knobs = {"load_gap": self.routing_load_gap} if self.routing == "kv" else {}
+        knobs = ({"load_gap": self.routing_load_gap, "overlap_weight": self.routing_overlap_weight}
+                 if self.routing == "kv" else {})
         return make_policy(self.routing, EngineConfig.block_size, **knobs)

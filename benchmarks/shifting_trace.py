@@ -1,0 +1,75 @@
+"""A trace whose mix shifts: a long-prompt phase, then a long-output phase (Mooncake format).
+
+    python benchmarks/shifting_trace.py --out shifting.jsonl            # the defaults below
+    kvxfer simulate --trace shifting.jsonl --profile h100-llama2-7b-vidur --num-blocks 6000 \\
+        --config 8P8D --config adaptive:8P8D --slo 2500,150
+
+Deterministic for a ``--seed``: Poisson arrivals, lengths uniform in each phase's
+ranges, every request its own hash ids (no prefix is shared, so routing plays no
+part and the comparison is the P:D split alone). Defaults, sized for 16 simulated
+H100s with Llama-2-7B (``h100-llama2-7b-vidur``):
+
+- **prompt phase**, ``--prompt-phase-s`` (120) at ``--prompt-rate`` (20 req/s): prompts of
+  8,192-16,384 tokens, answers of 16-64. A 12k-token prefill takes ~0.39 s on the
+  profile (2.6 requests/s a prefill worker) and its 6.3 GB of KV ~0.18 s on the link,
+  so this phase needs ~8 prefill workers and ~4 decode workers' NICs;
+- **output phase**, ``--output-phase-s`` (120) at ``--output-rate`` (40 req/s): prompts of
+  256-1,024 tokens, answers of 512-1,024. A decode worker of 16 sequences at ~5.6 ms a
+  step finishes ~3.7 such answers a second, so this phase needs ~11 decode workers
+  and one prefill worker.
+
+No static split of 16 serves both (the first wants x >= 8 prefill workers, the second
+16 - x >= 11 decode workers); a rebalancer that follows the mix can.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+BLOCK_TOKENS = 512  # a Mooncake hash id stands for 512 tokens
+
+
+def phases(args) -> list[tuple[float, float, tuple[int, int], tuple[int, int]]]:
+    """(duration_s, rate, prompt range, output range) of each phase, in order."""
+    return [(args.prompt_phase_s, args.prompt_rate, (8192, 16384), (16, 64)),
+            (args.output_phase_s, args.output_rate, (256, 1024), (512, 1024))]
+
+
+def generate(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    rows, t0, next_hash = [], 0.0, 0
+    for duration, rate, (in_lo, in_hi), (out_lo, out_hi) in phases(args):
+        t = t0 + rng.expovariate(rate)
+        while t < t0 + duration:
+            n_in = rng.randint(in_lo, in_hi)
+            num_hashes = -(-n_in // BLOCK_TOKENS)
+            rows.append({"timestamp": int(round(t * 1e3)), "input_length": n_in,
+                         "output_length": rng.randint(out_lo, out_hi),
+                         "hash_ids": list(range(next_hash, next_hash + num_hashes))})
+            next_hash += num_hashes
+            t += rng.expovariate(rate)
+        t0 += duration
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the jsonl file to write")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-phase-s", type=float, default=120.0)
+    ap.add_argument("--prompt-rate", type=float, default=20.0, help="requests/s")
+    ap.add_argument("--output-phase-s", type=float, default=120.0)
+    ap.add_argument("--output-rate", type=float, default=40.0, help="requests/s")
+    args = ap.parse_args()
+    rows = generate(args)
+    with open(args.out, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"{args.out}: {len(rows)} requests over {rows[-1]['timestamp'] / 1e3:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -286,15 +286,20 @@ class StoreNode:
         idx, owner = self.index, c.owner
         if kind == Req.LOOKUP:
             return {"id": rid, "present": "".join("1" if idx.contains(k) else "0" for k in f["keys"])}
-        if kind == Req.RESERVE:
+        if kind in (Req.RESERVE, Req.RESERVE_PART):
             if f["nbytes"] > idx.slot_bytes:
                 self.num_bad_requests += 1
                 return {"id": rid, "error": "too_large",
                         "reason": f"objects of {f['nbytes']} B exceed this node's {idx.slot_bytes}-byte slots"}
             out = []
             for k in f["keys"]:
-                code, obj = idx.reserve(k, f["nbytes"], f["fmt"], owner, now, self.lease_s)
-                out.append([code, obj.slot * idx.slot_bytes, obj.token] if obj is not None else [code, 0, 0])
+                if kind == Req.RESERVE:
+                    code, obj = idx.reserve(k, f["nbytes"], f["fmt"], owner, now, self.lease_s)
+                    token = obj.token if obj is not None else 0
+                else:
+                    code, obj, part = idx.reserve_part(k, f["nbytes"], f["fmt"], *f["heads"], owner, now, self.lease_s)
+                    token = part.token if part is not None else 0
+                out.append([code, obj.slot * idx.slot_bytes, token] if obj is not None else [code, 0, 0])
             return {"id": rid, "r": out}
         if kind == Req.COMMIT:
             return {"id": rid, "ok": [idx.commit(k, t, crc, owner)

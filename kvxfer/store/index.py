@@ -33,6 +33,7 @@ seconds passed in by the caller.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -68,7 +69,9 @@ class Obj:
     committed: bool = False
     dropped: bool = False  # left the index while pinned; slot freed at the last release
     num_heads: int = 0  # multi-part objects: the heads the parts must cover
-    parts: list | None = None  # multi-part objects: their Parts, in reservation order
+    parts: list | None = None  # multi-part objects: their Parts, sorted by head (never overlapping)
+    by_token: dict | None = None  # multi-part objects: token -> Part
+    covered: int = 0  # multi-part objects: heads of the committed parts
 
 
 @dataclass(eq=False)
@@ -176,20 +179,24 @@ class SlotIndex:
                 return BUSY, None, None
             if (obj.nbytes, obj.fmt, obj.num_heads) != (nbytes, fmt, num_heads):
                 return CONFLICT, None, None
-            for p in obj.parts:
+            # parts are sorted and disjoint: only the neighbours of lo can overlap [lo, hi)
+            i = bisect.bisect_left(obj.parts, lo, key=lambda p: p.lo)
+            for p in obj.parts[max(0, i - 1):i + 1]:
                 if p.lo < hi and lo < p.hi:
                     return (BUSY if (p.lo, p.hi) == (lo, hi) else CONFLICT), None, None
         if self._pending_by.get(owner, 0) >= self.max_pending:
             return LIMIT, None, None
         if obj is None:
-            obj = self._new_slot(Obj(key, -1, nbytes, fmt, owner, 0, now + lease_s, num_heads=num_heads, parts=[]))
+            obj = self._new_slot(Obj(key, -1, nbytes, fmt, owner, 0, now + lease_s, num_heads=num_heads,
+                                     parts=[], by_token={}))
             if obj is None:
                 return FULL, None, None
         else:
             self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
             obj.deadline = max(obj.deadline, now + lease_s)
         part = Part(lo, hi, owner, next(self._tokens))
-        obj.parts.append(part)
+        bisect.insort(obj.parts, part, key=lambda p: p.lo)
+        obj.by_token[part.token] = part
         return RESERVED, obj, part
 
     def commit(self, key: bytes, token: int, crc: int, owner: int) -> bool:
@@ -205,8 +212,9 @@ class SlotIndex:
             if part is None or part.committed:
                 return False
             part.committed, part.crc = True, crc
-            if sum(p.hi - p.lo for p in obj.parts if p.committed) == obj.num_heads:  # parts never overlap
-                obj.crc = [[p.lo, p.hi, p.crc] for p in sorted(obj.parts, key=lambda p: p.lo)]
+            obj.covered += part.hi - part.lo
+            if obj.covered == obj.num_heads:  # parts never overlap: every head once
+                obj.crc = [[p.lo, p.hi, p.crc] for p in obj.parts]
                 self._publish(obj)
             return True
         if obj.token != token or obj.owner != owner:
@@ -325,10 +333,8 @@ class SlotIndex:
 
     @staticmethod
     def _part(obj: Obj, token: int, owner: int) -> Part | None:
-        for p in obj.parts:
-            if p.token == token and p.owner == owner:
-                return p
-        return None
+        p = obj.by_token.get(token)
+        return p if p is not None and p.owner == owner else None
 
     @staticmethod
     def _holds_open(obj: Obj, owner: int) -> bool:

@@ -180,3 +180,22 @@ def test_parts_count_against_their_clients_until_the_object_ends():
     assert idx.commit(b"b", p.token, 1, 2) and idx.contains(b"b")  # b done: one of client 1's back
     assert part(idx, b"c", 0, 2, owner=1)[0] == ix.RESERVED
     assert idx.stats()["pending"] == 2  # a (half), c
+
+
+def test_many_parts_cost_a_reserve_or_commit_little():
+    """A forged object of MAX_HEADS one-head parts: each further reserve (a request may
+    name the key MAX_KEYS times) and commit looks at its neighbours only."""
+    import time
+
+    from kvxfer.store.protocol import MAX_HEADS, MAX_KEYS
+
+    idx = ix.SlotIndex(2, 100, max_pending=MAX_HEADS)
+    tokens = [part(idx, b"a", h, h + 1, owner=1, of=MAX_HEADS)[2].token for h in range(0, MAX_HEADS, 2)]
+    start = time.perf_counter()
+    codes = {part(idx, b"a", 1, 3, owner=2, of=MAX_HEADS)[0] for _ in range(MAX_KEYS)}
+    assert codes == {ix.CONFLICT} and time.perf_counter() - start < 1.0
+    assert all(idx.commit(b"a", t, 1, 1) for t in tokens) and not idx.contains(b"a")
+    for h in range(1, MAX_HEADS, 2):
+        _, _, p = part(idx, b"a", h, h + 1, owner=2, of=MAX_HEADS)
+        assert idx.commit(b"a", p.token, 2, 2)
+    assert idx.contains(b"a") and len(idx.peek(b"a").crc) == MAX_HEADS

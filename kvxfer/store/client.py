@@ -47,6 +47,9 @@ log = logging.getLogger("kvxfer.store")
 __all__ = ["KVStore"]
 
 MAX_QUEUED_OPS = 1024
+# keys per GET: a node answers at most MAX_REPLY_PARTS checksums per reply (the rest miss),
+# so objects of up to 16 parts (TP degree 16) always fit
+MAX_GET_KEYS = 1024
 READ_PIECES = 4  # a get's reads per node batch, pipelined with the checksums of the previous one
 
 
@@ -329,10 +332,10 @@ class KVStore:
             got = self._pools[key] = (fmt.layout, [self._backend.register(a, n) for a, n in fmt.layout.regions()])
         return got[1]
 
-    def _batches(self, positions, nbytes: int):
-        per = max(1, self._staging.numel() // nbytes)
-        for s in range(0, len(positions), min(per, MAX_KEYS)):
-            yield positions[s:s + min(per, MAX_KEYS)]
+    def _batches(self, positions, nbytes: int, most: int = MAX_KEYS):
+        per = min(max(1, self._staging.numel() // nbytes), most)
+        for s in range(0, len(positions), per):
+            yield positions[s:s + per]
 
     def _do_put(self, keys, ids, fmt, done) -> None:
         self.counters["puts"] += 1
@@ -444,7 +447,7 @@ class KVStore:
                 self._mark_down(addr, exc)
                 failure = failure or exc
                 continue
-            for batch in self._batches(pos, fmt.nbytes):
+            for batch in self._batches(pos, fmt.nbytes, MAX_GET_KEYS):
                 try:
                     with c.lock:
                         r = c.request(Req.GET, {"keys": [keys[i] for i in batch], "fmt": fmt.fmt},

@@ -19,8 +19,11 @@ later, when the client tries it again.
 Data moves one-sided between a registered staging buffer of this client and the node's
 slots (no byte of KV through a socket): a put packs each block into staging
 (:mod:`kvxfer.store.objects`), writes it into the slot the node reserved, then commits
-with its checksum; a get reads pinned slots into staging, checks every object's checksum
-and unpacks the good ones. A put or get runs on the client's worker thread; the handle is
+with its checksum (or writes straight from the blocks when their runs are long); a TP
+rank's put reserves, writes and commits its part of each object (its heads, with the
+part's checksum), and the node publishes the object once the group's parts cover every
+head; a get reads pinned slots into staging, checks every object's checksum (every
+part's) and unpacks the good ones. A put or get runs on the client's worker thread; the handle is
 done when the objects are committed (put) or the blocks hold the KV (get).
 """
 from __future__ import annotations

@@ -554,7 +554,8 @@ class KVStore:
         """The pool's counters summed over the live nodes (``hits``, ``misses``,
         ``evictions``, ``bytes_used``, ``capacity_bytes``, ``objects``, ...), ``nodes``
         (reachable now), ``nodes_down``, ``per_node`` (each node's own), and ``client``
-        (this client's: puts, objects put/present/skipped, part conflicts, gets, misses, checksum failures)."""
+        (this client's: puts, objects put/present/skipped, part conflicts, gets, misses,
+        checksum failures)."""
         total = {k: 0 for k in ("hits", "misses", "evictions", "bytes_used", "capacity_bytes", "objects",
                                 "pending", "pins", "bad_objects")}
         per_node = {}

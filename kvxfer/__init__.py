@@ -24,6 +24,7 @@ from .errors import (
     ProtocolError,
     RegistrationError,
     StoreMiss,
+    StorePartConflict,
     TransferCancelled,
     TransferTimeout,
 )

@@ -21,6 +21,7 @@ __all__ = [
     "LimitExceeded",
     "BlocksBusy",
     "StoreMiss",
+    "StorePartConflict",
 ]
 
 
@@ -85,3 +86,14 @@ class StoreMiss(KVXferError):
     def __init__(self, message: str, *, loaded: int = 0) -> None:
         super().__init__(message)
         self.loaded = loaded
+
+
+class StorePartConflict(KVXferError):
+    """A TP rank's :meth:`kvxfer.KVStore.put` found ``keys`` being assembled from parts that
+    overlap its heads without equalling them (a group of another TP degree putting the
+    same keys now, or two ranks claiming the same heads): those keys were not put by this
+    call (the others were). They become readable if the other writer completes them."""
+
+    def __init__(self, message: str, *, keys=()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)

@@ -87,3 +87,115 @@ def test_per_client_limits_and_departure():
     st = idx.stats()
     assert st["pending"] == 1 and st["pins"] == 0 and idx.slots_used == 2
     assert idx.reserve(b"c", 10, "f", 1, 0.0, LEASE)[0] == ix.BUSY  # client 2 still writes c
+
+
+def part(idx, key, lo, hi, owner, now=0.0, of=4, nbytes=10, fmt="f"):
+    return idx.reserve_part(key, nbytes, fmt, lo, hi, of, owner, now, LEASE)
+
+
+def test_parts_commit_the_object_once_they_cover_every_head():
+    idx = ix.SlotIndex(4, 100)
+    code, obj, p0 = part(idx, b"a", 0, 2, owner=1)
+    assert code == ix.RESERVED and idx.slots_used == 1
+    code, joined, p1 = part(idx, b"a", 2, 4, owner=2)
+    assert code == ix.RESERVED and joined is obj and p1.token != p0.token and idx.slots_used == 1
+    assert not idx.commit(b"a", p1.token, 5, 1)  # not client 1's part
+    assert idx.commit(b"a", p1.token, 5, 2) and not idx.contains(b"a")  # half: still pending
+    assert not idx.commit(b"a", p1.token, 5, 2)  # committed already
+    assert idx.get(b"a", "f", 3, 0.0, LEASE) == (None, 0)
+    assert idx.commit(b"a", p0.token, 7, 1) and idx.contains(b"a")
+    got, pin = idx.get(b"a", "f", 3, 0.0, LEASE)
+    assert got.crc == [[0, 2, 7], [2, 4, 5]] and pin > 0 and idx.stats()["pending"] == 0
+    for lo, hi, owner in ((0, 2, 1), (2, 4, 2), (1, 3, 9)):  # present: a no-op for every rank
+        assert part(idx, b"a", lo, hi, owner)[0] == ix.PRESENT
+    assert idx.reserve(b"a", 10, "f", 5, 0.0, LEASE)[0] == ix.PRESENT
+
+
+def test_overlapping_parts_conflict_equal_ones_are_busy():
+    idx = ix.SlotIndex(4, 100)
+    part(idx, b"a", 0, 2, owner=1)
+    assert part(idx, b"a", 0, 2, owner=2)[0] == ix.BUSY  # the same heads: being written
+    assert part(idx, b"a", 1, 2, owner=2)[0] == ix.CONFLICT  # inside them
+    assert part(idx, b"a", 1, 3, owner=2)[0] == ix.CONFLICT  # across them
+    assert part(idx, b"a", 2, 4, owner=2, nbytes=11)[0] == ix.CONFLICT  # another object size
+    assert part(idx, b"a", 2, 4, owner=2, of=8)[0] == ix.CONFLICT  # another head count
+    assert part(idx, b"a", 2, 4, owner=2, fmt="g")[0] == ix.CONFLICT  # another model
+    assert idx.reserve(b"a", 10, "f", 2, 0.0, LEASE)[0] == ix.BUSY  # a whole put waits for the parts
+    idx.reserve(b"w", 10, "f", 1, 0.0, LEASE)
+    assert part(idx, b"w", 0, 2, owner=2)[0] == ix.BUSY  # ... and parts for a whole put
+    # another split composes: heads are heads
+    assert [part(idx, b"a", lo, lo + 1, owner=3)[0] for lo in (2, 3)] == [ix.RESERVED, ix.RESERVED]
+    with pytest.raises(ValueError):
+        part(idx, b"b", 2, 2, owner=1)
+    with pytest.raises(ValueError):
+        part(idx, b"b", 0, 5, owner=1)
+    assert idx.slots_used == 2
+
+
+def test_an_incomplete_object_lapses_whole_and_frees_its_slot():
+    idx = ix.SlotIndex(2, 100)
+    _, _, p0 = part(idx, b"a", 0, 2, owner=1, now=0.0)
+    assert idx.commit(b"a", p0.token, 1, 1)
+    _, _, p1 = part(idx, b"a", 2, 4, owner=2, now=10.0)  # joining renews the lease
+    assert idx.expire(LEASE + 1) == 0
+    assert idx.expire(LEASE + 11) == 1 and idx.slots_used == 0 and idx.stats()["pending"] == 0
+    assert not idx.commit(b"a", p1.token, 1, 2) and not idx.contains(b"a")  # the late rank cannot publish
+    # a reservation found lapsed at reserve time starts a fresh object: the old parts are gone
+    part(idx, b"b", 0, 2, owner=1, now=0.0)
+    code, obj, _ = part(idx, b"b", 2, 4, owner=2, now=LEASE + 1)
+    assert code == ix.RESERVED and [(p.lo, p.hi) for p in obj.parts] == [(2, 4)]
+
+
+def test_abort_or_departure_of_an_unfinished_part_drops_the_object():
+    idx = ix.SlotIndex(4, 100)
+    _, _, p0 = part(idx, b"a", 0, 2, owner=1)
+    _, _, p1 = part(idx, b"a", 2, 4, owner=2)
+    assert not idx.abort(b"a", p1.token, 1)  # not client 1's part
+    assert idx.abort(b"a", p1.token, 2) and idx.slots_used == 0
+    assert not idx.commit(b"a", p0.token, 1, 1)
+    # a client that committed its part may leave: the object can still complete
+    _, _, p0 = part(idx, b"b", 0, 2, owner=1)
+    assert idx.commit(b"b", p0.token, 1, 1)
+    idx.forget_owner(1)
+    assert idx.stats()["pending"] == 1
+    _, _, p1 = part(idx, b"b", 2, 4, owner=2)
+    assert idx.commit(b"b", p1.token, 2, 2) and idx.contains(b"b")
+    # ... but one that leaves with its part unwritten takes the object with it
+    _, _, p0 = part(idx, b"c", 0, 2, owner=3)
+    assert idx.commit(b"c", p0.token, 1, 3)
+    part(idx, b"c", 2, 4, owner=4)
+    idx.forget_owner(4)
+    assert idx.stats()["pending"] == 0 and idx.slots_used == 1  # b's slot only
+
+
+def test_parts_count_against_their_clients_until_the_object_ends():
+    """A committed part of an object that never completes still holds a slot: it counts."""
+    idx = ix.SlotIndex(8, 100, max_pending=2)
+    for key in (b"a", b"b"):
+        _, _, p = part(idx, key, 0, 2, owner=1)
+        assert idx.commit(key, p.token, 1, 1)
+    assert part(idx, b"c", 0, 2, owner=1)[0] == ix.LIMIT
+    assert part(idx, b"a", 2, 4, owner=2)[0] == ix.RESERVED  # others unaffected
+    _, _, p = part(idx, b"b", 2, 4, owner=2)
+    assert idx.commit(b"b", p.token, 1, 2) and idx.contains(b"b")  # b done: one of client 1's back
+    assert part(idx, b"c", 0, 2, owner=1)[0] == ix.RESERVED
+    assert idx.stats()["pending"] == 2  # a (half), c
+
+
+def test_many_parts_cost_a_reserve_or_commit_little():
+    """A forged object of MAX_HEADS one-head parts: each further reserve (a request may
+    name the key MAX_KEYS times) and commit looks at its neighbours only."""
+    import time
+
+    from kvxfer.store.protocol import MAX_HEADS, MAX_KEYS
+
+    idx = ix.SlotIndex(2, 100, max_pending=MAX_HEADS)
+    tokens = [part(idx, b"a", h, h + 1, owner=1, of=MAX_HEADS)[2].token for h in range(0, MAX_HEADS, 2)]
+    start = time.perf_counter()
+    codes = {part(idx, b"a", 1, 3, owner=2, of=MAX_HEADS)[0] for _ in range(MAX_KEYS)}
+    assert codes == {ix.CONFLICT} and time.perf_counter() - start < 1.0
+    assert all(idx.commit(b"a", t, 1, 1) for t in tokens) and not idx.contains(b"a")
+    for h in range(1, MAX_HEADS, 2):
+        _, _, p = part(idx, b"a", h, h + 1, owner=2, of=MAX_HEADS)
+        assert idx.commit(b"a", p.token, 2, 2)
+    assert idx.contains(b"a") and len(idx.peek(b"a").crc) == MAX_HEADS

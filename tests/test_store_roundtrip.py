@@ -71,11 +71,11 @@ def test_put_of_present_keys_is_a_no_op(store):
     assert torch.equal(block_bits(a, 0), block_bits(out, 2)) and torch.equal(block_bits(a, 1), block_bits(out, 3))
 
 
-def test_tp_rank_cannot_put_and_bad_arguments_change_nothing(store):
+def test_half_a_tp_group_and_bad_arguments_change_nothing(store):
     part = make_layout("N 2 B H D", 4, tp_rank=1, tp_size=2, seed=4)
     keys = kvxfer.block_keys(range(8), 4, salt=b"roundtrip-3")
-    with pytest.raises(ValueError, match="every kv head"):
-        store.put(keys, part, [0, 1])
+    store.put(keys, part, [0, 1]).wait(timeout=60)  # one rank's part: the objects stay pending
+    assert store.lookup(keys) == 0
     full = make_layout("2 N B H D", 4, seed=4)
     with pytest.raises(ValueError):
         store.put(keys, full, [0])  # one id for two keys

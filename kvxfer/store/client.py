@@ -19,8 +19,11 @@ later, when the client tries it again.
 Data moves one-sided between a registered staging buffer of this client and the node's
 slots (no byte of KV through a socket): a put packs each block into staging
 (:mod:`kvxfer.store.objects`), writes it into the slot the node reserved, then commits
-with its checksum; a get reads pinned slots into staging, checks every object's checksum
-and unpacks the good ones. A put or get runs on the client's worker thread; the handle is
+with its checksum (or writes straight from the blocks when their runs are long); a TP
+rank's put reserves, writes and commits its part of each object (its heads, with the
+part's checksum), and the node publishes the object once the group's parts cover every
+head; a get reads pinned slots into staging, checks every object's checksum (every
+part's) and unpacks the good ones. A put or get runs on the client's worker thread; the handle is
 done when the objects are committed (put) or the blocks hold the KV (get).
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ import time
 import uuid
 
 from ..secrets import normalize_secret
-from ..errors import AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss, TransferTimeout
+from ..errors import (AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss,
+                      StorePartConflict, TransferTimeout)
 from ..handle import HandleCompleter
 from . import index as ix
 from .conn import NodeConn
@@ -46,12 +50,21 @@ log = logging.getLogger("kvxfer.store")
 __all__ = ["KVStore"]
 
 MAX_QUEUED_OPS = 1024
+# keys per GET: a node answers at most MAX_REPLY_PARTS checksums per reply (the rest miss),
+# so objects of up to 16 parts (TP degree 16) always fit
+MAX_GET_KEYS = 1024
 READ_PIECES = 4  # a get's reads per node batch, pipelined with the checksums of the previous one
 
 
 def _checksums(sums) -> list:
     """:func:`checksum` of each ``(addrs, lengths)`` (the hasher thread runs this)."""
     return [checksum(a, n) for a, n in sums]
+
+
+def _verify(checks) -> list:
+    """Per object, whether every ``(addrs, lengths, crc)`` of its :meth:`ObjectFormat.checks`
+    holds (None: a malformed checksum, bad; ``NO_CRC``: put without one)."""
+    return [c is not None and all(crc == NO_CRC or checksum(a, n) == crc for a, n, crc in c) for c in checks]
 
 
 class KVStore:
@@ -94,7 +107,7 @@ class KVStore:
             self._members = sorted({_check_address(a) for a in nodes})
             if not self._members:
                 raise ValueError("nodes must name at least one HOST:PORT")
-        self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "gets": 0,
+        self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "put_conflicts": 0, "gets": 0,
                          "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0}
         self._backend = make_backend(backend)
         self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
@@ -234,14 +247,21 @@ class KVStore:
 
     # ---- put / get -------------------------------------------------------------------
     def put(self, keys, layout, block_ids):
-        """Put block ``block_ids[i]`` of ``layout`` (a host :class:`~kvxfer.KVLayout` holding
-        every kv head) under ``keys[i]``; returns a :class:`~kvxfer.TransferHandle`, done
-        once every object is committed (readable by any client) or was present already (a
-        no-op that refreshes its recency). The blocks must not change until then. A key
-        whose node is down, full, or being written by another client is skipped (counted
-        in ``stats()["client"]["put_skipped"]``); a node that fails mid-put fails the handle."""
+        """Put block ``block_ids[i]`` of ``layout`` (a host :class:`~kvxfer.KVLayout`) under
+        ``keys[i]``; returns a :class:`~kvxfer.TransferHandle`, done once every object is
+        committed (readable by any client) or was present already (a no-op that refreshes
+        its recency). The blocks must not change until then. A key whose node is down,
+        full, or being written by another client is skipped (counted in
+        ``stats()["client"]["put_skipped"]``); a node that fails mid-put fails the handle.
+
+        A rank of a TP group (``layout.head_range`` not every head) puts its **part** of
+        each object: done once its part is committed; the object becomes readable when
+        the parts of the group's ranks (each putting the same keys) cover every head. A
+        key whose object is being assembled from parts that overlap this rank's heads
+        without equalling them (another TP degree, or a wrong ``tp_rank``) is not put:
+        once the rest is, the handle fails with :class:`~kvxfer.StorePartConflict`
+        (``.keys``)."""
         keys, ids, fmt = self._args(keys, layout, block_ids)
-        fmt.check_put()
         return self._submit("store_put", lambda done: self._do_put(keys, ids, fmt, done))
 
     def get(self, keys, layout, block_ids):
@@ -315,10 +335,10 @@ class KVStore:
             got = self._pools[key] = (fmt.layout, [self._backend.register(a, n) for a, n in fmt.layout.regions()])
         return got[1]
 
-    def _batches(self, positions, fmt):
-        per = max(1, self._staging.numel() // fmt.nbytes)
-        for s in range(0, len(positions), min(per, MAX_KEYS)):
-            yield positions[s:s + min(per, MAX_KEYS)]
+    def _batches(self, positions, nbytes: int, most: int = MAX_KEYS):
+        per = min(max(1, self._staging.numel() // nbytes), most)
+        for s in range(0, len(positions), per):
+            yield positions[s:s + per]
 
     def _do_put(self, keys, ids, fmt, done) -> None:
         self.counters["puts"] += 1
@@ -327,7 +347,7 @@ class KVStore:
         for i, k in enumerate(keys):
             for addr in place.owners(k):
                 targets.setdefault(addr, []).append(i)
-        size = fmt.nbytes
+        conflicts: list = []
         for addr, pos in targets.items():
             try:
                 c = self._conn(addr)
@@ -335,27 +355,40 @@ class KVStore:
                 self._mark_down(addr, exc)
                 self.counters["put_skipped"] += len(pos)
                 continue
-            for batch in self._batches(pos, fmt):
+            for batch in self._batches(pos, fmt.part_nbytes):
                 try:
                     with c.lock:
-                        self._put_batch(c, [keys[i] for i in batch], [ids[i] for i in batch], fmt, size)
+                        conflicts += self._put_batch(c, [keys[i] for i in batch], [ids[i] for i in batch], fmt)
                 except (PeerDisconnected, TransferTimeout) as exc:
                     self._mark_down(addr, exc)
                     raise
         done.add_bytes(self._moved)
+        if conflicts:
+            self.counters["put_conflicts"] += len(conflicts)
+            done.fail(StorePartConflict(f"{len(conflicts)} of {len(keys)} keys are being put in parts that "
+                                        f"overlap heads {fmt.part} of {fmt.heads}", keys=conflicts))
+            return
         done.succeed()
 
-    def _put_batch(self, c: NodeConn, keys, ids, fmt, size) -> None:
+    def _put_batch(self, c: NodeConn, keys, ids, fmt) -> list:
+        """Put one batch on one node; return the keys refused with CONFLICT."""
         import numpy as np
 
-        r = c.request(Req.RESERVE, {"keys": keys, "nbytes": size, "fmt": fmt.fmt}, self.timeout)["r"]
+        size, psize = fmt.nbytes, fmt.part_nbytes
+        if fmt.full:
+            r = c.request(Req.RESERVE, {"keys": keys, "nbytes": size, "fmt": fmt.fmt}, self.timeout)["r"]
+        else:
+            r = c.request(Req.RESERVE_PART, {"keys": keys, "nbytes": size, "fmt": fmt.fmt,
+                                             "heads": [*fmt.part, fmt.heads[1]]}, self.timeout)["r"]
         got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == ix.RESERVED]
+        conflicts = [keys[j] for j, (code, _, _) in enumerate(r) if code == ix.CONFLICT]
         self.counters["put_present"] += sum(1 for code, _, _ in r if code == ix.PRESENT)
-        self.counters["put_skipped"] += sum(1 for code, _, _ in r if code not in (ix.PRESENT, ix.RESERVED))
+        self.counters["put_skipped"] += sum(1 for code, _, _ in r
+                                            if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT))
         if not got:
-            return
+            return conflicts
         # per object: its descriptors and the runs its checksum reads (the same bytes)
-        if fmt.zero_copy:  # straight from the blocks into the slots
+        if fmt.put_zero_copy:  # straight from the blocks into the slots
             regions = np.array(self._pool_regions(fmt), np.int64)
             rows, sums = [], []
             for j, off, _ in got:
@@ -365,13 +398,24 @@ class KVStore:
                                       runs[:, 3]], axis=1))
                 sums.append((fmt.run_addrs(runs), runs[:, 3]))
             descs = np.concatenate(rows)
-        else:
+        elif fmt.full:
             descs = np.empty((len(got), 5), np.int64)
             sums = []
             for n, (j, off, _) in enumerate(got):
                 fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
                 descs[n] = (self._stage_region, n * size, c.region, off, size)
                 sums.append(([self._stage_ptr + n * size], [size]))
+        else:  # a part packed into staging, then one descriptor per row of the object
+            rows, sums = [], []
+            within = np.arange(fmt.num_rows, dtype=np.int64) * fmt.part_row
+            dst = fmt.rows(*fmt.part)
+            for n, (j, off, _) in enumerate(got):
+                fmt.pack_one(ids[j], self._staging[n * psize:(n + 1) * psize])
+                rows.append(np.stack([np.full(fmt.num_rows, self._stage_region, np.int64), n * psize + within,
+                                      np.full(fmt.num_rows, c.region, np.int64), off + dst,
+                                      np.full(fmt.num_rows, fmt.part_row, np.int64)], axis=1))
+                sums.append(([self._stage_ptr + n * psize], [psize]))
+            descs = np.concatenate(rows)
         for j, off, _ in got:
             if not 0 <= off <= c.region_bytes - size:
                 raise KVXferError(f"store node {c.address} reserved a slot outside its region")
@@ -390,8 +434,9 @@ class KVStore:
         ok = c.request(Req.COMMIT, {"keys": [keys[j] for j, _, _ in got], "tokens": [t for _, _, t in got],
                                     "crcs": crcs}, self.timeout)["ok"]
         self.counters["put_objects"] += sum(1 for x in ok if x)
-        self._moved += len(got) * size
+        self._moved += len(got) * psize
         self.counters["put_skipped"] += sum(1 for x in ok if not x)
+        return conflicts
 
     def _do_get(self, keys, ids, fmt, done) -> None:
         self.counters["gets"] += 1
@@ -405,7 +450,7 @@ class KVStore:
                 self._mark_down(addr, exc)
                 failure = failure or exc
                 continue
-            for batch in self._batches(pos, fmt):
+            for batch in self._batches(pos, fmt.nbytes, MAX_GET_KEYS):
                 try:
                     with c.lock:
                         r = c.request(Req.GET, {"keys": [keys[i] for i in batch], "fmt": fmt.fmt},
@@ -458,22 +503,23 @@ class KVStore:
             runs = [fmt.runs(ids[i]) for i, *_ in hits]
             descs = [np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64), off + r[:, 2], r[:, 3]],
                               axis=1) for r, (_, off, *_) in zip(runs, hits)]
-            sums = [(fmt.run_addrs(r), r[:, 3]) for r in runs]
+            checks = [fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if self.checksum else None
         else:
             descs = [np.array([(self._stage_region, n * size, c.region, off, size)], np.int64)
                      for n, (_, off, *_) in enumerate(hits)]
-            sums = [([self._stage_ptr + n * size], [size]) for n in range(len(hits))]
+            checks = ([fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)]
+                      if self.checksum else None)
         verdict = [True] * len(hits)
         step = max(1, -(-len(hits) // READ_PIECES))
         pending = None  # (first, future) of the piece being checked
         for first in range(0, len(hits), step):
             c.move("read", np.concatenate(descs[first:first + step]), self.timeout)
             if pending is not None:
-                self._collect(pending, hits, verdict)
-            if self.checksum:
-                pending = (first, self._hasher.submit(_checksums, sums[first:first + step]))
+                self._collect(pending, verdict)
+            if checks is not None:
+                pending = (first, self._hasher.submit(_verify, checks[first:first + step]))
         if pending is not None:
-            self._collect(pending, hits, verdict)
+            self._collect(pending, verdict)
         good = []
         for n, ((i, *_, pin), fine) in enumerate(zip(hits, verdict)):
             if fine:
@@ -485,11 +531,10 @@ class KVStore:
         return [i for _, i in good]
 
     @staticmethod
-    def _collect(pending, hits, verdict) -> None:
+    def _collect(pending, verdict) -> None:
         first, fut = pending
-        for k, h in enumerate(fut.result()):
-            crc = hits[first + k][3]
-            verdict[first + k] = crc == NO_CRC or h == crc
+        for k, fine in enumerate(fut.result()):
+            verdict[first + k] = fine
 
     def _unpack_runs(self, fmt, ok, ids) -> None:
         """Unpack the verified objects ``ok`` (``[(staging slot n, key position i)]``):
@@ -509,7 +554,8 @@ class KVStore:
         """The pool's counters summed over the live nodes (``hits``, ``misses``,
         ``evictions``, ``bytes_used``, ``capacity_bytes``, ``objects``, ...), ``nodes``
         (reachable now), ``nodes_down``, ``per_node`` (each node's own), and ``client``
-        (this client's: puts, objects put/present/skipped, gets, misses, checksum failures)."""
+        (this client's: puts, objects put/present/skipped, part conflicts, gets, misses,
+        checksum failures)."""
         total = {k: 0 for k in ("hits", "misses", "evictions", "bytes_used", "capacity_bytes", "objects",
                                 "pending", "pins", "bad_objects")}
         per_node = {}

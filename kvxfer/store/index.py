@@ -1,10 +1,24 @@
 """A store node's index: fixed-size slots of one buffer, key -> object, LRU, pins.
 
 An object lives in one slot (``slot_bytes`` each, ``num_slots`` in all) and goes
-through two states: *pending* (reserved by one client, which is writing it;
-invisible to gets and lookups) and *committed* (readable, immutable). A commit
-names the reservation's token, so a late commit of a reservation that expired
-and was handed to someone else is refused.
+through two states: *pending* (reserved, being written; invisible to gets and
+lookups) and *committed* (readable, immutable). A commit names the reservation's
+token, so a late commit of a reservation that expired and was handed to someone else
+is refused.
+
+An object is written whole (:meth:`SlotIndex.reserve`, one client) or in **parts**
+(:meth:`SlotIndex.reserve_part`: the ranks of a TP group, each naming its head range
+``[lo, hi)`` of ``num_heads``). The first part's reservation takes the slot, later
+ones join it (same slot, a token each); a part whose range overlaps one already held
+but differs from it is refused (:data:`CONFLICT`), an equal one is :data:`BUSY` (its
+heads are being written). Each part commits alone, with its own checksum; the object
+becomes readable when the committed parts cover every head exactly once, and its
+checksum is then the list ``[[lo, hi, crc], ...]`` in head order. Until then it is
+pending as a whole: its lease (renewed by each joining part) lapsing, any of its
+uncommitted parts being aborted, or the client holding one leaving drops the whole
+object and frees its slot. Each part counts against its client's ``max_pending``
+until the object is committed or dropped (a committed part of an object that never
+completes still holds a slot, so it still counts).
 
 Eviction frees the least recently used committed object that no reader pins,
 whenever the slots in use (pending and committed) exceed the high watermark
@@ -19,14 +33,26 @@ seconds passed in by the caller.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["SlotIndex", "Obj", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT"]
+__all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT"]
 
-# reserve() outcomes (also the wire codes of a RESERVE reply)
-PRESENT, RESERVED, BUSY, FULL, LIMIT = range(5)
+# reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply)
+PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT = range(6)
+
+
+@dataclass(eq=False)
+class Part:
+    """One TP rank's heads ``[lo, hi)`` of a multi-part object."""
+    lo: int
+    hi: int
+    owner: int
+    token: int
+    crc: int = 0
+    committed: bool = False
 
 
 @dataclass(eq=False)
@@ -35,13 +61,17 @@ class Obj:
     slot: int
     nbytes: int
     fmt: str
-    owner: int  # the client that reserved it
-    token: int  # names this reservation (commits must quote it)
+    owner: int  # the client that reserved it (a multi-part object: its first part's)
+    token: int  # names this reservation (commits must quote it; 0 for a multi-part object)
     deadline: float  # pending: when the reservation lapses
-    crc: int = 0
+    crc: int | list = 0  # whole: one checksum; multi-part: [[lo, hi, crc], ...] in head order
     pins: int = 0
     committed: bool = False
     dropped: bool = False  # left the index while pinned; slot freed at the last release
+    num_heads: int = 0  # multi-part objects: the heads the parts must cover
+    parts: list | None = None  # multi-part objects: their Parts, sorted by head (never overlapping)
+    by_token: dict | None = None  # multi-part objects: token -> Part
+    covered: int = 0  # multi-part objects: heads of the committed parts
 
 
 @dataclass(eq=False)
@@ -120,30 +150,89 @@ class SlotIndex:
             self._unreserve(obj)
         if self._pending_by.get(owner, 0) >= self.max_pending:
             return LIMIT, None
-        if not self._free and not self._evict_one():
-            return FULL, None
-        obj = Obj(key, self._free.pop(), nbytes, fmt, owner, next(self._tokens), now + lease_s)
-        self._pending[key] = obj
-        self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
-        while self.slots_used > self.watermark and self._evict_one():
-            pass
-        return RESERVED, obj
+        obj = self._new_slot(Obj(key, -1, nbytes, fmt, owner, next(self._tokens), now + lease_s))
+        return (RESERVED, obj) if obj is not None else (FULL, None)
+
+    def reserve_part(self, key: bytes, nbytes: int, fmt: str, lo: int, hi: int, num_heads: int,
+                     owner: int, now: float, lease_s: float):
+        """Reserve heads ``[lo, hi)`` of ``num_heads`` of the object ``key`` (``nbytes``:
+        the whole object's size). ``(RESERVED, obj, part)``: write the part into
+        ``obj.slot`` and commit ``part.token``; else ``(code, None, None)``: PRESENT
+        (committed already; recency refreshed), BUSY (a whole put of the key, or a part of
+        exactly these heads, is being written), CONFLICT (the key is being assembled from
+        parts that overlap ``[lo, hi)`` without being equal to it, or of another size,
+        format or head count), FULL, LIMIT.
+        """
+        if not 0 < nbytes <= self.slot_bytes:
+            raise ValueError(f"object of {nbytes} B does not fit a {self.slot_bytes}-byte slot")
+        if not 0 <= lo < hi <= num_heads:
+            raise ValueError(f"heads [{lo}, {hi}) are not a range of {num_heads}")
+        if key in self._objects:
+            self._objects.move_to_end(key)
+            return PRESENT, None, None
+        obj = self._pending.get(key)
+        if obj is not None and obj.deadline <= now:
+            self._unreserve(obj)
+            obj = None
+        if obj is not None:
+            if obj.parts is None:
+                return BUSY, None, None
+            if (obj.nbytes, obj.fmt, obj.num_heads) != (nbytes, fmt, num_heads):
+                return CONFLICT, None, None
+            # parts are sorted and disjoint: only the neighbours of lo can overlap [lo, hi)
+            i = bisect.bisect_left(obj.parts, lo, key=lambda p: p.lo)
+            for p in obj.parts[max(0, i - 1):i + 1]:
+                if p.lo < hi and lo < p.hi:
+                    return (BUSY if (p.lo, p.hi) == (lo, hi) else CONFLICT), None, None
+        if self._pending_by.get(owner, 0) >= self.max_pending:
+            return LIMIT, None, None
+        if obj is None:
+            obj = self._new_slot(Obj(key, -1, nbytes, fmt, owner, 0, now + lease_s, num_heads=num_heads,
+                                     parts=[], by_token={}))
+            if obj is None:
+                return FULL, None, None
+        else:
+            self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
+            obj.deadline = max(obj.deadline, now + lease_s)
+        part = Part(lo, hi, owner, next(self._tokens))
+        bisect.insort(obj.parts, part, key=lambda p: p.lo)
+        obj.by_token[part.token] = part
+        return RESERVED, obj, part
 
     def commit(self, key: bytes, token: int, crc: int, owner: int) -> bool:
-        """Make a reservation readable; False (nothing changes) if ``token`` is not the
-        key's live reservation by ``owner`` (it lapsed, or it was never this client's)."""
+        """Make a reservation readable (a part: written; the object is readable once its
+        parts cover every head); False (nothing changes) if ``token`` is not the key's
+        live reservation by ``owner`` (it lapsed, was committed already, or was never
+        this client's)."""
         obj = self._pending.get(key)
-        if obj is None or obj.token != token or obj.owner != owner:
+        if obj is None:
             return False
-        self._drop_pending(obj)
-        obj.committed, obj.crc = True, crc
-        self._objects[key] = obj
-        self.bytes_used += obj.nbytes
+        if obj.parts is not None:
+            part = self._part(obj, token, owner)
+            if part is None or part.committed:
+                return False
+            part.committed, part.crc = True, crc
+            obj.covered += part.hi - part.lo
+            if obj.covered == obj.num_heads:  # parts never overlap: every head once
+                obj.crc = [[p.lo, p.hi, p.crc] for p in obj.parts]
+                self._publish(obj)
+            return True
+        if obj.token != token or obj.owner != owner:
+            return False
+        obj.crc = crc
+        self._publish(obj)
         return True
 
     def abort(self, key: bytes, token: int, owner: int) -> bool:
+        """Give a reservation up (a part: the whole object, which can no longer complete)."""
         obj = self._pending.get(key)
-        if obj is None or obj.token != token or obj.owner != owner:
+        if obj is None:
+            return False
+        if obj.parts is not None:
+            part = self._part(obj, token, owner)
+            if part is None:
+                return False
+        elif obj.token != token or obj.owner != owner:
             return False
         self._unreserve(obj)
         return True
@@ -191,8 +280,10 @@ class SlotIndex:
         return len(gone) + len(pins)
 
     def forget_owner(self, owner: int) -> None:
-        """A client left: end its reservations and pins."""
-        for obj in [o for o in self._pending.values() if o.owner == owner]:
+        """A client left: end its reservations (the multi-part objects where it holds an
+        uncommitted part: whole; its committed parts stay until their object completes
+        or lapses) and its pins."""
+        for obj in [o for o in self._pending.values() if self._holds_open(o, owner)]:
             self._unreserve(obj)
         for pin_id, pin in [(i, p) for i, p in self._pins.items() if p.owner == owner]:
             self._unpin(pin_id, pin)
@@ -229,9 +320,40 @@ class SlotIndex:
         if obj.pins == 0 and obj.dropped:
             self._free.append(obj.slot)
 
+    def _new_slot(self, obj: Obj) -> Obj | None:
+        """Give pending ``obj`` a free slot (evicting if none is free); None when full."""
+        if not self._free and not self._evict_one():
+            return None
+        obj.slot = self._free.pop()
+        self._pending[obj.key] = obj
+        self._pending_by[obj.owner] = self._pending_by.get(obj.owner, 0) + 1
+        while self.slots_used > self.watermark and self._evict_one():
+            pass
+        return obj
+
+    @staticmethod
+    def _part(obj: Obj, token: int, owner: int) -> Part | None:
+        p = obj.by_token.get(token)
+        return p if p is not None and p.owner == owner else None
+
+    @staticmethod
+    def _holds_open(obj: Obj, owner: int) -> bool:
+        if obj.parts is None:
+            return obj.owner == owner
+        return any(p.owner == owner and not p.committed for p in obj.parts)
+
+    def _publish(self, obj: Obj) -> None:
+        self._drop_pending(obj)
+        obj.committed = True
+        self._objects[obj.key] = obj
+        self.bytes_used += obj.nbytes
+
     def _drop_pending(self, obj: Obj) -> None:
         del self._pending[obj.key]
-        self._pending_by[obj.owner] -= 1
+        for owner in ([obj.owner] if obj.parts is None else [p.owner for p in obj.parts]):
+            left = self._pending_by.get(owner)
+            if left is not None:  # None: the client left (forget_owner) meanwhile
+                self._pending_by[owner] = left - 1
 
     def _unreserve(self, obj: Obj) -> None:
         self._drop_pending(obj)

@@ -46,6 +46,9 @@ CLIENT_INFO = "kvxfer-store-client"  # ... and a client in its own
 MAX_QUEUED_BYTES = 8 << 20
 MAX_HANDSHAKES = 64
 MAX_CLIENTS = 1024
+# checksums one GET reply may carry (one per object put whole, one per part of the others):
+# 4,096 keys with 16,384 part checksums stay well inside a 1 MiB reply frame
+MAX_REPLY_PARTS = 16384
 _TICK_S = 0.2
 
 
@@ -286,15 +289,20 @@ class StoreNode:
         idx, owner = self.index, c.owner
         if kind == Req.LOOKUP:
             return {"id": rid, "present": "".join("1" if idx.contains(k) else "0" for k in f["keys"])}
-        if kind == Req.RESERVE:
+        if kind in (Req.RESERVE, Req.RESERVE_PART):
             if f["nbytes"] > idx.slot_bytes:
                 self.num_bad_requests += 1
                 return {"id": rid, "error": "too_large",
                         "reason": f"objects of {f['nbytes']} B exceed this node's {idx.slot_bytes}-byte slots"}
             out = []
             for k in f["keys"]:
-                code, obj = idx.reserve(k, f["nbytes"], f["fmt"], owner, now, self.lease_s)
-                out.append([code, obj.slot * idx.slot_bytes, obj.token] if obj is not None else [code, 0, 0])
+                if kind == Req.RESERVE:
+                    code, obj = idx.reserve(k, f["nbytes"], f["fmt"], owner, now, self.lease_s)
+                    token = obj.token if obj is not None else 0
+                else:
+                    code, obj, part = idx.reserve_part(k, f["nbytes"], f["fmt"], *f["heads"], owner, now, self.lease_s)
+                    token = part.token if part is not None else 0
+                out.append([code, obj.slot * idx.slot_bytes, token] if obj is not None else [code, 0, 0])
             return {"id": rid, "r": out}
         if kind == Req.COMMIT:
             return {"id": rid, "ok": [idx.commit(k, t, crc, owner)
@@ -304,8 +312,15 @@ class StoreNode:
                 idx.abort(k, t, owner)
             return {"id": rid}
         if kind == Req.GET:
-            out = []
+            out, budget = [], MAX_REPLY_PARTS
             for k in f["keys"]:
+                # the reply must fit a frame: objects whose part checksums would overflow it miss
+                seen = idx.peek(k)
+                budget -= len(seen.crc) if seen is not None and isinstance(seen.crc, list) else 1
+                if budget < 0:
+                    idx.misses += 1
+                    out.append([0, 0, 0, 0])
+                    continue
                 obj, pin = idx.get(k, f["fmt"], owner, now, self.lease_s)
                 out.append([obj.slot * idx.slot_bytes, obj.nbytes, obj.crc, pin] if obj is not None
                            else [0, 0, 0, 0])

@@ -11,6 +11,7 @@ request               fields                                                    
 ====================  ===========================================================  =====================================
 LOOKUP                ``keys``                                                     ``present``: ``"1101..."`` per key
 RESERVE               ``keys``, ``nbytes``, ``fmt``                                ``r``: ``[[code, offset, token], ...]``
+RESERVE_PART          ``keys``, ``nbytes``, ``fmt``, ``heads``: ``[lo, hi, of]``   ``r``: ``[[code, offset, token], ...]``
 COMMIT                ``keys``, ``tokens``, ``crcs``                               ``ok``: ``[bool, ...]``
 ABORT                 ``keys``, ``tokens``                                         (empty)
 GET                   ``keys``, ``fmt``                                            ``r``: ``[[offset, nbytes, crc, pin], ...]`` (pin 0: miss)
@@ -18,8 +19,15 @@ RELEASE               ``pins``, ``bad`` (the pins whose bytes failed the checksu
 STATS                 (none)                                                       the node's counters
 ====================  ===========================================================  =====================================
 
+RESERVE_PART reserves heads ``[lo, hi)`` of ``of`` of each key's object (``nbytes``: the
+whole object) for one rank of a TP group; its codes are RESERVE's plus ``CONFLICT``
+(:mod:`kvxfer.store.index`). A GET's ``crc`` is one int for an object put whole, and
+``[[lo, hi, crc], ...]`` (head order, covering ``[0, of)``) for one put in parts: each
+part's checksum over its own heads' bytes in wire order.
+
 A request that fails validation (unknown type, missing, extra or mistyped field, a key
-of 0 or over 64 bytes, too many keys, a frame over :data:`MAX_REQUEST_BYTES`) gets
+of 0 or over 64 bytes, too many keys, a head range that is not ``0 <= lo < hi <= of <=``
+:data:`MAX_HEADS`, a frame over :data:`MAX_REQUEST_BYTES`) gets
 ``{"id": ..., "error": code, "reason": ...}`` and nothing else happens: the connection
 and every other request go on. An oversize frame's payload is skipped unread.
 """
@@ -32,11 +40,12 @@ from ..framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
 from ..errors import ProtocolError
 from .keys import MAX_KEY_BYTES
 
-__all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request"]
+__all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_HEADS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request"]
 
 MAX_KEYS = 4096  # keys (or pins) one request may name
 MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes fit with room to spare
 MAX_FMT = 64
+MAX_HEADS = 4096  # the kv heads a multi-part object may have (so: at most this many parts)
 NO_CRC = 2**64 - 1  # the checksum of an object put without one (KVStore(checksum=False))
 
 
@@ -48,6 +57,7 @@ class Req(enum.IntEnum):
     GET = 68
     RELEASE = 69
     STATS = 70
+    RESERVE_PART = 71
 
 
 REPLY = 80
@@ -55,6 +65,7 @@ REPLY = 80
 _SCHEMAS = {
     Req.LOOKUP: {"keys": "keys"},
     Req.RESERVE: {"keys": "keys", "nbytes": "size", "fmt": "fmt"},
+    Req.RESERVE_PART: {"keys": "keys", "nbytes": "size", "fmt": "fmt", "heads": "heads"},
     Req.COMMIT: {"keys": "keys", "tokens": "ints", "crcs": "crcs"},
     Req.ABORT: {"keys": "keys", "tokens": "ints"},
     Req.GET: {"keys": "keys", "fmt": "fmt"},
@@ -129,6 +140,14 @@ def _check(name: str, kind: str, value):
     if kind == "size":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise bad("must be a positive int")
+        return value
+    if kind == "heads":
+        if (not isinstance(value, list) or len(value) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in value)):
+            raise bad("must be [lo, hi, of] (ints)")
+        lo, hi, of = value
+        if not 0 <= lo < hi <= of <= MAX_HEADS:
+            raise bad(f"need 0 <= lo < hi <= of <= {MAX_HEADS}, got {value}")
         return value
     if kind == "fmt":
         if not isinstance(value, str) or len(value) > MAX_FMT:

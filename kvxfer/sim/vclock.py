@@ -14,7 +14,8 @@ scores. What runs is the serving code itself, each worker with its own:
 
 and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
 or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
-them (:meth:`BlockManager.drain_events`), the conditional
+them (:meth:`BlockManager.drain_events`; not with ``least-loaded``, whose pick does not
+read them: they would only count its hits), the conditional
 disaggregation rule (:func:`~kvxfer.serving.server.dispatch.prefill_queue_full`; the decode
 worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and the
 rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
@@ -33,6 +34,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..serving.channel.ipc import kv_event_batches
+from ..serving.engine.block_manager import HashChain
 from ..serving.engine.config import EngineConfig
 from ..serving.engine.runtime import Runtime, finish_reason
 from ..serving.engine.sampling import SamplingParams
@@ -90,6 +92,7 @@ class _Request:
     arrival_s: float
     prompt_ids: list[int]
     max_tokens: int
+    prompt_hashes: list[int] | None = None  # its full blocks' hashes, if given to run()
     token_times: list[float] = field(default_factory=list)
     prefill: SimWorker | None = None
     decode: SimWorker | None = None
@@ -122,8 +125,12 @@ class VirtualCluster:
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               schedule=config.schedule)
         self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+        # the cache events feed the router's prefix index; a policy that does not pick by
+        # it (least-loaded) would only count hits in its stats, which no run reports
+        self.publishes_events = self.routing.chooses_by_prefix
         for w in self.workers:
-            w.runtime.blocks.record_events()
+            if self.publishes_events:
+                w.runtime.blocks.record_events()
             self.routing.set_capacity(w.name, engine.num_blocks)
         self.now = 0.0
         self._events: list = []
@@ -142,10 +149,21 @@ class VirtualCluster:
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
 
-    def run(self, arrivals: list[tuple[float, list[int], int]]) -> SimResult:
-        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion."""
+    def run(self, arrivals: list[tuple[float, list[int], int]],
+            prompt_hashes: list[list[int]] | None = None) -> SimResult:
+        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion.
+        ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` (computed as needed if None)."""
+        if prompt_hashes is not None and len(prompt_hashes) != len(arrivals):
+            raise ValueError(f"{len(prompt_hashes)} prompt hash lists for {len(arrivals)} requests")
+        size = self.profile.block_size
         for i, (t, ids, max_tokens) in enumerate(arrivals):
-            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens))
+            hashes = None
+            if prompt_hashes is not None:
+                hashes = prompt_hashes[i]
+                if len(hashes) != len(ids) // size:
+                    raise ValueError(f"request {i}: {len(hashes)} prompt hashes for "
+                                     f"{len(ids) // size} full blocks")
+            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens, hashes))
         if self.config.adaptive is not None and arrivals:
             self.at(self.config.adaptive.interval_s, self._observe)
         self._num_left = len(arrivals)
@@ -188,9 +206,18 @@ class VirtualCluster:
 
     def _publish(self, worker: SimWorker) -> None:
         """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
+        if not self.publishes_events:
+            return
         stored, removed = worker.runtime.blocks.drain_events()
         for part_stored, part_removed in kv_event_batches(stored, removed):  # as workers send
             self.routing.on_kv_event(worker.name, part_stored, part_removed)
+
+    def _sequence(self, r: _Request, params: SamplingParams) -> Sequence:
+        """A sequence of ``r``'s prompt; its chain starts from the prompt's known hashes."""
+        seq = Sequence(r.prompt_ids, params, r.rid)
+        if r.prompt_hashes is not None:
+            seq.hash_chain = HashChain(self.profile.block_size, r.prompt_hashes)
+        return seq
 
     def _arrive(self, r: _Request) -> None:
         if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
@@ -212,14 +239,14 @@ class VirtualCluster:
             return
         r.prefill, r.mode = prefill, "remote"
         r.decode.inflight.add(r.rid)
-        seq = r.decode.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        seq = r.decode.seqs[r.rid] = self._sequence(r, params)
         r.decode.admit_queue.append(seq)
         self._try_admit_remote(r.decode)
 
     def _admit_local(self, r: _Request, params: SamplingParams) -> None:
         worker = r.decode
         worker.inflight.add(r.rid)
-        seq = worker.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        seq = worker.seqs[r.rid] = self._sequence(r, params)
         worker.runtime.scheduler.add(seq)
         self._kick(worker)
 
@@ -373,9 +400,19 @@ class VirtualCluster:
         self.counters["role_changes"] += 1
 
 
+def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int) -> list[list[int]]:
+    """Each request's prompt full-block hashes (:class:`HashChain`), for :func:`simulate`:
+    computed once for a trace slice, they serve every configuration run on it (the runs of
+    ``kvxfer plan`` inherit them)."""
+    return [HashChain(block_size).upto(ids, len(ids) // block_size) for _, ids, _ in arrivals]
+
+
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
-             *, routing: str = "least-loaded", **routing_knobs) -> SimResult:
+             *, routing: str = "least-loaded", prompt_hashes: list[list[int]] | None = None,
+             **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
-    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`)."""
-    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals)
+    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
+    ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` with the profile's block size
+    (the same results, less work when several runs share a slice)."""
+    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals, prompt_hashes)

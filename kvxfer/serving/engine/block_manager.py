@@ -178,12 +178,12 @@ class BlockManager:
 
     def _take_free(self, block_id: int | None = None) -> int:
         if block_id is None:
-            block_id = next(iter(self._free))
+            return self._free.popitem(last=False)[0]  # the least recently freed
         del self._free[block_id]
         return block_id
 
     def _fresh_block(self) -> int:
-        block = self.blocks[self._take_free()]
+        block = self.blocks[self._free.popitem(last=False)[0]]  # _take_free(): the LRU block
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
             del self._hash_to_block[block.hash]
             if self._events is not None:

@@ -133,6 +133,28 @@ def test_least_loaded_runs_the_same_without_feeding_the_index(monkeypatch):
     assert quiet.counters["hit_tokens"] > 0
 
 
+def test_a_run_restores_the_collector_and_leaves_no_cycles():
+    import gc
+
+    arrivals = _conversations(3, 2)
+    gc.collect()
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            simulate(parse_config("adaptive:1P2D", num_blocks=96), _profile(), arrivals, routing="kv")
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+        assert gc.collect() == 0  # all of it went by reference counting: the loop may skip gc
+
+
+def test_the_virtual_clock_imports_no_torch():
+    code = ("import sys; import kvxfer.sim.vclock, kvxfer.cli.plan, kvxfer.cli.simulate;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_modelled_times_of_one_disaggregated_request():
     prompt = list(range(1000, 1064))  # 64 tokens: 4 blocks, one prefill step
     res = simulate(parse_config("1P1D"), _profile(), [(0.0, prompt, 3)])

@@ -32,7 +32,7 @@ import collections
 import gc
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..serving.channel.ipc import kv_event_batches
 from ..serving.engine.block_manager import HashChain
@@ -106,19 +106,29 @@ class _Request:
 
 @dataclass
 class SimResult:
-    """What :func:`simulate` measured: per-request records (loadgen's form) and counters."""
+    """What :func:`simulate` measured: per-request records (loadgen's form) and counters.
+    ``twin_end_s``: with a ``twin``, where its rebalancer never moved a worker (then its run
+    is this one, ending at ``twin_end_s``), else None."""
 
     records: list[dict]
     counters: dict
     end_s: float
+    twin_end_s: float | None = None
 
 
 class VirtualCluster:
     """The event loop over the workers of ``config`` (see the module docstring)."""
 
     def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
-                 **routing_knobs) -> None:
+                 twin: ServeConfig | None = None, **routing_knobs) -> None:
+        if twin is not None and (config.adaptive is not None or twin.adaptive is None
+                                 or replace(twin, adaptive=None, adaptive_slo_ms=None) != config):
+            raise ValueError("twin: the adaptive configuration of this static split")
         self.config = config
+        # the rebalancer's policy, moving workers (adaptive) or only watched (a twin's)
+        self.adaptive, self.adaptive_slo_ms = (twin or config).adaptive, (twin or config).adaptive_slo_ms
+        self.is_twin_watch = twin is not None
+        self.twin_moved = False
         self.profile = profile
         self.routing = make_policy(routing, profile.block_size, **routing_knobs)
         engine = EngineConfig(num_blocks=config.num_blocks, block_size=profile.block_size,
@@ -165,18 +175,23 @@ class VirtualCluster:
                     raise ValueError(f"request {i}: {len(hashes)} prompt hashes for "
                                      f"{len(ids) // size} full blocks")
             self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens, hashes))
-        if self.config.adaptive is not None and arrivals:
-            self.at(self.config.adaptive.interval_s, self._observe)
+        observe = self._observe_event = self._observe  # one object: known by identity
+        if self.adaptive is not None and arrivals:
+            self.at(self.adaptive.interval_s, observe)
         self._num_left = len(arrivals)
         # the loop makes many short-lived containers and no reference cycles: the cyclic
         # collector would only scan them (about a tenth of a run's time)
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        events, last_work_s = self._events, 0.0
         try:
-            while self._events:
-                self.now, _, fn, args = heapq.heappop(self._events)
+            while events:
+                self.now, _, fn, args = heapq.heappop(events)
                 fn(*args)
+                if fn is not observe:
+                    last_work_s = self.now
         finally:
+            del self._observe_event  # a bound method of self: no cycle left behind
             if gc_was_enabled:
                 gc.enable()
         stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
@@ -191,6 +206,9 @@ class VirtualCluster:
         records += [{"ok": False, "sent_s": r.arrival_s, "input_tokens": len(r.prompt_ids),
                      "error": f"prompt + max_tokens exceeds a worker's KV pool "
                               f"({self.pool_tokens} tokens)"} for r in self.rejected]
+        if self.is_twin_watch:  # this run ends with its last request; the twin's observes on
+            return SimResult(records, dict(self.counters), last_work_s,
+                             None if self.twin_moved else self.now)
         return SimResult(records, dict(self.counters), self.now)
 
     def _record(self, r: _Request) -> dict:
@@ -370,9 +388,13 @@ class VirtualCluster:
 
     # ---- the rebalancer -----------------------------------------------------------
     def _observe(self) -> None:
-        policy = self.config.adaptive
+        """The rebalancer's look every ``interval_s``. Watching for a twin it moves nothing:
+        it stops at the first move the twin would make (from there on the runs differ)."""
+        if self.twin_moved:
+            return
+        policy = self.adaptive
         if self._num_left:
-            self.at(self.now + policy.interval_s, self._observe)
+            self.at(self.now + policy.interval_s, self._observe_event)
         if self._switching is not None:  # one move at a time, as the rebalancer awaits it
             if self.now >= self._switch_to[1]:  # drain took too long: it stays
                 self._switching.is_switching = False
@@ -383,7 +405,7 @@ class VirtualCluster:
         waiting = sum(1 for r in self.requests.values() if not r.token_times)
         total = sum(w.runtime.blocks.num_blocks for w in decode)
         free = sum(w.runtime.blocks.num_free_blocks for w in decode)
-        ttft_att, tpot_att = attainment(self.recent, self.config.adaptive_slo_ms)
+        ttft_att, tpot_att = attainment(self.recent, self.adaptive_slo_ms)
         obs = Observation(self.now, len(prefill), len(decode), waiting,
                           len(self.requests) - waiting, kv_use=(total - free) / total if total else 0.0,
                           ttft_attainment=ttft_att, tpot_attainment=tpot_att)
@@ -392,6 +414,9 @@ class VirtualCluster:
             return
         candidates = [w for w in self.role(move.src) if not w.is_switching]
         if len(candidates) < 2:
+            return
+        if self.is_twin_watch:
+            self.twin_moved = True
             return
         worker = min(candidates, key=lambda w: w.load)
         worker.is_switching = True
@@ -419,10 +444,18 @@ def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int)
 
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
              *, routing: str = "least-loaded", prompt_hashes: list[list[int]] | None = None,
-             **routing_knobs) -> SimResult:
+             twin: ServeConfig | None = None, **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
     policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
     ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` with the profile's block size
-    (the same results, less work when several runs share a slice)."""
-    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals, prompt_hashes)
+    (the same results, less work when several runs share a slice).
+
+    ``twin``: the adaptive configuration of the static split ``config`` (``adaptive:xPyD``
+    of ``xPyD``). Its rebalancer's policy is consulted as it would be, moving nothing; an
+    adaptive run whose rebalancer never moves a worker is the static run itself (the
+    policy only reads the cluster), so where the twin never moved, ``twin_end_s`` is set
+    and the twin's result is this one ending then (its last look may come after the last
+    request). ``ValueError`` if ``twin`` is not ``config`` with a rebalancer."""
+    return VirtualCluster(config, profile, routing=routing, twin=twin,
+                          **routing_knobs).run(arrivals, prompt_hashes)

@@ -136,7 +136,7 @@ class BlockManager:
         With a ``chain``, the match is remembered for the next call with the same
         ``token_ids`` object and chain (a waiting sequence is asked about every step):
         that call walks on from where this one stopped. Valid because a cached block
-        leaves the cache only through :meth:`_fresh_block`, which cuts the remembered
+        leaves the cache only through :meth:`_fresh_blocks`, which cuts the remembered
         match at that block; entries are only ever added otherwise, and a cached
         block's tokens never change while it is cached.
         """
@@ -176,23 +176,29 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self._blocks_needed(seq)[2] <= len(self._free)
 
-    def _take_free(self, block_id: int | None = None) -> int:
-        if block_id is None:
-            return self._free.popitem(last=False)[0]  # the least recently freed
-        del self._free[block_id]
-        return block_id
-
     def _fresh_block(self) -> int:
-        block = self.blocks[self._free.popitem(last=False)[0]]  # _take_free(): the LRU block
-        if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
-            del self._hash_to_block[block.hash]
-            if self._events is not None:
-                self._events[block.hash] = False
-            at = self._match_at.get(block.block_id)
-            if at is not None and at < len(self._match[2]) and self._match[2][at] == block.block_id:
-                del self._match[2][at:]  # the remembered match ends before this block
-        block.hash, block.token_ids, block.ref_count = None, (), 1
-        return block.block_id
+        return self._fresh_blocks(1)[0]
+
+    def _fresh_blocks(self, num: int) -> list[int]:
+        """``num`` free blocks, least recently freed first, referenced once each; a block
+        still cached leaves the cache (its hash forgotten, a *removed* event, the remembered
+        match cut before it)."""
+        free, blocks, cache, events = self._free, self.blocks, self._hash_to_block, self._events
+        ids = []
+        for _ in range(num):
+            bid = free.popitem(last=False)[0]  # the least recently freed
+            block = blocks[bid]
+            h = block.hash
+            if h is not None and cache.get(h) == bid:
+                del cache[h]
+                if events is not None:
+                    events[h] = False
+                at = self._match_at.get(bid)
+                if at is not None and at < len(self._match[2]) and self._match[2][at] == bid:
+                    del self._match[2][at:]  # the remembered match ends before this block
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            ids.append(bid)
+        return ids
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
@@ -209,10 +215,9 @@ class BlockManager:
         for bid in hits:
             block = self.blocks[bid]
             if block.ref_count == 0:
-                self._take_free(bid)
+                del self._free[bid]  # revived from the free list
             block.ref_count += 1
-        fresh = [self._fresh_block() for _ in range(seq.num_blocks(self.block_size) - len(hits))]
-        seq.block_table = hits + fresh
+        seq.block_table = hits + self._fresh_blocks(seq.num_blocks(self.block_size) - len(hits))
         seq.block_hashes = hashes
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.num_query_tokens += seq.num_tokens
@@ -220,11 +225,12 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks become free (hash kept)."""
+        blocks, free = self.blocks, self._free
         for bid in reversed(seq.block_table):  # tail first: evicted before the shared head
-            block = self.blocks[bid]
+            block = blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[bid] = None
+                free[bid] = None
         seq.block_table, seq.block_hashes = [], []
         seq.num_cached_tokens = seq.num_computed_tokens = 0
 

@@ -38,7 +38,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.token_ids: list[int] | tuple[()] = ()  # its tokens (a copy) while it has a hash
 
 
 _PACKERS: dict[int, struct.Struct] = {}  # by block length: a handful of sizes
@@ -142,6 +142,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], []
+        if type(token_ids) is not list:  # compared with the blocks' token lists below
+            token_ids = list(token_ids)
         size = self.block_size
         memo = self._match
         if chain is None:
@@ -155,7 +157,7 @@ class BlockManager:
         get = self._hash_to_block.get
         for i in range(len(ids), (len(token_ids) - 1) // size):
             bid = get(hashes[i] if i < len(hashes) else chain.upto(token_ids, i + 1)[i])
-            if bid is None or blocks[bid].token_ids != tuple(token_ids[i * size:(i + 1) * size]):
+            if bid is None or blocks[bid].token_ids != token_ids[i * size:(i + 1) * size]:
                 break
             ids.append(bid)
             at[bid] = i
@@ -262,7 +264,7 @@ class BlockManager:
             h = hashes[i]
             block = blocks[table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = h, tuple(tokens[i * size:(i + 1) * size])
+                block.hash, block.token_ids = h, tokens[i * size:(i + 1) * size]
                 if cache.setdefault(h, block.block_id) == block.block_id and events is not None:
                     events[h] = True
         registered.extend(hashes[first:num_full])

@@ -155,6 +155,19 @@ def test_the_virtual_clock_imports_no_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_arrivals_in_any_order_ties_by_index():
+    arrivals = _conversations(4, 3)  # 12 requests, 0.5 s apart
+    config = parse_config("conditional:1P2D", num_blocks=256)
+    ordered = simulate(config, _profile(), arrivals).records
+    shuffled = simulate(config, _profile(), arrivals[6:] + arrivals[:6]).records
+    assert sorted(shuffled, key=lambda r: r["sent_s"]) == sorted(ordered, key=lambda r: r["sent_s"])
+    short, long = list(range(3000, 3040)), list(range(4000, 4100))  # both at t=0: index order
+    for first, second in ((short, long), (long, short)):
+        recs = simulate(parse_config("colocated:2"), _profile(), [(0.0, first, 2), (0.0, second, 2)]).records
+        assert {r["input_tokens"]: r["decode"] for r in recs} == {len(first): "colocated-0",
+                                                                  len(second): "colocated-1"}
+
+
 def test_modelled_times_of_one_disaggregated_request():
     prompt = list(range(1000, 1064))  # 64 tokens: 4 blocks, one prefill step
     res = simulate(parse_config("1P1D"), _profile(), [(0.0, prompt, 3)])

@@ -167,6 +167,7 @@ class VirtualCluster:
         if prompt_hashes is not None and len(prompt_hashes) != len(arrivals):
             raise ValueError(f"{len(prompt_hashes)} prompt hash lists for {len(arrivals)} requests")
         size = self.profile.block_size
+        requests = []
         for i, (t, ids, max_tokens) in enumerate(arrivals):
             hashes = None
             if prompt_hashes is not None:
@@ -174,7 +175,14 @@ class VirtualCluster:
                 if len(hashes) != len(ids) // size:
                     raise ValueError(f"request {i}: {len(hashes)} prompt hashes for "
                                      f"{len(ids) // size} full blocks")
-            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens, hashes))
+            requests.append(_Request(f"r{i}", t, ids, max_tokens, hashes))
+        # arrival i is event (t, i), as if all were queued first, but enters the queue only
+        # when the one before it in that order leaves: the same events, a short queue
+        self._incoming = requests
+        self._arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)  # stable
+        self._next_arrival = 0
+        self._order = itertools.count(len(requests))
+        self._queue_arrival()
         observe = self._observe_event = self._observe  # one object: known by identity
         if self.adaptive is not None and arrivals:
             self.at(self.adaptive.interval_s, observe)
@@ -246,7 +254,15 @@ class VirtualCluster:
             seq.hash_chain = HashChain(self.profile.block_size, r.prompt_hashes)
         return seq
 
+    def _queue_arrival(self) -> None:
+        if self._next_arrival < len(self._arrivals):
+            i = self._arrivals[self._next_arrival]
+            self._next_arrival += 1
+            r = self._incoming[i]
+            heapq.heappush(self._events, (r.arrival_s, i, self._arrive, (r,)))
+
     def _arrive(self, r: _Request) -> None:
+        self._queue_arrival()
         if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
             self.counters["rejected_too_long"] += 1
             self.rejected.append(r)

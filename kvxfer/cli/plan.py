@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from ..sim.configs import split_of
 from .simulate import add_common, best_of, load_inputs, print_rows, run_config, write_json
 
 
@@ -61,12 +62,14 @@ def capacity(points: list[dict], target: float) -> float:
     return max(ok) if ok else 0.0
 
 
-def split_grid(num_gpus: int, points: int = 5) -> list[int]:
-    """Prefill counts ``x`` of the first round of splits: ``points`` spread over 1..N-1."""
+def split_grid(num_gpus: int, points: int = 3) -> list[int]:
+    """Prefill counts ``x`` of the first round of splits: ``points`` inside 1..N-1, at
+    ``N * k / (points + 1)``, or every split where there are no more. The ends are left to
+    the refinement: it reaches them when the goodput rises towards one."""
     top = num_gpus - 1
     if top <= points:
         return list(range(1, top + 1))
-    return sorted({round(1 + i * (top - 1) / (points - 1)) for i in range(points)})
+    return sorted({min(max(round(num_gpus * k / (points + 1)), 1), top) for k in range(1, points + 1)})
 
 
 def search(num_gpus: int, evaluate, *, variants: int = 2) -> list[dict]:
@@ -106,39 +109,86 @@ def search(num_gpus: int, evaluate, *, variants: int = 2) -> list[dict]:
     return list(rows.values())
 
 
-# the trace slice and options of a plan, inherited by its --jobs processes (fork)
+# the trace slice (and its prompts' block hashes) and options of a plan, inherited by
+# its --jobs processes (fork)
 _SHARED: dict = {}
 
 
-def _run_one(job: tuple[str, float | None]) -> dict:
-    name, time_scale = job
+def _run_one(job: tuple[str, float | None, bool]) -> dict:
+    name, time_scale, twin = job
     from .simulate import arrivals
 
     args, profile, slo = _SHARED["args"], _SHARED["profile"], _SHARED["slo"]
-    requests = _SHARED["requests"] if time_scale is None else arrivals(args, time_scale)
-    row = run_config(name, args, profile, slo, requests)
+    if time_scale is None:
+        requests, hashes = _SHARED["requests"], _SHARED["hashes"]
+    else:
+        requests, hashes = arrivals(args, time_scale), None
+    row = run_config(name, args, profile, slo, requests, hashes, twin=twin)
     row.pop("records")
+    if row.get("twin"):
+        row["twin"].pop("records")
     return row
+
+
+def has_twin(name: str) -> bool:
+    """Whether ``name`` is a static split with an ``adaptive:`` variant (>= 3 workers)."""
+    split = split_of(name)
+    return split is not None and sum(split) >= 3
 
 
 class _Runner:
     """``evaluate(jobs)``: rows of ``(config, time_scale or None)`` jobs, ``jobs`` processes
-    at a time (forked: they inherit the trace slice); in this process when ``jobs`` is 1."""
+    at a time (forked: they inherit the trace slice); in this process when ``jobs`` is 1.
+
+    A static split's run also watches its adaptive variant's rebalancer (``run_config``'s
+    ``twin``): where that never moved a worker, ``adaptive:xPyD``'s row is the split's own
+    run and is not run again. ``runs`` counts the virtual-clock runs made."""
 
     def __init__(self, jobs: int) -> None:
         self.jobs, self.pool, self.runs = jobs, None, 0
+        self.twins: dict[str, dict | None] = {}  # split -> its adaptive row (None: it moved)
 
     def __call__(self, jobs: list) -> list[dict]:
         jobs = [j if isinstance(j, tuple) else (j, None) for j in jobs]
-        self.runs += len(jobs)
-        if self.jobs <= 1 or len(jobs) <= 1:
-            return [_run_one(j) for j in jobs]
-        if self.pool is None:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+        done: dict[tuple, dict] = {}
+        first, later = [], []
+        for job in jobs:
+            name, time_scale = job
+            split = name.partition(":")[2] if name.startswith("adaptive:") else None
+            if split is None or time_scale is not None:
+                first.append(job)
+            elif self.twins.get(split) is not None:
+                done[job] = self.twins[split]
+            elif split not in self.twins and (split, None) in jobs:
+                later.append(job)  # its split runs in this batch: it may answer for it
+            else:
+                first.append(job)
+        self._run(first, done)
+        self._run([j for j in later if self.twins.get(j[0].partition(":")[2]) is None], done)
+        for job in later:
+            done.setdefault(job, self.twins[job[0].partition(":")[2]])
+        return [done[job] for job in jobs]
 
-            self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("fork"))
-        return list(self.pool.map(_run_one, jobs))
+    def _run(self, jobs: list, done: dict) -> None:
+        if not jobs:
+            return
+        tasks = [(name, time_scale, time_scale is None and has_twin(name))
+                 for name, time_scale in jobs]
+        self.runs += len(tasks)
+        if self.jobs <= 1 or len(tasks) <= 1:
+            rows = [_run_one(t) for t in tasks]
+        else:
+            if self.pool is None:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
+
+                self.pool = ProcessPoolExecutor(self.jobs,
+                                                mp_context=multiprocessing.get_context("fork"))
+            rows = list(self.pool.map(_run_one, tasks))
+        for (name, time_scale, twin), row in zip(tasks, rows):
+            if twin:
+                self.twins[name] = row.pop("twin")
+            done[(name, time_scale)] = row
 
     def close(self) -> None:
         if self.pool is not None:
@@ -149,6 +199,7 @@ def run(args) -> int:
     import os
 
     from ..sim.configs import configs_for
+    from ..sim.vclock import prompt_hashes
 
     began = time.perf_counter()
     try:
@@ -165,7 +216,8 @@ def run(args) -> int:
     profile, slo, requests = load_inputs(args)
     span = requests[-1][0] - requests[0][0]
     base_rate = len(requests) / span if span > 0 else float("inf")
-    _SHARED.update(args=args, profile=profile, slo=slo, requests=requests)
+    _SHARED.update(args=args, profile=profile, slo=slo, requests=requests,
+                   hashes=prompt_hashes(requests, profile.block_size))
     runner = _Runner(jobs)
     try:
         rows = runner(names) if args.exhaustive else search(args.gpus, runner, variants=args.variants)

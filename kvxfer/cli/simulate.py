@@ -85,19 +85,35 @@ def routing_knobs(args) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def run_config(name: str, args, profile, slo, requests) -> dict:
+def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bool = False) -> dict:
     """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
-    "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO."""
+    "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO. ``hashes``:
+    :func:`kvxfer.sim.vclock.prompt_hashes` of ``requests`` (computed once for many runs).
+    ``twin`` (a static ``xPyD`` of >= 3 workers): the run also watches ``adaptive:xPyD``'s
+    rebalancer (:func:`kvxfer.sim.vclock.simulate`); ``row["twin"]`` is that configuration's
+    row where its rebalancer never moved a worker (the same run), else None."""
     from ..loadgen.metrics import summarize_run
     from ..sim.configs import parse_config
     from ..sim.vclock import simulate
 
-    config = parse_config(name, slo_ms=(slo.ttft_ms, slo.tpot_ms) if slo else None,
-                          num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
-    result = simulate(config, profile, requests, routing=args.routing, **routing_knobs(args))
+    engine = dict(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    slo_ms = (slo.ttft_ms, slo.tpot_ms) if slo else None
+    config = parse_config(name, slo_ms=slo_ms, **engine)
+    twin_config = parse_config(f"adaptive:{name}", slo_ms=slo_ms, **engine) if twin else None
+    result = simulate(config, profile, requests, routing=args.routing, prompt_hashes=hashes,
+                      twin=twin_config, **routing_knobs(args))
     summary = summarize_run(result.records, slo)
-    counts = result.counters
+    row = _row(name, summary, result, result.end_s)
+    if twin:
+        row["twin"] = (None if result.twin_end_s is None
+                       else _row(f"adaptive:{name}", summary, result, result.twin_end_s,
+                                 dict(result.counters)))
+    return row
+
+
+def _row(name: str, summary: dict, result, end_s: float, counters: dict | None = None) -> dict:
+    counts = result.counters if counters is None else counters
     return {"name": name, "goodput_rps": summary.get("goodput"),
             "slo_attainment": summary.get("slo_attainment"),
             "request_throughput": summary["request_throughput"],
@@ -107,8 +123,7 @@ def run_config(name: str, args, profile, slo, requests) -> dict:
                                  if counts.get("query_tokens") else 0.0),
             "routed_hit_ratio": (counts["routed_hit_blocks"] / counts["routed_prompt_blocks"]
                                  if counts.get("routed_prompt_blocks") else 0.0),
-            "virtual_s": result.end_s, "counters": result.counters,
-            "records": result.records}
+            "virtual_s": end_s, "counters": counts, "records": result.records}
 
 
 def best_of(rows: list[dict]) -> str:
@@ -167,6 +182,7 @@ def load_inputs(args):
 
 def run(args) -> int:
     from ..sim.configs import ConfigError, parse_config
+    from ..sim.vclock import prompt_hashes
 
     try:
         for name in args.config:  # every name checked before anything runs
@@ -174,8 +190,9 @@ def run(args) -> int:
     except ConfigError as exc:
         raise SystemExit(f"kvxfer simulate: {exc}") from None
     profile, slo, requests = load_inputs(args)
+    hashes = prompt_hashes(requests, profile.block_size)  # once for every configuration
     try:
-        rows = [run_config(name, args, profile, slo, requests) for name in args.config]
+        rows = [run_config(name, args, profile, slo, requests, hashes) for name in args.config]
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvxfer simulate: {exc}") from None
     best = best_of(rows)

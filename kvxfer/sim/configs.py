@@ -66,6 +66,12 @@ def parse_config(name: str, *, slo_ms: tuple[float, float] | None = None,
         raise ConfigError(f"{name!r}: {exc}") from None
 
 
+def split_of(name: str) -> tuple[int, int] | None:
+    """``(x, y)`` of a static split's name ``xPyD``; None for any other name."""
+    split = _SPLIT.fullmatch(name.strip()) if isinstance(name, str) else None
+    return None if split is None else (int(split.group(1)), int(split.group(2)))
+
+
 def configs_for(num_gpus: int) -> list[str]:
     """Every configuration of ``num_gpus`` workers: colocated, each xPyD split, and its
     conditional and adaptive variants (adaptive from 3 workers on)."""

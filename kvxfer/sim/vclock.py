@@ -14,7 +14,8 @@ scores. What runs is the serving code itself, each worker with its own:
 
 and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
 or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
-them (:meth:`BlockManager.drain_events`), the conditional
+them (:meth:`BlockManager.drain_events`; not with ``least-loaded``, whose pick does not
+read them: they would only count its hits), the conditional
 disaggregation rule (:func:`~kvxfer.serving.server.dispatch.prefill_queue_full`; the decode
 worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and the
 rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
@@ -28,11 +29,13 @@ the router's per-message costs, the time a role switch takes.
 from __future__ import annotations
 
 import collections
+import gc
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..serving.channel.ipc import kv_event_batches
+from ..serving.engine.block_manager import HashChain
 from ..serving.engine.config import EngineConfig
 from ..serving.engine.runtime import Runtime, finish_reason
 from ..serving.engine.sampling import SamplingParams
@@ -62,7 +65,7 @@ class VirtualRuntime(Runtime):
         self.last_step_s = 0.0
 
     def _forward(self, chunks: list[ScheduledChunk]):
-        self.last_step_s = self.profile.fit.step_seconds((c.num_tokens, c.start) for c in chunks)
+        self.last_step_s = self.profile.fit.step_seconds([(c.num_tokens, c.start) for c in chunks])
 
         def pick(row: int, seq: Sequence) -> tuple[int, None]:
             return next_token(seq.token_ids[-1], seq.num_tokens, seq.params.stop_token_ids), None
@@ -90,6 +93,7 @@ class _Request:
     arrival_s: float
     prompt_ids: list[int]
     max_tokens: int
+    prompt_hashes: list[int] | None = None  # its full blocks' hashes, if given to run()
     token_times: list[float] = field(default_factory=list)
     prefill: SimWorker | None = None
     decode: SimWorker | None = None
@@ -102,19 +106,29 @@ class _Request:
 
 @dataclass
 class SimResult:
-    """What :func:`simulate` measured: per-request records (loadgen's form) and counters."""
+    """What :func:`simulate` measured: per-request records (loadgen's form) and counters.
+    ``twin_end_s``: with a ``twin``, where its rebalancer never moved a worker (then its run
+    is this one, ending at ``twin_end_s``), else None."""
 
     records: list[dict]
     counters: dict
     end_s: float
+    twin_end_s: float | None = None
 
 
 class VirtualCluster:
     """The event loop over the workers of ``config`` (see the module docstring)."""
 
     def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
-                 **routing_knobs) -> None:
+                 twin: ServeConfig | None = None, **routing_knobs) -> None:
+        if twin is not None and (config.adaptive is not None or twin.adaptive is None
+                                 or replace(twin, adaptive=None, adaptive_slo_ms=None) != config):
+            raise ValueError("twin: the adaptive configuration of this static split")
         self.config = config
+        # the rebalancer's policy, moving workers (adaptive) or only watched (a twin's)
+        self.adaptive, self.adaptive_slo_ms = (twin or config).adaptive, (twin or config).adaptive_slo_ms
+        self.is_twin_watch = twin is not None
+        self.twin_moved = False
         self.profile = profile
         self.routing = make_policy(routing, profile.block_size, **routing_knobs)
         engine = EngineConfig(num_blocks=config.num_blocks, block_size=profile.block_size,
@@ -122,8 +136,12 @@ class VirtualCluster:
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               schedule=config.schedule)
         self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+        # the cache events feed the router's prefix index; a policy that does not pick by
+        # it (least-loaded) would only count hits in its stats, which no run reports
+        self.publishes_events = self.routing.chooses_by_prefix
         for w in self.workers:
-            w.runtime.blocks.record_events()
+            if self.publishes_events:
+                w.runtime.blocks.record_events()
             self.routing.set_capacity(w.name, engine.num_blocks)
         self.now = 0.0
         self._events: list = []
@@ -142,16 +160,48 @@ class VirtualCluster:
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
 
-    def run(self, arrivals: list[tuple[float, list[int], int]]) -> SimResult:
-        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion."""
+    def run(self, arrivals: list[tuple[float, list[int], int]],
+            prompt_hashes: list[list[int]] | None = None) -> SimResult:
+        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion.
+        ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` (computed as needed if None)."""
+        if prompt_hashes is not None and len(prompt_hashes) != len(arrivals):
+            raise ValueError(f"{len(prompt_hashes)} prompt hash lists for {len(arrivals)} requests")
+        size = self.profile.block_size
+        requests = []
         for i, (t, ids, max_tokens) in enumerate(arrivals):
-            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens))
-        if self.config.adaptive is not None and arrivals:
-            self.at(self.config.adaptive.interval_s, self._observe)
+            hashes = None
+            if prompt_hashes is not None:
+                hashes = prompt_hashes[i]
+                if len(hashes) != len(ids) // size:
+                    raise ValueError(f"request {i}: {len(hashes)} prompt hashes for "
+                                     f"{len(ids) // size} full blocks")
+            requests.append(_Request(f"r{i}", t, ids, max_tokens, hashes))
+        # arrival i is event (t, i), as if all were queued first, but enters the queue only
+        # when the one before it in that order leaves: the same events, a short queue
+        self._incoming = requests
+        self._arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)  # stable
+        self._next_arrival = 0
+        self._order = itertools.count(len(requests))
+        self._queue_arrival()
+        observe = self._observe_event = self._observe  # one object: known by identity
+        if self.adaptive is not None and arrivals:
+            self.at(self.adaptive.interval_s, observe)
         self._num_left = len(arrivals)
-        while self._events:
-            self.now, _, fn, args = heapq.heappop(self._events)
-            fn(*args)
+        # the loop makes many short-lived containers and no reference cycles: the cyclic
+        # collector would only scan them (about a tenth of a run's time)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        events, last_work_s = self._events, 0.0
+        try:
+            while events:
+                self.now, _, fn, args = heapq.heappop(events)
+                fn(*args)
+                if fn is not observe:
+                    last_work_s = self.now
+        finally:
+            del self._observe_event  # a bound method of self: no cycle left behind
+            if gc_was_enabled:
+                gc.enable()
         stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
         if self._num_left or stuck:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
@@ -169,6 +219,9 @@ class VirtualCluster:
         records += [{"ok": False, "sent_s": r.arrival_s, "input_tokens": len(r.prompt_ids),
                      "error": f"prompt + max_tokens exceeds a worker's KV pool "
                               f"({self.pool_tokens} tokens)"} for r in self.rejected]
+        if self.is_twin_watch:  # this run ends with its last request; the twin's observes on
+            return SimResult(records, dict(self.counters), last_work_s,
+                             None if self.twin_moved else self.now)
         return SimResult(records, dict(self.counters), self.now)
 
     def _record(self, r: _Request) -> dict:
@@ -198,11 +251,28 @@ class VirtualCluster:
 
     def _publish(self, worker: SimWorker) -> None:
         """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
+        if not self.publishes_events:
+            return
         stored, removed = worker.runtime.blocks.drain_events()
         for part_stored, part_removed in kv_event_batches(stored, removed):  # as workers send
             self.routing.on_kv_event(worker.name, part_stored, part_removed)
 
+    def _sequence(self, r: _Request, params: SamplingParams) -> Sequence:
+        """A sequence of ``r``'s prompt; its chain starts from the prompt's known hashes."""
+        seq = Sequence(r.prompt_ids, params, r.rid)
+        if r.prompt_hashes is not None:
+            seq.hash_chain = HashChain(self.profile.block_size, r.prompt_hashes)
+        return seq
+
+    def _queue_arrival(self) -> None:
+        if self._next_arrival < len(self._arrivals):
+            i = self._arrivals[self._next_arrival]
+            self._next_arrival += 1
+            r = self._incoming[i]
+            heapq.heappush(self._events, (r.arrival_s, i, self._arrive, (r,)))
+
     def _arrive(self, r: _Request) -> None:
+        self._queue_arrival()
         if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
             self.counters["rejected_too_long"] += 1
             self.rejected.append(r)
@@ -223,14 +293,14 @@ class VirtualCluster:
             return
         r.prefill, r.mode = prefill, "remote"
         r.decode.inflight.add(r.rid)
-        seq = r.decode.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        seq = r.decode.seqs[r.rid] = self._sequence(r, params)
         r.decode.admit_queue.append(seq)
         self._try_admit_remote(r.decode)
 
     def _admit_local(self, r: _Request, params: SamplingParams) -> None:
         worker = r.decode
         worker.inflight.add(r.rid)
-        seq = worker.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        seq = worker.seqs[r.rid] = self._sequence(r, params)
         worker.runtime.scheduler.add(seq)
         self._kick(worker)
 
@@ -264,16 +334,17 @@ class VirtualCluster:
     # ---- workers ------------------------------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
         """Start ``worker``'s next step if it is idle and has one."""
-        if worker.is_stepping or not worker.runtime.scheduler.has_work():
+        runtime = worker.runtime
+        if worker.is_stepping or not runtime.scheduler.has_work():
             return
-        step = worker.runtime.step()
+        step = runtime.step()
         self._publish(worker)
         if not step.num_tokens:  # nothing fits the free blocks: a finish or free kicks again
             return
         worker.is_stepping = True
-        worker.busy_s += worker.runtime.last_step_s
+        worker.busy_s += runtime.last_step_s
         self.counters["steps"] += 1
-        self.at(self.now + worker.runtime.last_step_s, self._step_done, worker, step.produced)
+        self.at(self.now + runtime.last_step_s, self._step_done, worker, step.produced)
 
     def _step_done(self, worker: SimWorker, produced) -> None:
         worker.is_stepping = False
@@ -350,9 +421,13 @@ class VirtualCluster:
 
     # ---- the rebalancer -----------------------------------------------------------
     def _observe(self) -> None:
-        policy = self.config.adaptive
+        """The rebalancer's look every ``interval_s``. Watching for a twin it moves nothing:
+        it stops at the first move the twin would make (from there on the runs differ)."""
+        if self.twin_moved:
+            return
+        policy = self.adaptive
         if self._num_left:
-            self.at(self.now + policy.interval_s, self._observe)
+            self.at(self.now + policy.interval_s, self._observe_event)
         if self._switching is not None:  # one move at a time, as the rebalancer awaits it
             if self.now >= self._switch_to[1]:  # drain took too long: it stays
                 self._switching.is_switching = False
@@ -363,7 +438,7 @@ class VirtualCluster:
         waiting = sum(1 for r in self.requests.values() if not r.token_times)
         total = sum(w.runtime.blocks.num_blocks for w in decode)
         free = sum(w.runtime.blocks.num_free_blocks for w in decode)
-        ttft_att, tpot_att = attainment(self.recent, self.config.adaptive_slo_ms)
+        ttft_att, tpot_att = attainment(self.recent, self.adaptive_slo_ms)
         obs = Observation(self.now, len(prefill), len(decode), waiting,
                           len(self.requests) - waiting, kv_use=(total - free) / total if total else 0.0,
                           ttft_attainment=ttft_att, tpot_attainment=tpot_att)
@@ -372,6 +447,9 @@ class VirtualCluster:
             return
         candidates = [w for w in self.role(move.src) if not w.is_switching]
         if len(candidates) < 2:
+            return
+        if self.is_twin_watch:
+            self.twin_moved = True
             return
         worker = min(candidates, key=lambda w: w.load)
         worker.is_switching = True
@@ -390,9 +468,27 @@ class VirtualCluster:
         self.counters["role_changes"] += 1
 
 
+def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int) -> list[list[int]]:
+    """Each request's prompt full-block hashes (:class:`HashChain`), for :func:`simulate`:
+    computed once for a trace slice, they serve every configuration run on it (the runs of
+    ``kvxfer plan`` inherit them)."""
+    return [HashChain(block_size).upto(ids, len(ids) // block_size) for _, ids, _ in arrivals]
+
+
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
-             *, routing: str = "least-loaded", **routing_knobs) -> SimResult:
+             *, routing: str = "least-loaded", prompt_hashes: list[list[int]] | None = None,
+             twin: ServeConfig | None = None, **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
-    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`)."""
-    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals)
+    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
+    ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` with the profile's block size
+    (the same results, less work when several runs share a slice).
+
+    ``twin``: the adaptive configuration of the static split ``config`` (``adaptive:xPyD``
+    of ``xPyD``). Its rebalancer's policy is consulted as it would be, moving nothing; an
+    adaptive run whose rebalancer never moves a worker is the static run itself (the
+    policy only reads the cluster), so where the twin never moved, ``twin_end_s`` is set
+    and the twin's result is this one ending then (its last look may come after the last
+    request). ``ValueError`` if ``twin`` is not ``config`` with a rebalancer."""
+    return VirtualCluster(config, profile, routing=routing, twin=twin,
+                          **routing_knobs).run(arrivals, prompt_hashes)

@@ -16,7 +16,6 @@ from kvxfer.sim.configs import ConfigError, configs_for, parse_config
 from kvxfer.sim.cost_model import StepCostModel
 from kvxfer.sim.link import Link
 from kvxfer.sim.profile import Profile
-from kvxfer.serving.server.routing import LeastLoadedRouting
 from kvxfer.sim.vclock import prompt_hashes, simulate
 
 FIT = StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-3, 1e-6))  # a, b, c (prefill); a, d, e (decode)
@@ -123,14 +122,18 @@ def test_shared_prompt_hashes_give_the_same_runs():
                  prompt_hashes=[h[:-1] for h in hashes])
 
 
-def test_least_loaded_runs_the_same_without_feeding_the_index(monkeypatch):
+def test_least_loaded_runs_the_same_without_feeding_the_index():
     arrivals = _conversations(6, 4, gap_s=0.01, out=32)
     config = parse_config("conditional:1P3D", num_blocks=128)
-    quiet = simulate(config, _profile(), arrivals)
-    monkeypatch.setattr(LeastLoadedRouting, "chooses_by_prefix", True)  # events published
-    fed = simulate(config, _profile(), arrivals)
+    quiet = simulate(config, _profile(), arrivals, routed_hits=False)
+    fed = simulate(config, _profile(), arrivals)  # events published: the router's hits counted
+    routed = {k: fed.counters.pop(k) for k in ("routed_hit_blocks", "routed_prompt_blocks")}
     assert fed.records == quiet.records and fed.counters == quiet.counters
-    assert quiet.counters["hit_tokens"] > 0
+    assert quiet.counters["hit_tokens"] > 0 and routed["routed_hit_blocks"] > 0
+    assert "routed_hit_blocks" not in quiet.counters
+    # a policy that picks by prefix is fed whatever the caller asks
+    kv = simulate(config, _profile(), arrivals, routing="kv", routed_hits=False)
+    assert kv.counters["routed_hit_blocks"] > 0
 
 
 def test_a_run_restores_the_collector_and_leaves_no_cycles():
@@ -280,7 +283,7 @@ def test_plan_runs_an_adaptive_variant_only_where_its_twin_moved(trace):
         names = ["1P2D", "adaptive:1P2D", "2P1D", "adaptive:2P1D", "conditional:1P2D"]
         rows = runner(names)
         for name, row in zip(names, rows):
-            direct = run_config(name, args, profile, slo, requests)
+            direct = run_config(name, args, profile, slo, requests, routed_hits=False)
             direct.pop("records")
             assert row == direct, name
         assert runner.runs == 3 and set(runner.twins) == {"1P2D", "2P1D"}

@@ -123,7 +123,8 @@ def _run_one(job: tuple[str, float | None, bool]) -> dict:
         requests, hashes = _SHARED["requests"], _SHARED["hashes"]
     else:
         requests, hashes = arrivals(args, time_scale), None
-    row = run_config(name, args, profile, slo, requests, hashes, twin=twin)
+    # plan ranks by goodput: least-loaded's runs skip counting the router's hits
+    row = run_config(name, args, profile, slo, requests, hashes, twin=twin, routed_hits=False)
     row.pop("records")
     if row.get("twin"):
         row["twin"].pop("records")

@@ -85,13 +85,16 @@ def routing_knobs(args) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bool = False) -> dict:
+def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bool = False,
+               routed_hits: bool = True) -> dict:
     """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
     "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO. ``hashes``:
     :func:`kvxfer.sim.vclock.prompt_hashes` of ``requests`` (computed once for many runs).
     ``twin`` (a static ``xPyD`` of >= 3 workers): the run also watches ``adaptive:xPyD``'s
     rebalancer (:func:`kvxfer.sim.vclock.simulate`); ``row["twin"]`` is that configuration's
-    row where its rebalancer never moved a worker (the same run), else None."""
+    row where its rebalancer never moved a worker (the same run), else None.
+    ``routed_hits=False``: ``routed_hit_ratio`` is None where the policy does not pick by
+    prefix (:func:`kvxfer.sim.vclock.simulate`; a cheaper run)."""
     from ..loadgen.metrics import summarize_run
     from ..sim.configs import parse_config
     from ..sim.vclock import simulate
@@ -102,7 +105,7 @@ def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bo
     config = parse_config(name, slo_ms=slo_ms, **engine)
     twin_config = parse_config(f"adaptive:{name}", slo_ms=slo_ms, **engine) if twin else None
     result = simulate(config, profile, requests, routing=args.routing, prompt_hashes=hashes,
-                      twin=twin_config, **routing_knobs(args))
+                      twin=twin_config, routed_hits=routed_hits, **routing_knobs(args))
     summary = summarize_run(result.records, slo)
     row = _row(name, summary, result, result.end_s)
     if twin:
@@ -121,8 +124,9 @@ def _row(name: str, summary: dict, result, end_s: float, counters: dict | None =
             "tpot_p50_ms": summary["tpot_ms"]["median"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
             "prefix_hit_ratio": (counts["hit_tokens"] / counts["query_tokens"]
                                  if counts.get("query_tokens") else 0.0),
-            "routed_hit_ratio": (counts["routed_hit_blocks"] / counts["routed_prompt_blocks"]
-                                 if counts.get("routed_prompt_blocks") else 0.0),
+            "routed_hit_ratio": (None if "routed_prompt_blocks" not in counts
+                                 else counts["routed_hit_blocks"] / counts["routed_prompt_blocks"]
+                                 if counts["routed_prompt_blocks"] else 0.0),
             "virtual_s": end_s, "counters": counts, "records": result.records}
 
 

@@ -11,7 +11,10 @@ each run. Run it at high priority; where the kernel groups processes by session
 (``/proc/sys/kernel/sched_autogroup_enabled`` = 1), ``nice`` alone does not
 outrank other sessions' jobs: also ``echo -15 > /proc/self/autogroup`` in the
 shell that starts it (the servers stay in its session). ``--scale`` instead runs only the simulated engine with many workers
-(e.g. ``--scale 16,16``) and reports the router's and workers' CPU use.
+(e.g. ``--scale 16,16``) and reports the router's and workers' CPU use and how far
+the load generator fell behind its schedule; with ``--vclock`` it also runs ``kvxfer
+simulate`` on the same slice, profile, configuration and engine flags and gives the
+wall/virtual-clock TTFT and TPOT ratios.
 """
 from __future__ import annotations
 
@@ -99,8 +102,54 @@ def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: st
             proc.wait()
     with open(path) as f:
         summary = json.load(f)["summary"]
-    return {"label": label, "summary": summary, "wall_s": wall, "cpu_s": cpu,
+    return {"label": label, "summary": summary, "schedule": schedule_lag(path), "wall_s": wall, "cpu_s": cpu,
             "load_start": load0, "load_end": os.getloadavg()[0], "stats": _stats(metrics)}
+
+
+def schedule_lag(path: str) -> dict:
+    """How far ``kvxfer loadgen`` fell behind its schedule (sent minus due, ms) and when it
+    sent its first and last request, from its per-request ``--json`` file."""
+    with open(path) as f:
+        recs = [r for r in json.load(f)["requests"] if r.get("sent_s") is not None]
+    lag = sorted(1e3 * (r["sent_s"] - r["scheduled_s"]) for r in recs)
+    at = lambda q: lag[min(len(lag) - 1, int(q * len(lag)))]  # noqa: E731
+    return {"lag_ms_p50": at(0.5), "lag_ms_p90": at(0.9), "lag_ms_p99": at(0.99),
+            "lag_ms_max": lag[-1], "first_sent_s": min(r["sent_s"] for r in recs),
+            "last_sent_s": max(r["sent_s"] for r in recs),
+            "last_due_s": max(r["scheduled_s"] for r in recs)}
+
+
+_SLICE = {"--start", "--max-requests", "--time-scale", "--length-scale", "--output-scale",
+          "--arrival-jitter-ms", "--seed"}
+_ENGINE = {"--num-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--routing",
+           "--routing-load-gap", "--routing-overlap-weight"}
+
+
+def _pick(args: list[str], names: set[str]) -> list[str]:
+    """The ``--flag value`` pairs of ``args`` whose flag is in ``names``."""
+    return [x for i in range(0, len(args) - 1) if args[i] in names for x in args[i:i + 2]]
+
+
+def vclock(trace: str, profile: str, config: str, loadgen_args: list[str],
+           serve_args: list[str], out_dir: str) -> dict:
+    """``kvxfer simulate`` of the same slice, profile, config and engine flags: its
+    summary (``kvxfer loadgen``'s, from its records)."""
+    from kvxfer.loadgen.metrics import summarize_run
+
+    path = os.path.join(out_dir, f"vclock-{config}.json")
+    subprocess.run([sys.executable, "-m", "kvxfer.cli", "simulate", "--trace", trace,
+                    "--profile", profile, "--config", config, "--json", path,
+                    *_pick(loadgen_args, _SLICE), *_pick(serve_args, _ENGINE)],
+                   check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    with open(path) as f:
+        doc = json.load(f)["configs"][0]
+    return {"config": config, "summary": summarize_run(doc["records"]),
+            "virtual_s": doc.get("virtual_s")}
+
+
+def _ratios(wall: dict, vc: dict) -> dict:
+    return {f"{m}_{q}": wall[m][q] / vc[m][q] for m in ("ttft_ms", "tpot_ms")
+            for q in ("median", "p90")}
 
 
 def _stats(metrics: str) -> dict:
@@ -125,6 +174,9 @@ def main() -> int:
     ap.add_argument("--serve", default="--num-blocks 1024", help="extra kvxfer serve flags")
     ap.add_argument("--scale", default=None, metavar="P,D",
                     help="only the simulated engine, P prefill and D decode workers")
+    ap.add_argument("--vclock", action="store_true",
+                    help="with --scale: also kvxfer simulate the same slice and config, and "
+                         "give the wall/vclock TTFT and TPOT ratios")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("--out", default="benchmarks/results/sim_validate.json")
     args = ap.parse_args()
@@ -146,7 +198,12 @@ def main() -> int:
               f"router CPU {cpu['router']:.1f} s ({100 * cpu['router'] / run['wall_s']:.0f}% of a "
               f"core); workers {sum(workers):.1f} s total ({100 * sum(workers) / run['wall_s']:.0f}% "
               f"of a core, max one {max(workers):.1f} s); stats {run['stats']}; load "
-              f"{run['load_start']:.2f}->{run['load_end']:.2f}")
+              f"{run['load_start']:.2f}->{run['load_end']:.2f}; schedule {run['schedule']}")
+        if args.vclock:
+            run["vclock"] = vclock(args.trace, args.profile, f"{p}P{d}D", args.loadgen.split(),
+                                   args.serve.split(), out_dir)
+            run["wall_over_vclock"] = _ratios(s, run["vclock"]["summary"])
+            print(f"wall / vclock: {run['wall_over_vclock']}")
     else:
         for name in args.configs:
             for engine in ("real", "sim"):

@@ -195,3 +195,21 @@ def test_sim_server_answers_max_tokens_and_verifies_every_transfer(sim_server):
     assert stat("kv_mismatched") == 0
     health = sim_server.health()
     assert all(w["matmul"] == "sim:h100-llama2-7b-vidur" for w in health["workers"])
+
+
+def test_sim_server_takes_prompts_past_the_embedded_models_context():
+    # the simulated engine's limit is its KV pool (1,024 blocks of 16 tokens here), as on
+    # the virtual clock, not the embedded tokenizer's model context (8,192 tokens)
+    from serving_server import Server
+
+    server = Server("--prefill", "1", "--decode", "1", "--engine", "sim",
+                    "--profile", "h100-llama2-7b-vidur", "--num-blocks", "1024")
+    try:
+        prompt = "the quick brown fox " * 2300
+        body = server.complete(prompt, max_tokens=2, ignore_eos=True)
+        assert body["usage"]["prompt_tokens"] > 8192
+        assert body["usage"]["completion_tokens"] == 2
+        r = server.client.post("/v1/completions", json={"prompt": prompt * 2, "max_tokens": 2})
+        assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+    finally:
+        server.stop()

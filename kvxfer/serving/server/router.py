@@ -76,6 +76,9 @@ class Router:
         self.dispatcher = Dispatcher(config, self.registry)
         self.codec = TextCodec.load(config.model_path)
         self.model_name = self.codec.model_name
+        # the context limit is the served model's; the simulated engine serves a cost profile
+        # over token ids, bounded by the KV pool only (as kvxfer simulate's virtual clock)
+        self.max_position = 0 if config.engine == "sim" else self.codec.max_position
         self.logprobs = api.LogprobFormatter(self.codec.tokenizer)
         self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
         self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.", ("worker",))
@@ -203,7 +206,7 @@ class Router:
                 self._pool_tokens = w.info.get("num_blocks", 0) * w.info.get("block_size", 0)
                 break
         pool_tokens = self._pool_tokens  # 0 until a worker reported: submit() then says 503
-        for limit, what in ((self.codec.max_position, "the context length"),
+        for limit, what in ((self.max_position, "the context length"),
                             (pool_tokens, "a worker's KV pool")):
             if limit and len(prompt_ids) + max_tokens > limit:  # 0: no worker seen yet
                 raise RequestFailed(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "

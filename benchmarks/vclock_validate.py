@@ -19,8 +19,8 @@ seed, time scale, prompt lengths and ``max_tokens``. Both are scored by
 attainment of both and the vclock/wall ratio, with the load average beside each run.
 
 The slice: the first ``--max-requests`` trace lines from ``--start`` whose scaled prompt +
-``max_tokens`` fit the router's 8,192-token context (SmolLM2's; the router answers longer
-ones 400, the virtual clock has no such limit), written to ``<out>/slice.jsonl`` and
+``max_tokens`` fit 8,192 tokens and a worker's pool (the slice the committed results
+used; the simulated engine's own limit is its pool), written to ``<out>/slice.jsonl`` and
 replayed by both. Diagnostics besides the ratios: the virtual clock again with each
 request arriving when loadgen actually sent it (``vclock_at_sent``), the same runs scored
 under ``--also-slo``, and each worker's queue and free blocks sampled during the wall-clock
@@ -200,13 +200,12 @@ def wall_run(name: str, args, engine: list[str], loadgen: list[str], out_dir: st
             "samples": sampler.samples if sampler is not None else None}
 
 
-CONTEXT_LENGTH = 8192  # the router's tokenizer model (SmolLM2): longer requests get HTTP 400
+CONTEXT_LENGTH = 8192  # the slice's bound on prompt + max_tokens (the committed results' slice)
 
 
 def fit_slice(args, path: str) -> dict:
     """Write to ``path`` the first ``--max-requests`` trace lines from ``--start`` whose scaled
-    prompt + ``max_tokens`` fit the router's context length and a worker's pool (the
-    router answers longer ones 400; the virtual clock has no context limit). Both sides
+    prompt + ``max_tokens`` fit :data:`CONTEXT_LENGTH` and a worker's pool. Both sides
     replay this file; its timestamps are the trace's (rebased by :func:`read_trace`)."""
     from kvxfer.loadgen.trace import parse_line
 

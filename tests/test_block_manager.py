@@ -140,3 +140,59 @@ def test_random_workload_keeps_invariants():
         assert in_use + bm.num_free_blocks == 24
         refs = sum(b.ref_count for b in bm.blocks)
         assert refs == sum(len(s.block_table) for s in live)
+
+
+def test_remembered_match_grows_and_is_cut_as_the_cache_changes():
+    bm = BlockManager(6, B)
+    a = seq(range(13))  # blocks 0-3, three of them full
+    bm.allocate(a)
+    r = seq(range(100, 104))  # a running sequence: block 4
+    bm.allocate(r)
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)  # only a's first block cached so far
+    waiting = seq(list(range(12)) + [99])
+    chain = bm.chain(waiting)
+    assert bm.match_prefix(waiting.token_ids, chain)[0] == [0]
+    computed(bm, a)  # the rest of a's full blocks: the remembered match walks on
+    assert bm.match_prefix(waiting.token_ids, chain)[0] == [0, 1, 2]
+    bm.deallocate(a)  # free, least recent first: 5, then a's blocks tail first (3, 2, 1, 0)
+    r.token_ids.extend(range(104, 116))
+    bm.append_slot(r)  # r grows into 5, 3 and 2: a's third block leaves the cache
+    assert r.block_table == [4, 5, 3, 2]
+    hits, hashes = bm.match_prefix(waiting.token_ids, chain)
+    assert hits == [0, 1]  # the remembered match was cut where its block left the cache
+    assert (hits, hashes) == bm.match_prefix(list(waiting.token_ids))  # as a fresh walk
+    bm.check_invariants()
+
+
+def test_remembered_match_equals_a_fresh_walk_under_random_traffic():
+    rng = random.Random(1)
+    bm = BlockManager(16, B)
+    prefixes = [[rng.randrange(20) for _ in range(12)] for _ in range(3)]
+    waiting = [seq(p + [rng.randrange(20) for _ in range(5)]) for p in prefixes]
+    live = []
+    for _ in range(600):
+        op = rng.random()
+        if live and op < 0.3:
+            bm.deallocate(live.pop(rng.randrange(len(live))))
+        elif live and op < 0.8:  # a running sequence decodes: new blocks evict cached ones
+            s = rng.choice(live)
+            s.token_ids.extend(rng.randrange(20) for _ in range(rng.randrange(1, 6)))
+            if bm.can_append(s) and bm.num_free_blocks >= s.num_blocks(B) - len(s.block_table):
+                bm.append_slot(s)
+                s.num_computed_tokens = s.num_tokens - 1
+                bm.cache_full_blocks(s)
+            else:
+                bm.deallocate(live.pop(live.index(s)))
+        else:
+            s = seq(rng.choice(prefixes)[:rng.randrange(1, 13)] + [rng.randrange(20) for _ in range(4)])
+            if bm.can_allocate(s):
+                bm.allocate(s)
+                s.num_computed_tokens = rng.randrange(s.num_cached_tokens, s.num_tokens + 1)
+                bm.cache_full_blocks(s)
+                live.append(s)
+        if rng.random() < 0.05:  # mostly the same one at the head of the queue
+            rng.shuffle(waiting)
+        w = waiting[0]  # a waiting sequence asked about every step, as the scheduler does
+        assert bm.match_prefix(w.token_ids, bm.chain(w)) == bm.match_prefix(list(w.token_ids))
+        bm.check_invariants()

@@ -129,3 +129,18 @@ def test_separate_schedule_runs_prefill_steps_apart():
 def test_schedule_policy_is_validated():
     with pytest.raises(ValueError):
         EngineConfig(schedule="interleaved")
+
+
+def test_sequence_takes_a_copy_of_plain_ints_and_converts_the_rest():
+    import numpy as np
+
+    prompt = [5, 6, 7]
+    s = Sequence(prompt)
+    s.token_ids.append(8)
+    assert prompt == [5, 6, 7] and s.num_prompt_tokens == 3  # a copy, not the caller's list
+    for given in (list(np.arange(5, 8)), (5, 6, 7), range(5, 8), [True, 6, 7]):
+        s = Sequence(given)
+        assert [type(t) for t in s.token_ids] == [int] * 3, given
+        assert s.token_ids == ([1, 6, 7] if given[0] is True else [5, 6, 7])
+    with pytest.raises(ValueError):
+        Sequence([])

@@ -16,7 +16,8 @@ from kvxfer.sim.configs import ConfigError, configs_for, parse_config
 from kvxfer.sim.cost_model import StepCostModel
 from kvxfer.sim.link import Link
 from kvxfer.sim.profile import Profile
-from kvxfer.sim.vclock import simulate
+from kvxfer.serving.server.routing import LeastLoadedRouting
+from kvxfer.sim.vclock import prompt_hashes, simulate
 
 FIT = StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-3, 1e-6))  # a, b, c (prefill); a, d, e (decode)
 LINK = Link(1e9, 1e-5, "test")
@@ -103,6 +104,58 @@ def test_every_request_gets_max_tokens_and_runs_are_deterministic():
         assert sorted(r["output_tokens"] for r in res.records) == want
         assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in res.records)
         assert simulate(config, _profile(), arrivals).records == res.records, name
+
+
+def test_shared_prompt_hashes_give_the_same_runs():
+    arrivals = _conversations(4, 3)
+    hashes = prompt_hashes(arrivals, 16)
+    assert [len(h) for h in hashes] == [len(ids) // 16 for _, ids, _ in arrivals]
+    for name in ("colocated:2", "conditional:1P2D"):
+        for routing in ("least-loaded", "kv"):
+            config = parse_config(name, num_blocks=96)
+            plain = simulate(config, _profile(), arrivals, routing=routing)
+            shared = simulate(config, _profile(), arrivals, routing=routing, prompt_hashes=hashes)
+            assert shared.records == plain.records and shared.counters == plain.counters
+    with pytest.raises(ValueError, match="prompt hash"):
+        simulate(parse_config("colocated:2"), _profile(), arrivals, prompt_hashes=hashes[1:])
+    with pytest.raises(ValueError, match="prompt hashes"):
+        simulate(parse_config("colocated:2"), _profile(), arrivals,
+                 prompt_hashes=[h[:-1] for h in hashes])
+
+
+def test_least_loaded_runs_the_same_without_feeding_the_index(monkeypatch):
+    arrivals = _conversations(6, 4, gap_s=0.01, out=32)
+    config = parse_config("conditional:1P3D", num_blocks=128)
+    quiet = simulate(config, _profile(), arrivals)
+    monkeypatch.setattr(LeastLoadedRouting, "chooses_by_prefix", True)  # events published
+    fed = simulate(config, _profile(), arrivals)
+    # routed_hit_blocks reads the index (0 where it is not fed); everything else is the same
+    fed_counters = {k: v for k, v in fed.counters.items() if k != "routed_hit_blocks"}
+    quiet_counters = {k: v for k, v in quiet.counters.items() if k != "routed_hit_blocks"}
+    assert fed.records == quiet.records and fed_counters == quiet_counters
+    assert quiet.counters["hit_tokens"] > 0
+
+
+def test_a_run_restores_the_collector_and_leaves_no_cycles():
+    import gc
+
+    arrivals = _conversations(3, 2)
+    gc.collect()
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            simulate(parse_config("adaptive:1P2D", num_blocks=96), _profile(), arrivals, routing="kv")
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+        assert gc.collect() == 0  # all of it went by reference counting: the loop may skip gc
+
+
+def test_the_virtual_clock_imports_no_torch():
+    code = ("import sys; import kvxfer.sim.vclock, kvxfer.cli.plan, kvxfer.cli.simulate;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_modelled_times_of_one_disaggregated_request():

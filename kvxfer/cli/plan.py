@@ -106,7 +106,8 @@ def search(num_gpus: int, evaluate, *, variants: int = 2) -> list[dict]:
     return list(rows.values())
 
 
-# the trace slice and options of a plan, inherited by its --jobs processes (fork)
+# the trace slice (and its prompts' block hashes) and options of a plan, inherited by
+# its --jobs processes (fork)
 _SHARED: dict = {}
 
 
@@ -115,8 +116,11 @@ def _run_one(job: tuple[str, float | None]) -> dict:
     from .simulate import arrivals
 
     args, profile, slo = _SHARED["args"], _SHARED["profile"], _SHARED["slo"]
-    requests = _SHARED["requests"] if time_scale is None else arrivals(args, time_scale)
-    row = run_config(name, args, profile, slo, requests)
+    if time_scale is None:
+        requests, hashes = _SHARED["requests"], _SHARED["hashes"]
+    else:
+        requests, hashes = arrivals(args, time_scale), None
+    row = run_config(name, args, profile, slo, requests, hashes)
     row.pop("records")
     return row
 
@@ -149,6 +153,7 @@ def run(args) -> int:
     import os
 
     from ..sim.configs import configs_for
+    from ..sim.vclock import prompt_hashes
 
     began = time.perf_counter()
     try:
@@ -165,7 +170,8 @@ def run(args) -> int:
     profile, slo, requests = load_inputs(args)
     span = requests[-1][0] - requests[0][0]
     base_rate = len(requests) / span if span > 0 else float("inf")
-    _SHARED.update(args=args, profile=profile, slo=slo, requests=requests)
+    _SHARED.update(args=args, profile=profile, slo=slo, requests=requests,
+                   hashes=prompt_hashes(requests, profile.block_size))
     runner = _Runner(jobs)
     try:
         rows = runner(names) if args.exhaustive else search(args.gpus, runner, variants=args.variants)

@@ -85,9 +85,10 @@ def routing_knobs(args) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def run_config(name: str, args, profile, slo, requests) -> dict:
+def run_config(name: str, args, profile, slo, requests, hashes=None) -> dict:
     """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
-    "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO."""
+    "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO. ``hashes``:
+    :func:`kvxfer.sim.vclock.prompt_hashes` of ``requests`` (computed once for many runs)."""
     from ..loadgen.metrics import summarize_run
     from ..sim.configs import parse_config
     from ..sim.vclock import simulate
@@ -95,7 +96,8 @@ def run_config(name: str, args, profile, slo, requests) -> dict:
     config = parse_config(name, slo_ms=(slo.ttft_ms, slo.tpot_ms) if slo else None,
                           num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    result = simulate(config, profile, requests, routing=args.routing, **routing_knobs(args))
+    result = simulate(config, profile, requests, routing=args.routing, prompt_hashes=hashes,
+                      **routing_knobs(args))
     summary = summarize_run(result.records, slo)
     counts = result.counters
     return {"name": name, "goodput_rps": summary.get("goodput"),
@@ -167,6 +169,7 @@ def load_inputs(args):
 
 def run(args) -> int:
     from ..sim.configs import ConfigError, parse_config
+    from ..sim.vclock import prompt_hashes
 
     try:
         for name in args.config:  # every name checked before anything runs
@@ -174,8 +177,9 @@ def run(args) -> int:
     except ConfigError as exc:
         raise SystemExit(f"kvxfer simulate: {exc}") from None
     profile, slo, requests = load_inputs(args)
+    hashes = prompt_hashes(requests, profile.block_size)  # once for every configuration
     try:
-        rows = [run_config(name, args, profile, slo, requests) for name in args.config]
+        rows = [run_config(name, args, profile, slo, requests, hashes) for name in args.config]
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvxfer simulate: {exc}") from None
     best = best_of(rows)

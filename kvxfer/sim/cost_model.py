@@ -57,7 +57,8 @@ class StepCostModel:
 
     def step_seconds(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Modelled time of one step over ``(num_tokens, start_pos)`` chunks."""
-        return sum(k * x for k, x in zip(self.coefficients, features(chunks)))
+        k, x = self.coefficients, features(chunks)  # the sum term by term, in TERMS order
+        return k[0] * x[0] + k[1] * x[1] + k[2] * x[2] + k[3] * x[3] + k[4] * x[4] + k[5] * x[5]
 
     def as_dict(self) -> dict:
         return dict(zip(TERMS, self.coefficients))

@@ -14,7 +14,8 @@ scores. What runs is the serving code itself, each worker with its own:
 
 and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
 or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
-them (:meth:`BlockManager.drain_events`), the conditional
+them (:meth:`BlockManager.drain_events`; not with ``least-loaded``, whose pick does not
+read them: they would only count its hits), the conditional
 disaggregation rule (:func:`~kvxfer.serving.server.dispatch.prefill_queue_full`; the decode
 worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and the
 rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
@@ -28,11 +29,13 @@ the router's per-message costs, the time a role switch takes.
 from __future__ import annotations
 
 import collections
+import gc
 import heapq
 import itertools
 from dataclasses import dataclass, field
 
 from ..serving.channel.ipc import kv_event_batches
+from ..serving.engine.block_manager import HashChain
 from ..serving.engine.config import EngineConfig
 from ..serving.engine.runtime import Runtime, finish_reason
 from ..serving.engine.sampling import SamplingParams
@@ -62,7 +65,7 @@ class VirtualRuntime(Runtime):
         self.last_step_s = 0.0
 
     def _forward(self, chunks: list[ScheduledChunk]):
-        self.last_step_s = self.profile.fit.step_seconds((c.num_tokens, c.start) for c in chunks)
+        self.last_step_s = self.profile.fit.step_seconds([(c.num_tokens, c.start) for c in chunks])
 
         def pick(row: int, seq: Sequence) -> tuple[int, None]:
             return next_token(seq.token_ids[-1], seq.num_tokens, seq.params.stop_token_ids), None
@@ -90,6 +93,7 @@ class _Request:
     arrival_s: float
     prompt_ids: list[int]
     max_tokens: int
+    prompt_hashes: list[int] | None = None  # its full blocks' hashes, if given to run()
     token_times: list[float] = field(default_factory=list)
     prefill: SimWorker | None = None
     decode: SimWorker | None = None
@@ -122,8 +126,12 @@ class VirtualCluster:
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               schedule=config.schedule)
         self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+        # the cache events feed the router's prefix index; a policy that does not pick by
+        # it (least-loaded) would only count hits in its stats, which no run reports
+        self.publishes_events = self.routing.chooses_by_prefix
         for w in self.workers:
-            w.runtime.blocks.record_events()
+            if self.publishes_events:
+                w.runtime.blocks.record_events()
             self.routing.set_capacity(w.name, engine.num_blocks)
         self.now = 0.0
         self._events: list = []
@@ -142,16 +150,35 @@ class VirtualCluster:
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
 
-    def run(self, arrivals: list[tuple[float, list[int], int]]) -> SimResult:
-        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion."""
+    def run(self, arrivals: list[tuple[float, list[int], int]],
+            prompt_hashes: list[list[int]] | None = None) -> SimResult:
+        """Replay ``(arrival_s, prompt_ids, max_tokens)`` requests to completion.
+        ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` (computed as needed if None)."""
+        if prompt_hashes is not None and len(prompt_hashes) != len(arrivals):
+            raise ValueError(f"{len(prompt_hashes)} prompt hash lists for {len(arrivals)} requests")
+        size = self.profile.block_size
         for i, (t, ids, max_tokens) in enumerate(arrivals):
-            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens))
+            hashes = None
+            if prompt_hashes is not None:
+                hashes = prompt_hashes[i]
+                if len(hashes) != len(ids) // size:
+                    raise ValueError(f"request {i}: {len(hashes)} prompt hashes for "
+                                     f"{len(ids) // size} full blocks")
+            self.at(t, self._arrive, _Request(f"r{i}", t, ids, max_tokens, hashes))
         if self.config.adaptive is not None and arrivals:
             self.at(self.config.adaptive.interval_s, self._observe)
         self._num_left = len(arrivals)
-        while self._events:
-            self.now, _, fn, args = heapq.heappop(self._events)
-            fn(*args)
+        # the loop makes many short-lived containers and no reference cycles: the cyclic
+        # collector would only scan them (about a tenth of a run's time)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            while self._events:
+                self.now, _, fn, args = heapq.heappop(self._events)
+                fn(*args)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
         if self._num_left or stuck:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
@@ -198,9 +225,18 @@ class VirtualCluster:
 
     def _publish(self, worker: SimWorker) -> None:
         """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
+        if not self.publishes_events:
+            return
         stored, removed = worker.runtime.blocks.drain_events()
         for part_stored, part_removed in kv_event_batches(stored, removed):  # as workers send
             self.routing.on_kv_event(worker.name, part_stored, part_removed)
+
+    def _sequence(self, r: _Request, params: SamplingParams) -> Sequence:
+        """A sequence of ``r``'s prompt; its chain starts from the prompt's known hashes."""
+        seq = Sequence(r.prompt_ids, params, r.rid)
+        if r.prompt_hashes is not None:
+            seq.hash_chain = HashChain(self.profile.block_size, r.prompt_hashes)
+        return seq
 
     def _arrive(self, r: _Request) -> None:
         if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
@@ -223,14 +259,14 @@ class VirtualCluster:
             return
         r.prefill, r.mode = prefill, "remote"
         r.decode.inflight.add(r.rid)
-        seq = r.decode.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        seq = r.decode.seqs[r.rid] = self._sequence(r, params)
         r.decode.admit_queue.append(seq)
         self._try_admit_remote(r.decode)
 
     def _admit_local(self, r: _Request, params: SamplingParams) -> None:
         worker = r.decode
         worker.inflight.add(r.rid)
-        seq = worker.seqs[r.rid] = Sequence(r.prompt_ids, params, r.rid)
+        seq = worker.seqs[r.rid] = self._sequence(r, params)
         worker.runtime.scheduler.add(seq)
         self._kick(worker)
 
@@ -264,16 +300,17 @@ class VirtualCluster:
     # ---- workers ------------------------------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
         """Start ``worker``'s next step if it is idle and has one."""
-        if worker.is_stepping or not worker.runtime.scheduler.has_work():
+        runtime = worker.runtime
+        if worker.is_stepping or not runtime.scheduler.has_work():
             return
-        step = worker.runtime.step()
+        step = runtime.step()
         self._publish(worker)
         if not step.num_tokens:  # nothing fits the free blocks: a finish or free kicks again
             return
         worker.is_stepping = True
-        worker.busy_s += worker.runtime.last_step_s
+        worker.busy_s += runtime.last_step_s
         self.counters["steps"] += 1
-        self.at(self.now + worker.runtime.last_step_s, self._step_done, worker, step.produced)
+        self.at(self.now + runtime.last_step_s, self._step_done, worker, step.produced)
 
     def _step_done(self, worker: SimWorker, produced) -> None:
         worker.is_stepping = False
@@ -390,9 +427,19 @@ class VirtualCluster:
         self.counters["role_changes"] += 1
 
 
+def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int) -> list[list[int]]:
+    """Each request's prompt full-block hashes (:class:`HashChain`), for :func:`simulate`:
+    computed once for a trace slice, they serve every configuration run on it (the runs of
+    ``kvxfer plan`` inherit them)."""
+    return [HashChain(block_size).upto(ids, len(ids) // block_size) for _, ids, _ in arrivals]
+
+
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
-             *, routing: str = "least-loaded", **routing_knobs) -> SimResult:
+             *, routing: str = "least-loaded", prompt_hashes: list[list[int]] | None = None,
+             **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
-    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`)."""
-    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals)
+    policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
+    ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` with the profile's block size
+    (the same results, less work when several runs share a slice)."""
+    return VirtualCluster(config, profile, routing=routing, **routing_knobs).run(arrivals, prompt_hashes)

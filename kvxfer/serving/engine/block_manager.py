@@ -41,12 +41,19 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
 
 
+_PACKERS: dict[int, struct.Struct] = {}  # by block length: a handful of sizes
+
+
 def block_hash(token_ids: Seq[int], prefix_hash: int | None) -> int:
-    """Chained 64-bit hash of one full block; stable across processes."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((prefix_hash if prefix_hash is not None else 0).to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # 4 bytes little-endian each
-    return int.from_bytes(h.digest(), "little")
+    """Chained 64-bit hash of one full block; stable across processes.
+
+    BLAKE2b (8-byte digest) of the previous block's hash (0 for the first block) as
+    8 bytes little-endian, then each token id as 4 bytes little-endian."""
+    packer = _PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _PACKERS[len(token_ids)] = struct.Struct(f"<Q{len(token_ids)}I")
+    data = packer.pack(prefix_hash if prefix_hash is not None else 0, *token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 class HashChain:
@@ -54,13 +61,15 @@ class HashChain:
 
     A sequence's tokens only grow, so block ``i``'s hash never changes once the block
     is full: :meth:`upto` extends the memo and returns it. Kept on the sequence
-    (``Sequence.hash_chain``); sequences of one prompt may share one."""
+    (``Sequence.hash_chain``); sequences of one prompt may share one. ``hashes``: the
+    hashes of the first full blocks where they are already known (copied), e.g. from
+    another chain of the same tokens."""
 
     __slots__ = ("block_size", "hashes")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, hashes: Seq[int] = ()) -> None:
         self.block_size = block_size
-        self.hashes: list[int] = []
+        self.hashes: list[int] = list(hashes)
 
     def upto(self, token_ids: Seq[int], num_blocks: int) -> list[int]:
         """The memo, holding at least the hashes of the first ``num_blocks`` full blocks of
@@ -85,6 +94,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self._events: dict[int, bool] | None = None  # hash -> in the cache now (since the last drain)
+        # match_prefix's last match: (token_ids, chain, block ids), and block id -> position
+        self._match: tuple | None = None
+        self._match_at: dict[int, int] = {}
         # prefix-cache effect, summed over allocate(): tokens asked for, tokens found cached
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -120,20 +132,34 @@ class BlockManager:
         The last token is never covered, so a prefill always has a token to run.
         ``chain``: the tokens' :class:`HashChain` (each hash computed once; a fresh one
         if None). Hashes are computed only as far as the match goes.
+
+        With a ``chain``, the match is remembered for the next call with the same
+        ``token_ids`` object and chain (a waiting sequence is asked about every step):
+        that call walks on from where this one stopped. Valid because a cached block
+        leaves the cache only through :meth:`_fresh_block`, which cuts the remembered
+        match at that block; entries are only ever added otherwise, and a cached
+        block's tokens never change while it is cached.
         """
         if not self.enable_prefix_caching:
             return [], []
         size = self.block_size
+        memo = self._match
         if chain is None:
-            chain = HashChain(size)
-        ids: list[int] = []
+            chain, ids = HashChain(size), []
+        elif memo is not None and memo[0] is token_ids and memo[1] is chain:
+            ids = memo[2]
+        else:
+            ids = []
+            self._match, self._match_at = (token_ids, chain, ids), {}
+        hashes, blocks, at = chain.hashes, self.blocks, self._match_at
         get = self._hash_to_block.get
-        for i in range((len(token_ids) - 1) // size):
-            bid = get(chain.upto(token_ids, i + 1)[i])
-            if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * size:(i + 1) * size]):
+        for i in range(len(ids), (len(token_ids) - 1) // size):
+            bid = get(hashes[i] if i < len(hashes) else chain.upto(token_ids, i + 1)[i])
+            if bid is None or blocks[bid].token_ids != tuple(token_ids[i * size:(i + 1) * size]):
                 break
             ids.append(bid)
-        return ids, chain.hashes[:len(ids)]
+            at[bid] = i
+        return ids[:], hashes[:len(ids)]
 
     def chain(self, seq: Sequence) -> HashChain:
         """``seq``'s :class:`HashChain` for this manager's block size (made on first use)."""
@@ -144,7 +170,7 @@ class BlockManager:
 
     def _blocks_needed(self, seq: Sequence) -> tuple[list[int], list[int], int]:
         hits, hashes = self.match_prefix(seq.token_ids, self.chain(seq))
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        revived = sum(map(self._free.__contains__, hits))  # free <=> ref_count == 0
         return hits, hashes, seq.num_blocks(self.block_size) - len(hits) + revived
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -152,16 +178,19 @@ class BlockManager:
 
     def _take_free(self, block_id: int | None = None) -> int:
         if block_id is None:
-            block_id = next(iter(self._free))
+            return self._free.popitem(last=False)[0]  # the least recently freed
         del self._free[block_id]
         return block_id
 
     def _fresh_block(self) -> int:
-        block = self.blocks[self._take_free()]
+        block = self.blocks[self._free.popitem(last=False)[0]]  # _take_free(): the LRU block
         if block.hash is not None and self._hash_to_block.get(block.hash) == block.block_id:
             del self._hash_to_block[block.hash]
             if self._events is not None:
                 self._events[block.hash] = False
+            at = self._match_at.get(block.block_id)
+            if at is not None and at < len(self._match[2]) and self._match[2][at] == block.block_id:
+                del self._match[2][at:]  # the remembered match ends before this block
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block.block_id
 
@@ -216,18 +245,21 @@ class BlockManager:
             return
         size = self.block_size
         num_full = seq.num_computed_tokens // size
-        if len(seq.block_hashes) >= num_full:
+        registered = seq.block_hashes
+        first = len(registered)
+        if first >= num_full:
             return
         hashes = self.chain(seq).upto(seq.token_ids, num_full)
-        for i in range(len(seq.block_hashes), num_full):
+        tokens, table, blocks = seq.token_ids, seq.block_table, self.blocks
+        cache, events = self._hash_to_block, self._events
+        for i in range(first, num_full):
             h = hashes[i]
-            seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
+            block = blocks[table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = h, tuple(seq.block_token_ids(i, size))
-                if self._hash_to_block.setdefault(h, block.block_id) == block.block_id \
-                        and self._events is not None:
-                    self._events[h] = True
+                block.hash, block.token_ids = h, tuple(tokens[i * size:(i + 1) * size])
+                if cache.setdefault(h, block.block_id) == block.block_id and events is not None:
+                    events[h] = True
+        registered.extend(hashes[first:num_full])
 
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent (for tests)."""
@@ -236,3 +268,6 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in self._free), block.block_id
         for h, bid in self._hash_to_block.items():
             assert self.blocks[bid].hash == h, (h, bid)
+        if self._match is not None:  # the remembered match is a prefix of a fresh one
+            token_ids, _, ids = self._match
+            assert self.match_prefix(token_ids)[0][:len(ids)] == ids, ids

@@ -92,16 +92,18 @@ class Runtime:
             return Step([], False, 0)
         pick = self._forward(chunks)
         produced, logprobs = [], []
+        cache_full_blocks, num_tokens = self.blocks.cache_full_blocks, 0
         for row, c in enumerate(chunks):
             seq = c.seq
             seq.num_computed_tokens = c.start + c.num_tokens
-            self.blocks.cache_full_blocks(seq)
+            num_tokens += c.num_tokens
+            cache_full_blocks(seq)
             if c.completes_prefill:
                 seq.status = SequenceStatus.DECODING
                 token, token_lp = pick(row, seq)
                 produced.append((seq, token))
                 logprobs.append(token_lp)
-        return Step(produced, is_prefill, sum(c.num_tokens for c in chunks), logprobs)
+        return Step(produced, is_prefill, num_tokens, logprobs)
 
     def _forward(self, chunks: list[ScheduledChunk]):
         """Run the model over ``chunks`` (writing their KV); returns ``pick(row, seq) ->

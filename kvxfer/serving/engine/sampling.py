@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a sampler runs: the router and the virtual clock never do
+    import torch
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 
@@ -62,6 +64,8 @@ class SamplingParams:
         """The request's own generator (seeded, or from OS entropy); None when greedy."""
         if self.is_greedy:
             return None
+        import torch
+
         gen = torch.Generator()
         if self.seed is None:
             gen.seed()
@@ -73,6 +77,8 @@ class SamplingParams:
 def sample_row(logits: torch.Tensor, params: SamplingParams,
                generator: torch.Generator | None) -> int:
     """One token from ``logits`` ``[vocab]`` (fp32)."""
+    import torch
+
     if params.is_greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
@@ -94,6 +100,8 @@ def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> dict:
     sampler. Returns ``{"logprob": float, "top": [[token_id, logprob], ...]}``
     (most likely first; JSON-ready, as the worker messages carry it).
     """
+    import torch
+
     logp = torch.log_softmax(logits.float(), dim=-1)
     top = []
     if num_top:

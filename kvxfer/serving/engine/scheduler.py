@@ -16,15 +16,14 @@ blocks are freed and it waits to be recomputed (cached prefix blocks may survive
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """Run ``seq.token_ids[start:start + num_tokens]`` this step."""
 
     seq: Sequence

@@ -36,7 +36,10 @@ class Sequence:
             raise ValueError("a prompt needs at least one token")
         self.request_id = str(next(_ids)) if request_id is None else str(request_id)
         self.params = params if params is not None else SamplingParams()
-        self.token_ids = list(map(int, prompt_token_ids))
+        token_ids = list(prompt_token_ids)
+        if set(map(type, token_ids)) != {int}:  # numpy/torch ints, bools: made plain ints
+            token_ids = list(map(int, token_ids))
+        self.token_ids = token_ids
         self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

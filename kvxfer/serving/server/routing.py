@@ -90,6 +90,10 @@ def prefix_hashes(prompt_ids: Seq[int], block_size: int) -> Iterator[int]:
 def _check_hashes(what: str, hashes) -> list[int]:
     if not isinstance(hashes, (list, tuple)):
         raise TypeError(f"{what} must be a list of block hashes, got {type(hashes).__name__}")
+    # the common case at C speed (every element an int in range); else find the bad one
+    if not hashes or (set(map(type, hashes)) == {int}
+                      and min(hashes) >= 0 and max(hashes) < _HASH_LIMIT):
+        return list(hashes)
     for h in hashes:
         if type(h) is not int or not 0 <= h < _HASH_LIMIT:
             raise ValueError(f"{what}: not a 64-bit block hash: {h!r:.40}")
@@ -151,11 +155,16 @@ class PrefixIndex:
         for h in removed:
             if mine.pop(h, 0) is None:
                 self._unhold(h, worker)
+        holders = self._holders
         for h in stored:
             if h in mine:
                 del mine[h]  # stored again: now the newest
             else:
-                self._holders.setdefault(h, set()).add(worker)
+                held = holders.get(h)
+                if held is None:
+                    holders[h] = {worker}
+                else:
+                    held.add(worker)
                 self._num_entries += 1
             mine[h] = None
         self._trim(worker)
@@ -231,9 +240,12 @@ class RoutingPolicy:
     routed-block totals.
 
     ``stats``: ``routed`` (decisions with a worker), ``hit_blocks`` (the chosen
-    workers' hits) and ``prompt_blocks`` (the prompts' full blocks), summed."""
+    workers' hits) and ``prompt_blocks`` (the prompts' full blocks), summed.
+    ``chooses_by_prefix``: whether the index decides the pick; where it does not, the
+    index serves only the hit counts in :attr:`stats`."""
 
     name = ""
+    chooses_by_prefix = True
 
     def __init__(self, block_size: int, *, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER,
                  max_workers: int = MAX_WORKERS, max_entries: int = MAX_ENTRIES) -> None:
@@ -342,6 +354,7 @@ class LeastLoadedRouting(RoutingPolicy):
     """``least-loaded``: :func:`least_loaded`, the index and the ledger only observed."""
 
     name = "least-loaded"
+    chooses_by_prefix = False
 
     def _choose(self, candidates, hits, pool_hit_blocks, num_blocks):
         return least_loaded(candidates)

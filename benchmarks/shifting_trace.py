@@ -29,12 +29,15 @@ import random
 import sys
 
 BLOCK_TOKENS = 512  # a Mooncake hash id stands for 512 tokens
+# (prompt tokens, output tokens) ranges of each phase
+PROMPT_PHASE_LENGTHS = ((8192, 16384), (16, 64))
+OUTPUT_PHASE_LENGTHS = ((1024, 3072), (768, 1536))
 
 
 def phases(args) -> list[tuple[float, float, tuple[int, int], tuple[int, int]]]:
     """(duration_s, rate, prompt range, output range) of each phase, in order."""
-    return [(args.prompt_phase_s, args.prompt_rate, (8192, 16384), (16, 64)),
-            (args.output_phase_s, args.output_rate, (256, 1024), (512, 1024))]
+    return [(args.prompt_phase_s, args.prompt_rate, PROMPT_PHASE_LENGTHS[0], PROMPT_PHASE_LENGTHS[1]),
+            (args.output_phase_s, args.output_rate, OUTPUT_PHASE_LENGTHS[0], OUTPUT_PHASE_LENGTHS[1])]
 
 
 def generate(args) -> list[dict]:
@@ -58,10 +61,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the jsonl file to write")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompt-phase-s", type=float, default=120.0)
-    ap.add_argument("--prompt-rate", type=float, default=20.0, help="requests/s")
-    ap.add_argument("--output-phase-s", type=float, default=120.0)
-    ap.add_argument("--output-rate", type=float, default=40.0, help="requests/s")
+    ap.add_argument("--prompt-phase-s", type=float, default=60.0)
+    ap.add_argument("--prompt-rate", type=float, default=25.0, help="requests/s")
+    ap.add_argument("--output-phase-s", type=float, default=60.0)
+    ap.add_argument("--output-rate", type=float, default=30.0, help="requests/s")
     args = ap.parse_args()
     rows = generate(args)
     with open(args.out, "w") as f:

@@ -132,3 +132,41 @@ def test_serve_config_accepts_adaptive_only_where_a_worker_can_move():
             ServeConfig(adaptive=policy, **bad)
     with pytest.raises(ValueError):
         ServeConfig(retries=-1)
+
+
+def test_requests_waiting_for_decode_blocks_are_decode_pressure():
+    # 4 prefill, 2 decode workers: decode pools full of decoding requests, 12 requests
+    # waiting for their blocks (no first token, but prefill has nothing to do for them)
+    full = obs(0, 4, 2, prefill_queue=0, decode_active=6, kv_use=0.97, kv_reserved=0.05,
+               admit_queue=12)
+    assert wanted_move(full, P) == Move("prefill", "decode", "kv_admit")
+    # counted as waiting for prefill (as before), prefill looks hot and nothing moves
+    miscounted = obs(0, 4, 2, prefill_queue=12, decode_active=6, kv_use=0.97, kv_reserved=0.05)
+    assert wanted_move(miscounted, P) is None
+    # the admit queue alone makes decode hot, with a pool that is not yet 90% in use
+    assert wanted_move(obs(0, 4, 2, decode_active=6, kv_use=0.8, admit_queue=2), P) == \
+        Move("prefill", "decode", "kv_admit")
+    # and a decode side with requests waiting for blocks is not cool: it gives no worker
+    assert wanted_move(obs(0, 1, 3, prefill_queue=9, decode_active=3, admit_queue=2), P) is None
+
+
+def test_blocks_reserved_for_prompts_waiting_for_prefill_are_prefill_backlog():
+    # long prompts: decode pools 80% in use, nearly all by prompts still waiting for
+    # prefill; few requests decode. Prefill is the bottleneck: decode gives a worker.
+    backlog = obs(0, 4, 4, prefill_queue=20, decode_active=4, kv_use=0.8, kv_reserved=0.75)
+    assert wanted_move(backlog, P) == Move("decode", "prefill", "prefill_queue")
+    # the same use by decoding requests is decode's own: not cool, no move
+    assert wanted_move(obs(0, 4, 4, prefill_queue=20, decode_active=4, kv_use=0.8), P) is None
+    # requests waiting for blocks held by those prompts are prefill's backlog too
+    stuck = obs(0, 4, 4, prefill_queue=2, decode_active=4, kv_use=0.98, kv_reserved=0.9,
+                admit_queue=20)
+    assert wanted_move(stuck, P) == Move("decode", "prefill", "prefill_queue")
+    # ... but not once decoding requests hold most of the pool
+    mostly_decoding = obs(0, 4, 4, prefill_queue=2, decode_active=4, kv_use=0.98,
+                          kv_reserved=0.3, admit_queue=20)
+    assert wanted_move(mostly_decoding, P) == Move("prefill", "decode", "kv_admit")
+
+
+def test_admit_queue_thresholds_need_a_gap():
+    with pytest.raises(ValueError):
+        AdaptivePolicy(admit_queue_low=1.0, admit_queue_high=1.0)

@@ -170,3 +170,14 @@ def test_blocks_reserved_for_prompts_waiting_for_prefill_are_prefill_backlog():
 def test_admit_queue_thresholds_need_a_gap():
     with pytest.raises(ValueError):
         AdaptivePolicy(admit_queue_low=1.0, admit_queue_high=1.0)
+
+
+def test_ttft_misses_while_requests_wait_for_decode_blocks_are_not_prefill_pressure():
+    # TTFT attainment 30%: the requests missed it waiting for decode blocks, not prefill
+    waiting = obs(0, 8, 8, prefill_queue=2, decode_active=60, kv_use=0.97, kv_reserved=0.05,
+                  admit_queue=30, ttft_attainment=0.3, tpot_attainment=1.0)
+    assert wanted_move(waiting, P) == Move("prefill", "decode", "kv_admit")
+    # with no one waiting for decode blocks, the same misses are prefill's
+    prefill_slow = obs(0, 2, 8, prefill_queue=2, decode_active=8, ttft_attainment=0.3,
+                       tpot_attainment=1.0)
+    assert wanted_move(prefill_slow, P) == Move("decode", "prefill", "ttft_slo")

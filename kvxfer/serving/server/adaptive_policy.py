@@ -18,7 +18,8 @@ Pressure on each side (per worker of that role):
   waiting for prefill: that is prefill's backlog, freed faster by more prefill),
   and, with an SLO, TPOT attainment. When prompts waiting for prefill hold most
   of the used decode blocks, the admit queue is prefill's backlog too and counts
-  as prefill pressure.
+  as prefill pressure; while it is decode's, TTFT misses (which include the wait
+  for decode blocks) say nothing about prefill.
 
 A side is *hot* when one of its signals crosses its high threshold and *cool*
 when all of them are under their low thresholds; the gap between the two is
@@ -123,8 +124,10 @@ def _queues(obs: Observation) -> tuple[int, int]:
 
 def _prefill_side(obs: Observation, p: AdaptivePolicy, workers: int) -> tuple[str | None, bool]:
     """(reason it is hot or None, is it cool) with ``workers`` prefill workers."""
-    queue = _queues(obs)[0] / max(workers, 1)
-    att = obs.ttft_attainment
+    queue, admit = _queues(obs)
+    queue /= max(workers, 1)
+    # TTFT counts the wait for decode blocks: while requests wait there, misses are decode's
+    att = obs.ttft_attainment if not admit else None
     if queue >= p.prefill_queue_high:
         hot = "prefill_queue"
     elif att is not None and att < p.attainment_low:

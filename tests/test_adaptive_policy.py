@@ -181,3 +181,39 @@ def test_ttft_misses_while_requests_wait_for_decode_blocks_are_not_prefill_press
     prefill_slow = obs(0, 2, 8, prefill_queue=2, decode_active=8, ttft_attainment=0.3,
                        tpot_attainment=1.0)
     assert wanted_move(prefill_slow, P) == Move("decode", "prefill", "ttft_slo")
+
+
+def test_virtual_clock_observes_the_admit_queue_apart_from_the_prefill_queue(monkeypatch):
+    """The virtual clock's observation: requests a decode worker cannot yet admit (its
+    pool is full) are in ``admit_queue``, not ``prefill_queue``; ``kv_reserved`` is the
+    part of ``kv_use`` that admitted prompts without a first token hold."""
+    from kvxfer.sim import vclock
+    from kvxfer.sim.configs import parse_config
+    from kvxfer.sim.cost_model import StepCostModel
+    from kvxfer.sim.link import Link
+    from kvxfer.sim.profile import Profile
+
+    seen = []
+
+    def spy(o, state, policy):
+        seen.append(o)
+        return None, state
+
+    monkeypatch.setattr(vclock, "decide", spy)
+    profile = Profile(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
+                      kv_bytes_per_token=1024,
+                      fit=StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-4, 0.0)),
+                      link=Link(1e9, 1e-5), source="s", licence="MIT")
+    # 2,048-token prompts (128 blocks) with long answers: a 300-block decode pool holds two
+    arrivals = [(0.05 * i, list(range(i, i + 2048)), 200) for i in range(12)]
+    config = parse_config("adaptive:1P2D", num_blocks=300)
+    result = vclock.simulate(config, profile, arrivals)
+    assert all(r["ok"] for r in result.records)
+    assert seen and any(o.admit_queue > 0 for o in seen)
+    for o in seen:
+        assert o.prefill_queue >= 0 and 0 <= o.kv_reserved <= o.kv_use <= 1
+    # at 1 s: 4 decoding (two a pool), the other 8 wait for blocks, none for prefill
+    first = seen[0]
+    assert (first.prefill_queue, first.admit_queue, first.decode_active) == (0, 8, 4)
+    # later an admitted prompt waits for prefill, holding blocks of the decode pool
+    assert any(o.prefill_queue > 0 and o.kv_reserved > 0 for o in seen)

@@ -6,20 +6,26 @@
 
 Deterministic for a ``--seed``: Poisson arrivals, lengths uniform in each phase's
 ranges, every request its own hash ids (no prefix is shared, so routing plays no
-part and the comparison is the P:D split alone). Defaults, sized for 16 simulated
-H100s with Llama-2-7B (``h100-llama2-7b-vidur``):
+part and the comparison is the P:D split alone). The lengths are within the Mooncake
+conversation trace's (prompts 891-126,195 tokens, median 6,909; answers 1-2,000, 99th
+percentile 1,120). Defaults, sized for 16 simulated H100s with Llama-2-7B
+(``h100-llama2-7b-vidur``, 6,000 blocks of 16 tokens a GPU, 16 sequences a step):
 
-- **prompt phase**, ``--prompt-phase-s`` (120) at ``--prompt-rate`` (20 req/s): prompts of
+- **prompt phase**, ``--prompt-phase-s`` (60) at ``--prompt-rate`` (25 req/s): prompts of
   8,192-16,384 tokens, answers of 16-64. A 12k-token prefill takes ~0.39 s on the
-  profile (2.6 requests/s a prefill worker) and its 6.3 GB of KV ~0.18 s on the link,
-  so this phase needs ~8 prefill workers and ~4 decode workers' NICs;
-- **output phase**, ``--output-phase-s`` (120) at ``--output-rate`` (40 req/s): prompts of
-  256-1,024 tokens, answers of 512-1,024. A decode worker of 16 sequences at ~5.6 ms a
-  step finishes ~3.7 such answers a second, so this phase needs ~11 decode workers
-  and one prefill worker.
+  profile in 512-token chunks (2.55 requests/s a prefill worker), so this phase needs
+  ~10 prefill workers busy, 11 or more to keep TTFT under 2.5 s; each request holds
+  ~770 decode blocks from admission to its last token (~0.8 s), ~4-5 decode workers;
+- **output phase**, ``--output-phase-s`` (60) at ``--output-rate`` (30 req/s): prompts of
+  1,024-3,072 tokens (above the 1,024-token local-prefill threshold), answers of
+  768-1,536. A decode step of 16 sequences takes ~5.6 ms (2,860 tokens/s a worker,
+  2.5 answers/s), so this phase needs ~12 decode workers, and ~2 prefill workers
+  (~0.045 s a prompt). A decode worker short of throughput admits up to its KV pool (~30-45 such
+  requests) and then holds new ones in its admit queue, which is what breaks TTFT.
 
-No static split of 16 serves both (the first wants x >= 8 prefill workers, the second
-16 - x >= 11 decode workers); a rebalancer that follows the mix can.
+No static split of 16 serves both (the first wants 11 or more prefill workers, the
+second 11 or more decode workers); a rebalancer that follows the mix can, if it moves
+workers fast enough.
 """
 from __future__ import annotations
 
@@ -29,12 +35,15 @@ import random
 import sys
 
 BLOCK_TOKENS = 512  # a Mooncake hash id stands for 512 tokens
+# (prompt tokens, output tokens) ranges of each phase
+PROMPT_PHASE_LENGTHS = ((8192, 16384), (16, 64))
+OUTPUT_PHASE_LENGTHS = ((1024, 3072), (768, 1536))
 
 
 def phases(args) -> list[tuple[float, float, tuple[int, int], tuple[int, int]]]:
     """(duration_s, rate, prompt range, output range) of each phase, in order."""
-    return [(args.prompt_phase_s, args.prompt_rate, (8192, 16384), (16, 64)),
-            (args.output_phase_s, args.output_rate, (256, 1024), (512, 1024))]
+    return [(args.prompt_phase_s, args.prompt_rate, PROMPT_PHASE_LENGTHS[0], PROMPT_PHASE_LENGTHS[1]),
+            (args.output_phase_s, args.output_rate, OUTPUT_PHASE_LENGTHS[0], OUTPUT_PHASE_LENGTHS[1])]
 
 
 def generate(args) -> list[dict]:
@@ -58,10 +67,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the jsonl file to write")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompt-phase-s", type=float, default=120.0)
-    ap.add_argument("--prompt-rate", type=float, default=20.0, help="requests/s")
-    ap.add_argument("--output-phase-s", type=float, default=120.0)
-    ap.add_argument("--output-rate", type=float, default=40.0, help="requests/s")
+    ap.add_argument("--prompt-phase-s", type=float, default=60.0)
+    ap.add_argument("--prompt-rate", type=float, default=25.0, help="requests/s")
+    ap.add_argument("--output-phase-s", type=float, default=60.0)
+    ap.add_argument("--output-rate", type=float, default=30.0, help="requests/s")
     args = ap.parse_args()
     rows = generate(args)
     with open(args.out, "w") as f:

@@ -62,15 +62,18 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-phase-s", type=float, default=60.0)
-    ap.add_argument("--prompt-rate", type=float, default=20.0)
+    ap.add_argument("--prompt-rate", type=float, default=25.0)
     ap.add_argument("--output-phase-s", type=float, default=60.0)
-    ap.add_argument("--output-rate", type=float, default=40.0)
-    ap.add_argument("--adaptive-from", default="4P12D,8P8D,12P4D",
+    ap.add_argument("--output-rate", type=float, default=30.0)
+    ap.add_argument("--adaptive-from", default="8P8D",
                     help="starting splits of the adaptive runs (the best static one is added)")
     ap.add_argument("--num-blocks", type=int, default=6000)
     ap.add_argument("--profile", default="h100-llama2-7b-vidur")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--statics-from", default=None, metavar="JSON",
+                    help="take the static rows from this earlier --out of the same trace and "
+                         "run the adaptive ones only (they do not depend on the policy)")
     args = ap.parse_args()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,13 +94,25 @@ def main() -> int:
     n = args.gpus
     statics = [f"{x}P{n - x}D" for x in range(1, n)]
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(args.jobs) as pool:
-        static_rows = pool.map(_run, statics, chunksize=1)
+    starts = [s for s in args.adaptive_from.split(",") if s]
+    if args.statics_from:
+        with open(args.statics_from) as f:
+            earlier = json.load(f)
+        if earlier["trace"]["num_requests"] != len(_SHARED["requests"]):
+            raise SystemExit(f"{args.statics_from} is of another trace")
+        static_rows = earlier["static"]
         best = max(static_rows, key=lambda r: r["goodput_rps"])
-        starts = [s for s in args.adaptive_from.split(",") if s]
         if best["name"] not in starts:
             starts.append(best["name"])
-        adaptive_rows = pool.map(_run, [f"adaptive:{s}" for s in starts], chunksize=1)
+        with ctx.Pool(args.jobs) as pool:
+            adaptive_rows = pool.map(_run, [f"adaptive:{s}" for s in starts], chunksize=1)
+    else:
+        with ctx.Pool(args.jobs) as pool:  # the given adaptive starts first, then every split
+            rows = pool.map(_run, [f"adaptive:{s}" for s in starts] + statics, chunksize=1)
+            adaptive_rows, static_rows = rows[:len(starts)], rows[len(starts):]
+            best = max(static_rows, key=lambda r: r["goodput_rps"])
+            if best["name"] not in starts:  # and from the best static split
+                adaptive_rows.append(_run(f"adaptive:{best['name']}"))
     best_adaptive = max(adaptive_rows, key=lambda r: r["goodput_rps"])
     ratio = best_adaptive["goodput_rps"] / best["goodput_rps"]
     print(f"best static {best['name']} {best['goodput_rps']:.2f} req/s; best adaptive "

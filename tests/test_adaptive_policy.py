@@ -132,3 +132,88 @@ def test_serve_config_accepts_adaptive_only_where_a_worker_can_move():
             ServeConfig(adaptive=policy, **bad)
     with pytest.raises(ValueError):
         ServeConfig(retries=-1)
+
+
+def test_requests_waiting_for_decode_blocks_are_decode_pressure():
+    # 4 prefill, 2 decode workers: decode pools full of decoding requests, 12 requests
+    # waiting for their blocks (no first token, but prefill has nothing to do for them)
+    full = obs(0, 4, 2, prefill_queue=0, decode_active=6, kv_use=0.97, kv_reserved=0.05,
+               admit_queue=12)
+    assert wanted_move(full, P) == Move("prefill", "decode", "kv_admit")
+    # counted as waiting for prefill (as before), prefill looks hot and nothing moves
+    miscounted = obs(0, 4, 2, prefill_queue=12, decode_active=6, kv_use=0.97, kv_reserved=0.05)
+    assert wanted_move(miscounted, P) is None
+    # the admit queue alone makes decode hot, with a pool that is not yet 90% in use
+    assert wanted_move(obs(0, 4, 2, decode_active=6, kv_use=0.8, admit_queue=2), P) == \
+        Move("prefill", "decode", "kv_admit")
+    # and a decode side with requests waiting for blocks is not cool: it gives no worker
+    assert wanted_move(obs(0, 1, 3, prefill_queue=9, decode_active=3, admit_queue=2), P) is None
+
+
+def test_blocks_reserved_for_prompts_waiting_for_prefill_are_prefill_backlog():
+    # long prompts: decode pools 80% in use, nearly all by prompts still waiting for
+    # prefill; few requests decode. Prefill is the bottleneck: decode gives a worker.
+    backlog = obs(0, 4, 4, prefill_queue=20, decode_active=4, kv_use=0.8, kv_reserved=0.75)
+    assert wanted_move(backlog, P) == Move("decode", "prefill", "prefill_queue")
+    # the same use by decoding requests is decode's own: not cool, no move
+    assert wanted_move(obs(0, 4, 4, prefill_queue=20, decode_active=4, kv_use=0.8), P) is None
+    # requests waiting for blocks held by those prompts are prefill's backlog too
+    stuck = obs(0, 4, 4, prefill_queue=2, decode_active=4, kv_use=0.98, kv_reserved=0.9,
+                admit_queue=20)
+    assert wanted_move(stuck, P) == Move("decode", "prefill", "prefill_queue")
+    # ... but not once decoding requests hold most of the pool
+    mostly_decoding = obs(0, 4, 4, prefill_queue=2, decode_active=4, kv_use=0.98,
+                          kv_reserved=0.3, admit_queue=20)
+    assert wanted_move(mostly_decoding, P) == Move("prefill", "decode", "kv_admit")
+
+
+def test_admit_queue_thresholds_need_a_gap():
+    with pytest.raises(ValueError):
+        AdaptivePolicy(admit_queue_low=1.0, admit_queue_high=1.0)
+
+
+def test_ttft_misses_while_requests_wait_for_decode_blocks_are_not_prefill_pressure():
+    # TTFT attainment 30%: the requests missed it waiting for decode blocks, not prefill
+    waiting = obs(0, 8, 8, prefill_queue=2, decode_active=60, kv_use=0.97, kv_reserved=0.05,
+                  admit_queue=30, ttft_attainment=0.3, tpot_attainment=1.0)
+    assert wanted_move(waiting, P) == Move("prefill", "decode", "kv_admit")
+    # with no one waiting for decode blocks, the same misses are prefill's
+    prefill_slow = obs(0, 2, 8, prefill_queue=2, decode_active=8, ttft_attainment=0.3,
+                       tpot_attainment=1.0)
+    assert wanted_move(prefill_slow, P) == Move("decode", "prefill", "ttft_slo")
+
+
+def test_virtual_clock_observes_the_admit_queue_apart_from_the_prefill_queue(monkeypatch):
+    """The virtual clock's observation: requests a decode worker cannot yet admit (its
+    pool is full) are in ``admit_queue``, not ``prefill_queue``; ``kv_reserved`` is the
+    part of ``kv_use`` that admitted prompts without a first token hold."""
+    from kvxfer.sim import vclock
+    from kvxfer.sim.configs import parse_config
+    from kvxfer.sim.cost_model import StepCostModel
+    from kvxfer.sim.link import Link
+    from kvxfer.sim.profile import Profile
+
+    seen = []
+
+    def spy(o, state, policy):
+        seen.append(o)
+        return None, state
+
+    monkeypatch.setattr(vclock, "decide", spy)
+    profile = Profile(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
+                      kv_bytes_per_token=1024,
+                      fit=StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-4, 0.0)),
+                      link=Link(1e9, 1e-5), source="s", licence="MIT")
+    # 2,048-token prompts (128 blocks) with long answers: a 300-block decode pool holds two
+    arrivals = [(0.05 * i, list(range(i, i + 2048)), 200) for i in range(12)]
+    config = parse_config("adaptive:1P2D", num_blocks=300)
+    result = vclock.simulate(config, profile, arrivals)
+    assert all(r["ok"] for r in result.records)
+    assert seen and any(o.admit_queue > 0 for o in seen)
+    for o in seen:
+        assert o.prefill_queue >= 0 and 0 <= o.kv_reserved <= o.kv_use <= 1
+    # at 1 s: 4 decoding (two a pool), the other 8 wait for blocks, none for prefill
+    first = seen[0]
+    assert (first.prefill_queue, first.admit_queue, first.decode_active) == (0, 8, 4)
+    # later an admitted prompt waits for prefill, holding blocks of the decode pool
+    assert any(o.prefill_queue > 0 and o.kv_reserved > 0 for o in seen)

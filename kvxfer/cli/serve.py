@@ -102,7 +102,10 @@ def add_parser(sub) -> None:
     a.add_argument("--adaptive-decode-active", default="3,8", metavar="LOW,HIGH",
                    help="decoding requests per decode worker: cool / hot")
     a.add_argument("--adaptive-kv", default="0.6,0.9", metavar="LOW,HIGH",
-                   help="decode workers' KV pool use (0..1): cool / hot")
+                   help="decode workers' KV pool use by requests past their first token "
+                        "(0..1): cool / hot")
+    a.add_argument("--adaptive-admit-queue", default="0,1", metavar="LOW,HIGH",
+                   help="requests waiting for decode KV blocks per decode worker: cool / hot")
     a.add_argument("--adaptive-slo", default=None, metavar="TTFT_MS,TPOT_MS",
                    help="also watch TTFT/TPOT attainment of the last 32 requests against this SLO")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -184,11 +187,13 @@ def _adaptive_policy(args: argparse.Namespace):
     pq = _pair(args.adaptive_prefill_queue, "--adaptive-prefill-queue")
     da = _pair(args.adaptive_decode_active, "--adaptive-decode-active")
     kv = _pair(args.adaptive_kv, "--adaptive-kv")
+    aq = _pair(args.adaptive_admit_queue, "--adaptive-admit-queue")
     return AdaptivePolicy(interval_s=args.adaptive_interval, min_dwell_s=args.adaptive_dwell,
                           sustain=args.adaptive_sustain,
                           prefill_queue_low=pq[0], prefill_queue_high=pq[1],
                           decode_active_low=da[0], decode_active_high=da[1],
-                          kv_use_low=kv[0], kv_use_high=kv[1])
+                          kv_use_low=kv[0], kv_use_high=kv[1],
+                          admit_queue_low=aq[0], admit_queue_high=aq[1])
 
 
 def run(args: argparse.Namespace) -> int:

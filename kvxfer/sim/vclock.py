@@ -437,12 +437,18 @@ class VirtualCluster:
             return
         prefill = [w for w in self.role("prefill") if not w.is_switching]
         decode = [w for w in self.role("decode") if not w.is_switching]
-        waiting = sum(1 for r in self.requests.values() if not r.token_times)
+        waiting = [r for r in self.requests.values() if not r.token_times]
+        blocked = sum(len(w.admit_queue) for w in self.role("decode"))  # no decode blocks yet
         total = sum(w.runtime.blocks.num_blocks for w in decode)
         free = sum(w.runtime.blocks.num_free_blocks for w in decode)
+        serving = set(decode)
+        reserved = sum(len(seq.block_table) for r in waiting if r.decode in serving
+                       for seq in (r.decode.seqs.get(r.rid),) if seq is not None)
         ttft_att, tpot_att = attainment(self.recent, self.adaptive_slo_ms)
-        obs = Observation(self.now, len(prefill), len(decode), waiting,
-                          len(self.requests) - waiting, kv_use=(total - free) / total if total else 0.0,
+        obs = Observation(self.now, len(prefill), len(decode), len(waiting) - blocked,
+                          len(self.requests) - len(waiting),
+                          kv_use=(total - free) / total if total else 0.0, admit_queue=blocked,
+                          kv_reserved=reserved / total if total else 0.0,
                           ttft_attainment=ttft_att, tpot_attainment=tpot_att)
         move, self.policy_state = decide(obs, self.policy_state, policy)
         if move is None:

@@ -7,10 +7,19 @@ side effects, so a test can feed it any sequence of observations.
 
 Pressure on each side (per worker of that role):
 
-- prefill: requests waiting for their first token (``prefill_queue``), and,
-  when an SLO is set, TTFT attainment over the recent window;
-- decode: requests past their first token (``decode_active``), KV pool use of
-  the decode workers (``kv_use``, 0..1), and, with an SLO, TPOT attainment.
+- prefill: requests waiting for their first token that hold their decode KV
+  blocks (``prefill_queue``: queued for or in prefill, or their KV in flight),
+  and, when an SLO is set, TTFT attainment over the recent window;
+- decode: requests past their first token (``decode_active``), requests that
+  wait for a decode worker's KV blocks before they can go to prefill
+  (``admit_queue``: decode's shortage, not prefill's, though they have no first
+  token either), the decode workers' KV pool use by requests past their first
+  token (``kv_use`` less ``kv_reserved``, the share reserved for prompts still
+  waiting for prefill: that is prefill's backlog, freed faster by more prefill),
+  and, with an SLO, TPOT attainment. When prompts waiting for prefill hold most
+  of the used decode blocks, the admit queue is prefill's backlog too and counts
+  as prefill pressure; while it is decode's, TTFT misses (which include the wait
+  for decode blocks) say nothing about prefill.
 
 A side is *hot* when one of its signals crosses its high threshold and *cool*
 when all of them are under their low thresholds; the gap between the two is
@@ -39,8 +48,10 @@ class AdaptivePolicy:
     prefill_queue_low: float = 1.0  # ... at most this: prefill is cool
     decode_active_high: float = 8.0  # decoding requests per decode worker: decode is hot
     decode_active_low: float = 3.0
-    kv_use_high: float = 0.9  # fraction of the decode workers' KV pools in use
+    kv_use_high: float = 0.9  # fraction of the decode workers' KV pools in use by decoding requests
     kv_use_low: float = 0.6
+    admit_queue_high: float = 1.0  # requests waiting for decode KV blocks per decode worker: hot
+    admit_queue_low: float = 0.0  # ... at most this: cool
     attainment_high: float = 0.95  # with an SLO: share of recent requests meeting it
     attainment_low: float = 0.8
     drain_timeout_s: float = 120.0  # a drain taking longer is abandoned (worker rejoins)
@@ -55,7 +66,8 @@ class AdaptivePolicy:
             raise ValueError("sustain must be >= 1")
         for low, high in (("prefill_queue_low", "prefill_queue_high"),
                           ("decode_active_low", "decode_active_high"),
-                          ("kv_use_low", "kv_use_high"), ("attainment_low", "attainment_high")):
+                          ("kv_use_low", "kv_use_high"), ("admit_queue_low", "admit_queue_high"),
+                          ("attainment_low", "attainment_high")):
             if not 0 <= getattr(self, low) < getattr(self, high):
                 raise ValueError(f"need 0 <= {low} < {high} (a gap between the thresholds)")
 
@@ -64,8 +76,12 @@ class AdaptivePolicy:
 class Observation:
     """What the router saw at time ``now`` (seconds, any monotonic origin).
 
-    ``prefill_queue``/``decode_active`` are totals over the role's workers;
-    attainments are None when no SLO is set or no request finished recently.
+    ``prefill_queue``/``decode_active``/``admit_queue`` are totals over the role's
+    workers; a request without its first token is counted once, in ``admit_queue``
+    while it waits for a decode worker's KV blocks, in ``prefill_queue`` after.
+    ``kv_use``: the decode workers' KV pools in use (0..1), ``kv_reserved`` of it
+    held by requests still without their first token. Attainments are None when
+    no SLO is set or no request finished recently.
     """
 
     now: float
@@ -74,6 +90,8 @@ class Observation:
     prefill_queue: int
     decode_active: int
     kv_use: float = 0.0
+    admit_queue: int = 0
+    kv_reserved: float = 0.0
     ttft_attainment: float | None = None
     tpot_attainment: float | None = None
 
@@ -94,10 +112,22 @@ class PolicyState:
     streak: int = 0  # how many observations in a row wanted it
 
 
+def _queues(obs: Observation) -> tuple[int, int]:
+    """(prefill queue, admit queue) as pressure: the requests waiting for decode KV
+    blocks are decode's when requests past their first token hold most of the used
+    blocks, and prefill's backlog when prompts still waiting for prefill do."""
+    reserved = obs.kv_reserved
+    if obs.admit_queue and reserved > obs.kv_use - reserved:
+        return obs.prefill_queue + obs.admit_queue, 0
+    return obs.prefill_queue, obs.admit_queue
+
+
 def _prefill_side(obs: Observation, p: AdaptivePolicy, workers: int) -> tuple[str | None, bool]:
     """(reason it is hot or None, is it cool) with ``workers`` prefill workers."""
-    queue = obs.prefill_queue / max(workers, 1)
-    att = obs.ttft_attainment
+    queue, admit = _queues(obs)
+    queue /= max(workers, 1)
+    # TTFT counts the wait for decode blocks: while requests wait there, misses are decode's
+    att = obs.ttft_attainment if not admit else None
     if queue >= p.prefill_queue_high:
         hot = "prefill_queue"
     elif att is not None and att < p.attainment_low:
@@ -109,19 +139,23 @@ def _prefill_side(obs: Observation, p: AdaptivePolicy, workers: int) -> tuple[st
 
 
 def _decode_side(obs: Observation, p: AdaptivePolicy, workers: int) -> tuple[str | None, bool]:
+    scale = obs.num_decode / max(workers, 1)
     active = obs.decode_active / max(workers, 1)
-    kv_use = obs.kv_use * obs.num_decode / max(workers, 1)
+    admit = _queues(obs)[1] / max(workers, 1)
+    kv_use = max(obs.kv_use - obs.kv_reserved, 0.0) * scale
     att = obs.tpot_attainment
     if active >= p.decode_active_high:
         hot = "decode_batch"
+    elif admit >= p.admit_queue_high:
+        hot = "kv_admit"
     elif kv_use >= p.kv_use_high:
         hot = "kv_pool"
     elif att is not None and att < p.attainment_low:
         hot = "tpot_slo"
     else:
         hot = None
-    cool = (active <= p.decode_active_low and kv_use <= p.kv_use_low
-            and (att is None or att >= p.attainment_high))
+    cool = (active <= p.decode_active_low and admit <= p.admit_queue_low
+            and kv_use <= p.kv_use_low and (att is None or att >= p.attainment_high))
     return hot, cool
 
 

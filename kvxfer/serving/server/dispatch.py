@@ -196,6 +196,7 @@ class Dispatcher:
             return
         now = time.perf_counter()
         if ev == "admitted":
+            st.admitted = True
             st.cached_blocks = int(msg.get("cached_blocks", 0))
             if msg.get("local"):  # short uncached prompt: the decode worker prefills it
                 if st.prefill is not None:
@@ -319,7 +320,7 @@ class Dispatcher:
         st.attempts += 1
         st.rid = f"{st.public_rid}~{st.attempts}"
         st.prefill = st.decode = st.first_token = None
-        st.cached_blocks, st.is_transfer_failed = 0, False
+        st.cached_blocks, st.is_transfer_failed, st.admitted = 0, False, False
         st.transfer_settled.clear()
         self.requests[st.rid] = st
         self.m_retries.inc(role=worker.role)

@@ -17,8 +17,11 @@ between the prefill and decode roles. A move is carried out in three steps:
 A drain that outlasts ``policy.drain_timeout_s`` (or a worker that refuses or
 dies) is abandoned: the worker rejoins its old role and nothing is counted.
 
-Observed: requests waiting for their first token (prefill queue), requests
-past it (decode batch), the decode workers' KV pool use (their ``stats``),
+Observed: requests waiting for their first token, split into those waiting for
+a decode worker's KV blocks (admit queue: no ``admitted`` event yet) and the rest
+(prefill queue), requests past it (decode batch), the decode workers' KV pool
+use (their ``stats``) and the part of it admitted prompts without a first token
+hold (their prompts' blocks),
 and, with ``slo`` set, TTFT/TPOT attainment over the last ``SLO_WINDOW``
 finished requests. Each change is logged and counted in
 ``kvxfer_role_changes_total{from,to,reason}``; ``kvxfer_workers{role}`` (set by
@@ -98,15 +101,23 @@ class Rebalancer:
 
     async def observe(self) -> Observation:
         prefill, decode = self.serving("prefill"), self.serving("decode")
-        waiting = sum(1 for st in self.dispatcher.requests.values() if not st.token_times)
-        active = len(self.dispatcher.requests) - waiting
+        waiting = [st for st in self.dispatcher.requests.values() if not st.token_times]
+        active = len(self.dispatcher.requests) - len(waiting)
+        # sent to prefill once the decode worker has their blocks: until then decode's queue
+        blocked = [st for st in waiting if st.prefill is not None and not st.admitted]
         stats = await self.dispatcher.collect_stats(STATS_TIMEOUT_S, workers=decode)
-        total = sum(w.info.get("num_blocks", 0) for w in decode if w.name in stats)
-        free = sum(stats[w.name].get("counters", {}).get("free_blocks", 0)
-                   for w in decode if w.name in stats)
+        counted = {w.name: w for w in decode if w.name in stats}
+        total = sum(w.info.get("num_blocks", 0) for w in counted.values())
+        free = sum(stats[name].get("counters", {}).get("free_blocks", 0) for name in counted)
+        # the blocks of admitted prompts still without a first token (their prompt's worth)
+        reserved = sum(-(-len(st.prompt_ids) // int(counted[st.decode.name].info.get("block_size") or 16))
+                       for st in waiting if st.admitted and st.decode is not None
+                       and st.decode.name in counted)
         ttft_att, tpot_att = self._attainment()
-        return Observation(time.monotonic(), len(prefill), len(decode), waiting, active,
-                           kv_use=(total - free) / total if total else 0.0,
+        return Observation(time.monotonic(), len(prefill), len(decode), len(waiting) - len(blocked),
+                           active, kv_use=(total - free) / total if total else 0.0,
+                           admit_queue=len(blocked),
+                           kv_reserved=min(reserved / total, 1.0) if total else 0.0,
                            ttft_attainment=ttft_att, tpot_attainment=tpot_att)
 
     # ---- acting -------------------------------------------------------------------

@@ -21,6 +21,7 @@ class RequestState:
     first_token: int | None = None
     token_times: list[float] = field(default_factory=list)
     cached_blocks: int = 0
+    admitted: bool = False  # the decode worker has allocated its KV blocks (``ev: admitted``)
     kv_bytes: int = 0
     kv_transfer_ms: float | None = None  # prefill side: send posted -> data visible at decode
     recomputed: bool = False

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shifting_trace  # noqa: E402
+from vclock_scale import write_doc  # noqa: E402
 
 SLO = "2500,150"
 _SHARED: dict = {}
@@ -126,10 +127,7 @@ def main() -> int:
            "best_static": best["name"], "best_adaptive": best_adaptive["name"],
            "adaptive_over_static": ratio, "elapsed_s": time.perf_counter() - began,
            "static": static_rows, "adaptive": adaptive_rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+    write_doc(args.out, doc)
     return 0
 
 

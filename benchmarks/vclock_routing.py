@@ -18,11 +18,13 @@ virtual time: the machine's load does not change it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vclock_scale import write_doc  # noqa: E402  (benchmarks/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
@@ -106,10 +108,7 @@ def main() -> int:
            "config": f"colocated:{GPUS}", "slo": SLO, "profile": args.profile,
            "start": args.start, "max_requests": args.max_requests,
            "elapsed_s": time.perf_counter() - began, "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+    write_doc(args.out, doc)
     return 0
 
 

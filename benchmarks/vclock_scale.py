@@ -43,6 +43,14 @@ def _classes(rows: list[dict]) -> dict:
             for k, r in out.items()}
 
 
+def write_doc(path: str | None, doc: dict) -> None:
+    """``doc`` as indented JSON to ``path`` (nothing when None); the vclock benchmarks' output."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="8,16,32")
@@ -88,10 +96,7 @@ def main() -> int:
            "slo": SLO, "slo_source": "DistServe (OSDI'24) Table 1, chatbot, OPT-66B",
            "profile": args.profile, "num_blocks": args.num_blocks, "store": "off",
            "elapsed_s": time.perf_counter() - began, "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+    write_doc(args.out, doc)
     return 0
 
 

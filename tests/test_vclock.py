@@ -122,6 +122,20 @@ def test_shared_prompt_hashes_give_the_same_runs():
                  prompt_hashes=[h[:-1] for h in hashes])
 
 
+def test_prompt_ids_that_are_not_plain_ints():
+    """Numpy ids are made plain ints by a run that hashes its own prompts (the same run as
+    plain ids); prompt_hashes refuses them, as a run given its hashes checks nothing."""
+    import numpy as np
+
+    arrivals = _conversations(3, 2)
+    as_numpy = [(t, list(np.asarray(ids, dtype=np.int64)), m) for t, ids, m in arrivals]
+    config = parse_config("1P1D", num_blocks=96)
+    assert (simulate(config, _profile(), as_numpy).records
+            == simulate(config, _profile(), arrivals).records)
+    with pytest.raises(TypeError, match="request 0: prompt ids must be plain ints"):
+        prompt_hashes(as_numpy, 16)
+
+
 def test_least_loaded_runs_the_same_without_feeding_the_index():
     arrivals = _conversations(6, 4, gap_s=0.01, out=32)
     config = parse_config("conditional:1P3D", num_blocks=128)

@@ -29,6 +29,7 @@ the router's per-message costs, the time a role switch takes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import heapq
 import itertools
@@ -52,6 +53,20 @@ from .profile import Profile
 from .runtime import next_token
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """The cyclic garbage collector off inside (restored after). The virtual clock makes
+    many short-lived containers and no reference cycles: the collector would only scan
+    them, about a tenth of a run's time."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class VirtualRuntime(Runtime):
     """The engine core with no model and no pool: a step's time is the profile's model
     (:attr:`last_step_s`), its tokens :func:`kvxfer.sim.runtime.next_token`'s."""
@@ -63,14 +78,16 @@ class VirtualRuntime(Runtime):
         super().__init__(None, config)
         self.profile = profile
         self.last_step_s = 0.0
+        self._step_seconds = profile.fit.step_seconds
 
     def _forward(self, chunks: list[ScheduledChunk]):
-        self.last_step_s = self.profile.fit.step_seconds([(c.num_tokens, c.start) for c in chunks])
+        self.last_step_s = self._step_seconds([(c.num_tokens, c.start) for c in chunks])
+        return self._pick
 
-        def pick(row: int, seq: Sequence) -> tuple[int, None]:
-            return next_token(seq.token_ids[-1], seq.num_tokens, seq.params.stop_token_ids), None
-
-        return pick
+    @staticmethod
+    def _pick(row: int, seq: Sequence) -> tuple[int, None]:
+        ids = seq.token_ids
+        return next_token(ids[-1], len(ids), seq.params.stop_token_ids), None
 
 
 class SimWorker(WorkerRef):
@@ -151,6 +168,7 @@ class VirtualCluster:
         self.rejected: list[_Request] = []  # longer than a worker's pool, as the router refuses
         self.pool_tokens = engine.num_blocks * engine.block_size
         self.counters = collections.Counter()
+        self.num_steps = 0  # counted apart from ``counters``: one a step
         self.recent: collections.deque = collections.deque(maxlen=SLO_WINDOW)
         self.policy_state = PolicyState()
         self._switching: SimWorker | None = None
@@ -175,6 +193,8 @@ class VirtualCluster:
                 if len(hashes) != len(ids) // size:
                     raise ValueError(f"request {i}: {len(hashes)} prompt hashes for "
                                      f"{len(ids) // size} full blocks")
+            elif set(map(type, ids)) != {int}:  # checked once: its sequences skip the check
+                ids = list(map(int, ids))
             requests.append(_Request(f"r{i}", t, ids, max_tokens, hashes))
         # arrival i is event (t, i), as if all were queued first, but enters the queue only
         # when the one before it in that order leaves: the same events, a short queue
@@ -187,26 +207,23 @@ class VirtualCluster:
         if self.adaptive is not None and arrivals:
             self.at(self.adaptive.interval_s, observe)
         self._num_left = len(arrivals)
-        # the loop makes many short-lived containers and no reference cycles: the cyclic
-        # collector would only scan them (about a tenth of a run's time)
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         events, last_work_s = self._events, 0.0
         try:
-            while events:
-                self.now, _, fn, args = heapq.heappop(events)
-                fn(*args)
-                if fn is not observe:
-                    last_work_s = self.now
+            with gc_paused():
+                while events:
+                    self.now, _, fn, args = heapq.heappop(events)
+                    fn(*args)
+                    if fn is not observe:
+                        last_work_s = self.now
         finally:
             del self._observe_event  # a bound method of self: no cycle left behind
-            if gc_was_enabled:
-                gc.enable()
         stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
         if self._num_left or stuck:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
                                f"(workers with work: {stuck}): a request cannot fit a KV pool "
                                f"of {self.config.num_blocks} blocks")
+        if self.num_steps:
+            self.counters["steps"] += self.num_steps
         for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it
             self.counters["query_tokens"] += w.runtime.blocks.num_query_tokens
             self.counters["hit_tokens"] += w.runtime.blocks.num_hit_tokens
@@ -261,7 +278,7 @@ class VirtualCluster:
 
     def _sequence(self, r: _Request, params: SamplingParams) -> Sequence:
         """A sequence of ``r``'s prompt; its chain starts from the prompt's known hashes."""
-        seq = Sequence(r.prompt_ids, params, r.rid)
+        seq = Sequence(r.prompt_ids, params, r.rid, ints_checked=True)
         if r.prompt_hashes is not None:
             seq.hash_chain = HashChain(self.profile.block_size, r.prompt_hashes)
         return seq
@@ -327,7 +344,7 @@ class VirtualCluster:
                 self.routing.release(r.rid, prefill.name)
                 prefill = r.prefill = self._pick("prefill", r)
             prefill.inflight.add(r.rid)
-            pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid)
+            pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
             pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
             prefill.runtime.scheduler.add(pseq)
             self._kick(prefill)
@@ -345,7 +362,7 @@ class VirtualCluster:
             return
         worker.is_stepping = True
         worker.busy_s += runtime.last_step_s
-        self.counters["steps"] += 1
+        self.num_steps += 1
         self.at(self.now + runtime.last_step_s, self._step_done, worker, step.produced)
 
     def _step_done(self, worker: SimWorker, produced) -> None:
@@ -479,8 +496,15 @@ class VirtualCluster:
 def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int) -> list[list[int]]:
     """Each request's prompt full-block hashes (:class:`HashChain`), for :func:`simulate`:
     computed once for a trace slice, they serve every configuration run on it (the runs of
-    ``kvxfer plan`` inherit them)."""
-    return [HashChain(block_size).upto(ids, len(ids) // block_size) for _, ids, _ in arrivals]
+    ``kvxfer plan`` inherit them). ``TypeError`` if a prompt holds ids that are not plain
+    ``int`` (a run given these hashes does not check its prompts again)."""
+    out = []
+    for i, (_, ids, _) in enumerate(arrivals):
+        if set(map(type, ids)) != {int}:
+            raise TypeError(f"request {i}: prompt ids must be plain ints "
+                            f"(got {sorted({type(t).__name__ for t in ids})})")
+        out.append(HashChain(block_size).upto(ids, len(ids) // block_size))
+    return out
 
 
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
@@ -491,7 +515,9 @@ def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, 
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
     policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
     ``prompt_hashes``: :func:`prompt_hashes` of ``arrivals`` with the profile's block size
-    (the same results, less work when several runs share a slice).
+    (the same results, less work when several runs share a slice: the prompts were
+    checked to be plain ints there). Without them, prompt ids that are not plain ``int``
+    are converted.
 
     ``twin``: the adaptive configuration of the static split ``config`` (``adaptive:xPyD``
     of ``xPyD``). Its rebalancer's policy is consulted as it would be, moving nothing; an
@@ -505,5 +531,7 @@ def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, 
     ``least-loaded`` they cost feeding its index every worker's cache events (about
     1.4x the run's time), so a caller that reads only goodput passes False (the
     records are the same either way)."""
-    return VirtualCluster(config, profile, routing=routing, twin=twin, routed_hits=routed_hits,
-                          **routing_knobs).run(arrivals, prompt_hashes)
+    with gc_paused():  # its workers' blocks: many objects, no cycles
+        cluster = VirtualCluster(config, profile, routing=routing, twin=twin,
+                                 routed_hits=routed_hits, **routing_knobs)
+    return cluster.run(arrivals, prompt_hashes)

@@ -186,19 +186,24 @@ class BlockManager:
         still cached leaves the cache (its hash forgotten, a *removed* event, the remembered
         match cut before it)."""
         free, blocks, cache, events = self._free, self.blocks, self._hash_to_block, self._events
+        take = free.popitem
         ids = []
         for _ in range(num):
-            bid = free.popitem(last=False)[0]  # the least recently freed
+            bid = take(last=False)[0]  # the least recently freed
             block = blocks[bid]
+            block.ref_count = 1
             h = block.hash
-            if h is not None and cache.get(h) == bid:
+            if h is None:  # never cached (its token_ids are () too)
+                ids.append(bid)
+                continue
+            if cache.get(h) == bid:
                 del cache[h]
                 if events is not None:
                     events[h] = False
                 at = self._match_at.get(bid)
                 if at is not None and at < len(self._match[2]) and self._match[2][at] == bid:
                     del self._match[2][at:]  # the remembered match ends before this block
-            block.hash, block.token_ids, block.ref_count = None, (), 1
+            block.hash, block.token_ids = None, ()
             ids.append(bid)
         return ids
 
@@ -257,17 +262,17 @@ class BlockManager:
         first = len(registered)
         if first >= num_full:
             return
-        hashes = self.chain(seq).upto(seq.token_ids, num_full)
-        tokens, table, blocks = seq.token_ids, seq.block_table, self.blocks
-        cache, events = self._hash_to_block, self._events
-        for i in range(first, num_full):
-            h = hashes[i]
-            block = blocks[table[i]]
+        hashes = self.chain(seq).upto(seq.token_ids, num_full)[first:num_full]
+        tokens, blocks = seq.token_ids, self.blocks
+        store, events = self._hash_to_block.setdefault, self._events
+        for h, bid, at in zip(hashes, seq.block_table[first:num_full],
+                              range(first * size, num_full * size, size)):
+            block = blocks[bid]
             if block.hash is None:
-                block.hash, block.token_ids = h, tokens[i * size:(i + 1) * size]
-                if cache.setdefault(h, block.block_id) == block.block_id and events is not None:
+                block.hash, block.token_ids = h, tokens[at:at + size]
+                if store(h, bid) == bid and events is not None:
                     events[h] = True
-        registered.extend(hashes[first:num_full])
+        registered.extend(hashes)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent (for tests)."""

@@ -93,12 +93,14 @@ class Runtime:
         pick = self._forward(chunks)
         produced, logprobs = [], []
         cache_full_blocks, num_tokens = self.blocks.cache_full_blocks, 0
+        block_size = self.blocks.block_size
         for row, c in enumerate(chunks):
             seq = c.seq
-            seq.num_computed_tokens = c.start + c.num_tokens
+            seq.num_computed_tokens = computed = c.start + c.num_tokens
             num_tokens += c.num_tokens
-            cache_full_blocks(seq)
-            if c.completes_prefill:
+            if computed // block_size > len(seq.block_hashes):  # a block filled: register it
+                cache_full_blocks(seq)
+            if computed == len(seq.token_ids):  # the chunk completes the prefill
                 seq.status = SequenceStatus.DECODING
                 token, token_lp = pick(row, seq)
                 produced.append((seq, token))

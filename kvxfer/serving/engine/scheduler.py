@@ -98,10 +98,15 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[ScheduledChunk]:
         scheduled: list[Sequence] = []
+        max_num_seqs, block_size = self.config.max_num_seqs, self.block_manager.block_size
+        decoding = SequenceStatus.DECODING
         for seq in list(self.running):
-            if len(scheduled) == self.config.max_num_seqs:
+            if len(scheduled) == max_num_seqs:
                 break
-            if seq.status is not SequenceStatus.DECODING:
+            if seq.status is not decoding:
+                continue
+            if len(seq.block_table) * block_size >= len(seq.token_ids):  # no new block needed
+                scheduled.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
                 victim = self._newest_decoding(exclude=scheduled)
@@ -111,7 +116,7 @@ class Scheduler:
             else:
                 self.block_manager.append_slot(seq)
                 scheduled.append(seq)
-        return [ScheduledChunk(s, s.num_tokens - 1, 1) for s in scheduled]
+        return [ScheduledChunk(s, len(s.token_ids) - 1, 1) for s in scheduled]
 
     def _newest_decoding(self, exclude: list[Sequence]) -> Sequence:
         for seq in reversed(self.running):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -249,6 +250,72 @@ def test_adaptive_moves_a_worker_when_the_mix_shifts():
     assert static.counters.get("role_changes", 0) == 0
     p50 = sorted(r["ttft_s"] for r in res.records)[100]
     assert p50 < sorted(r["ttft_s"] for r in static.records)[100]
+
+
+def _moving_mix():
+    """Long prompts (prefill hot), then long answers (decode hot), then short chats:
+    adaptive:2P2D moves workers both ways while prompts queue for decode blocks."""
+    mix = _shifting_mix()
+    mix += [(10 + 0.02 * i, ids, 64) for i, (_, ids, _) in enumerate(_shifting_mix())]
+    return mix + [(12 + t, ids, m) for t, ids, m in _conversations(4, 3, gap_s=0.05, out=32)]
+
+
+def _moving_config():
+    return replace(parse_config("adaptive:2P2D", num_blocks=256), local_prefill_tokens=600,
+                   local_prefill_queue=4)
+
+
+def test_a_prompt_whose_prefill_worker_moved_meanwhile_is_not_lost():
+    """A prompt waiting for decode blocks was routed to a prefill worker that the
+    rebalancer has since moved to decode: it goes to a prefill worker (as the
+    dispatcher's ``usable``), not to that one (whose decode path took its token, leaving
+    the decode side's blocks held forever and the run stuck)."""
+    res = simulate(_moving_config(), _profile(), _moving_mix())
+    assert res.counters["move_prefill_to_decode"] >= 1 and res.counters["move_decode_to_prefill"] >= 1
+    assert len(res.records) == len(_moving_mix()) and all(r["ok"] for r in res.records)
+
+
+def test_a_stuck_adaptive_run_ends_with_an_error_not_a_hang():
+    """With nothing left to happen but the rebalancer's looks, the run ends and says
+    which requests are stuck (its looks no longer keep the clock going)."""
+    config = parse_config("adaptive:1P2D", num_blocks=96)
+    arrivals = _conversations(2, 2)
+    from kvxfer.sim.vclock import VirtualCluster
+
+    class Lossy(VirtualCluster):  # loses every landing: the decode side waits forever
+        def _landed(self, r, token):
+            pass
+
+    with pytest.raises(RuntimeError, match="requests unfinished"):
+        Lossy(config, _profile()).run(arrivals)
+
+
+def test_the_rebalancers_counts_match_a_recount():
+    """What _observe keeps count of as requests move (prompts without their first token,
+    the decode blocks held for them) equals a recount over every unfinished request, at
+    every look of a run that admits remotely, prefills locally and moves workers."""
+    from kvxfer.sim.vclock import VirtualCluster
+
+    looks = []
+
+    class Recounting(VirtualCluster):
+        def _observe(self):
+            waiting = [r for r in self.requests.values() if not r.token_times]
+            serving = {w for w in self.role("decode") if not w.is_switching}
+            reserved = sum(len(seq.block_table) for r in waiting if r.decode in serving
+                           for seq in (r.decode.seqs.get(r.rid),) if seq is not None)
+            kept = sum(sum(len(seq.block_table) for seq in w.awaiting_kv.values())
+                       + sum(len(seq.block_table) for seq in w.runtime.scheduler.running
+                             if not self.requests[seq.request_id].token_times)
+                       for w in serving)
+            looks.append((self.num_waiting, kept, len(waiting), reserved))
+            super()._observe()
+
+    res = Recounting(_moving_config(), _profile()).run(_moving_mix())
+    assert len(res.records) == len(_moving_mix()) and res.counters["role_changes"] >= 1
+    assert res.counters.get("local_prefill_tokens", 0) >= 1
+    assert any(r for _, _, _, r in looks) and any(n for n, _, _, _ in looks)
+    assert all(n == n2 and k == r for n, k, n2, r in looks)
 
 
 def _shifting_mix():

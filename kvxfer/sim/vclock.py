@@ -43,7 +43,7 @@ from ..serving.engine.sampling import SamplingParams
 from ..serving.engine.scheduler import ScheduledChunk
 from ..serving.engine.sequence import Sequence, SequenceStatus
 from ..serving.server.adaptive_policy import Observation, PolicyState, attainment, changed, decide
-from ..serving.server.dispatch import prefill_queue_full
+from ..serving.server.dispatch import prefill_queue_full, usable
 from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
 from ..serving.server.routing import make_policy
@@ -100,6 +100,8 @@ class SimWorker(WorkerRef):
         self.nic = NicQueue(profile.link)
         self.is_stepping = False
         self.admit_queue: collections.deque = collections.deque()  # decode: remote admits
+        # decode: admitted remote prompts (blocks allocated) before their first token
+        self.awaiting_kv: dict[str, Sequence] = {}
         self.seqs: dict[str, Sequence] = {}  # what this worker holds, by request id
         self.busy_s = 0.0
 
@@ -164,6 +166,7 @@ class VirtualCluster:
         self._events: list = []
         self._order = itertools.count()
         self.requests: dict[str, _Request] = {}  # unfinished
+        self.num_waiting = 0  # of them, those without their first token
         self.finished: list[_Request] = []
         self.rejected: list[_Request] = []  # longer than a worker's pool, as the router refuses
         self.pool_tokens = engine.num_blocks * engine.block_size
@@ -298,6 +301,7 @@ class VirtualCluster:
             self._num_left -= 1
             return
         self.requests[r.rid] = r
+        self.num_waiting += 1
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         if not self.config.is_disaggregated:
             r.decode = self._pick("colocated", r)
@@ -340,9 +344,10 @@ class VirtualCluster:
                 self._kick(worker)
                 continue
             prefill = r.prefill
-            if prefill.is_switching:  # as the dispatcher: another one if it is being moved
+            if not usable(prefill, "prefill"):  # as the dispatcher: moved or being moved since
                 self.routing.release(r.rid, prefill.name)
                 prefill = r.prefill = self._pick("prefill", r)
+            worker.awaiting_kv[r.rid] = seq
             prefill.inflight.add(r.rid)
             pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
             pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
@@ -372,9 +377,11 @@ class VirtualCluster:
             if worker.role == "prefill":
                 self._prefilled(worker, r, seq, token)
                 continue
-            if not r.token_times and r.mode == "local":  # its prefix hits on this worker
-                r.cached_blocks = seq.num_cached_tokens // worker.runtime.block_size
-                self.routing.prefilled(r.rid)
+            if not r.token_times:
+                self.num_waiting -= 1
+                if r.mode == "local":  # its prefix hits on this worker
+                    r.cached_blocks = seq.num_cached_tokens // worker.runtime.block_size
+                    self.routing.prefilled(r.rid)
             seq.token_ids.append(token)
             r.token_times.append(self.now)
             reason = finish_reason(seq, token)
@@ -390,6 +397,8 @@ class VirtualCluster:
         to the decode worker over the two NICs (module docstring)."""
         worker.runtime.scheduler.running.remove(seq)
         r.token_times.append(self.now)
+        self.num_waiting -= 1
+        del r.decode.awaiting_kv[r.rid]
         self.routing.prefilled(r.rid)
         r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
         num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
@@ -445,7 +454,9 @@ class VirtualCluster:
         if self.twin_moved:
             return
         policy = self.adaptive
-        if self._num_left:
+        # the next look, while requests are left and anything else can still happen (a
+        # look starts nothing: with no other event the run is stuck, and ends to say so)
+        if self._num_left and self._events:
             self.at(self.now + policy.interval_s, self._observe_event)
         if self._switching is not None:  # one move at a time, as the rebalancer awaits it
             if self.now >= self._switch_to[1]:  # drain took too long: it stays
@@ -454,16 +465,20 @@ class VirtualCluster:
             return
         prefill = [w for w in self.role("prefill") if not w.is_switching]
         decode = [w for w in self.role("decode") if not w.is_switching]
-        waiting = [r for r in self.requests.values() if not r.token_times]
         blocked = sum(len(w.admit_queue) for w in self.role("decode"))  # no decode blocks yet
         total = sum(w.runtime.blocks.num_blocks for w in decode)
         free = sum(w.runtime.blocks.num_free_blocks for w in decode)
-        serving = set(decode)
-        reserved = sum(len(seq.block_table) for r in waiting if r.decode in serving
-                       for seq in (r.decode.seqs.get(r.rid),) if seq is not None)
+        # blocks the serving decode workers hold for prompts without their first token:
+        # remote ones admitted (awaiting_kv), local ones being prefilled there (running);
+        # those still queued (admit queue, scheduler's waiting) hold none
+        requests = self.requests
+        reserved = sum(sum(len(seq.block_table) for seq in w.awaiting_kv.values())
+                       + sum(len(seq.block_table) for seq in w.runtime.scheduler.running
+                             if not requests[seq.request_id].token_times)
+                       for w in decode)
         ttft_att, tpot_att = attainment(self.recent, self.adaptive_slo_ms)
-        obs = Observation(self.now, len(prefill), len(decode), len(waiting) - blocked,
-                          len(self.requests) - len(waiting),
+        obs = Observation(self.now, len(prefill), len(decode), self.num_waiting - blocked,
+                          len(self.requests) - self.num_waiting,
                           kv_use=(total - free) / total if total else 0.0, admit_queue=blocked,
                           kv_reserved=reserved / total if total else 0.0,
                           ttft_attainment=ttft_att, tpot_attainment=tpot_att)

@@ -65,7 +65,10 @@ def prefill_queue_full(prefill_load: int, config: ServeConfig) -> bool:
     return bool(limit) and prefill_load >= limit
 
 
-def _usable(worker, role: str) -> bool:
+def usable(worker, role: str) -> bool:
+    """Whether ``worker`` can take a request's ``role`` part now: alive, of that role (a
+    worker moved by the rebalancer since it was picked is not) and not being moved. Pure:
+    the virtual clock calls it too."""
     return (worker is not None and worker.is_alive and worker.role == role
             and not worker.is_switching)
 
@@ -205,7 +208,7 @@ class Dispatcher:
                 st.transfer_settled.set()
                 self.m_local_prefills.inc(reason="short_prompt")
                 return
-            if not _usable(st.prefill, "prefill"):  # died or is switching roles meanwhile
+            if not usable(st.prefill, "prefill"):  # died or is switching roles meanwhile
                 if st.prefill is not None:
                     self.cluster.routing.release(rid, st.prefill.name)
                 st.prefill = self._pick("prefill", st.prompt_ids, rid, 0)

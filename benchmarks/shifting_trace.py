@@ -11,21 +11,22 @@ conversation trace's (prompts 891-126,195 tokens, median 6,909; answers 1-2,000,
 percentile 1,120). Defaults, sized for 16 simulated H100s with Llama-2-7B
 (``h100-llama2-7b-vidur``, 6,000 blocks of 16 tokens a GPU, 16 sequences a step):
 
-- **prompt phase**, ``--prompt-phase-s`` (60) at ``--prompt-rate`` (25 req/s): prompts of
+- **prompt phase**, ``--prompt-phase-s`` (120) at ``--prompt-rate`` (23 req/s): prompts of
   8,192-16,384 tokens, answers of 16-64. A 12k-token prefill takes ~0.39 s on the
-  profile in 512-token chunks (2.55 requests/s a prefill worker), so this phase needs
-  ~10 prefill workers busy, 11 or more to keep TTFT under 2.5 s; each request holds
-  ~770 decode blocks from admission to its last token (~0.8 s), ~4-5 decode workers;
-- **output phase**, ``--output-phase-s`` (60) at ``--output-rate`` (30 req/s): prompts of
+  profile in 512-token chunks (2.55 requests/s a prefill worker), so this phase keeps
+  ~9 prefill workers busy and needs 10 or more to keep TTFT under 2.5 s; each request
+  holds ~770 decode blocks from admission to its last token;
+- **output phase**, ``--output-phase-s`` (120) at ``--output-rate`` (26 req/s): prompts of
   1,024-3,072 tokens (above the 1,024-token local-prefill threshold), answers of
   768-1,536. A decode step of 16 sequences takes ~5.6 ms (2,860 tokens/s a worker,
-  2.5 answers/s), so this phase needs ~12 decode workers, and ~2 prefill workers
-  (~0.045 s a prompt). A decode worker short of throughput admits up to its KV pool (~30-45 such
-  requests) and then holds new ones in its admit queue, which is what breaks TTFT.
+  2.5 answers/s), so this phase keeps ~10.4 decode workers busy and needs 11 or more,
+  and ~2 prefill workers (~0.045 s a prompt). A decode worker short of throughput
+  admits up to its KV pool (~30-45 such requests) and then holds new ones in its admit
+  queue, which is what breaks TTFT.
 
-No static split of 16 serves both (the first wants 11 or more prefill workers, the
+No static split of 16 serves both (the first wants 10 or more prefill workers, the
 second 11 or more decode workers); a rebalancer that follows the mix can, if it moves
-workers fast enough.
+workers fast enough (one move every 10 s at most: the phases are long enough for it).
 """
 from __future__ import annotations
 
@@ -67,10 +68,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the jsonl file to write")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompt-phase-s", type=float, default=60.0)
-    ap.add_argument("--prompt-rate", type=float, default=25.0, help="requests/s")
-    ap.add_argument("--output-phase-s", type=float, default=60.0)
-    ap.add_argument("--output-rate", type=float, default=30.0, help="requests/s")
+    ap.add_argument("--prompt-phase-s", type=float, default=120.0)
+    ap.add_argument("--prompt-rate", type=float, default=23.0, help="requests/s")
+    ap.add_argument("--output-phase-s", type=float, default=120.0)
+    ap.add_argument("--output-rate", type=float, default=26.0, help="requests/s")
     args = ap.parse_args()
     rows = generate(args)
     with open(args.out, "w") as f:

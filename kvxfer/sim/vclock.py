@@ -223,8 +223,9 @@ class VirtualCluster:
         stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
         if self._num_left or stuck:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
-                               f"(workers with work: {stuck}): a request cannot fit a KV pool "
-                               f"of {self.config.num_blocks} blocks")
+                               f"(workers with work: {stuck}): nothing left could move them, "
+                               f"e.g. a request that cannot fit a KV pool of "
+                               f"{self.config.num_blocks} blocks")
         if self.num_steps:
             self.counters["steps"] += self.num_steps
         for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it

@@ -196,3 +196,26 @@ def test_remembered_match_equals_a_fresh_walk_under_random_traffic():
         w = waiting[0]  # a waiting sequence asked about every step, as the scheduler does
         assert bm.match_prefix(w.token_ids, bm.chain(w)) == bm.match_prefix(list(w.token_ids))
         bm.check_invariants()
+
+
+def test_a_hash_collision_is_no_hit_and_grown_sequences_keep_their_blocks_tokens():
+    """A cached block's tokens are a slice of the registering sequence's own list (not a
+    copy): they are compared on every hit, so equal hashes of other tokens miss, and they
+    stay right while that sequence grows by decoding and after it is freed."""
+    bm = BlockManager(16, B)
+    a = seq(range(100, 109))
+    bm.allocate(a)
+    computed(bm, a)  # blocks 0-1 cached
+    for t in range(7):  # decoding: a grows past another full block
+        bm.append_slot(a)
+        a.token_ids.append(200 + t)
+        a.num_computed_tokens = a.num_tokens - 1
+        bm.cache_full_blocks(a)
+    table = list(a.block_table)
+    bm.deallocate(a)
+    b = seq(list(range(100, 109)) + [200, 201, 202, 7])
+    assert bm.match_prefix(b.token_ids)[0] == table[:3]
+    # a collision: another prompt's first-block hash mapped to a's first block
+    c = seq([1, 2, 3, 4, 5])
+    bm._hash_to_block[block_hash([1, 2, 3, 4], None)] = table[0]
+    assert bm.match_prefix(c.token_ids) == ([], [])

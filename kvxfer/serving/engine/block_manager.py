@@ -32,13 +32,18 @@ class OutOfBlocks(KVXferError, MemoryError):
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    """One KV block. While it has a hash, its tokens are ``token_ids[token_at:token_at + B]``:
+    ``token_ids`` is the token list of the sequence that registered it (shared, not copied:
+    a sequence's tokens are only ever appended to, so that slice never changes)."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "token_at")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.token_ids: list[int] | tuple[()] = ()  # its tokens (a copy) while it has a hash
+        self.token_ids: list[int] | tuple[()] = ()
+        self.token_at = 0
 
 
 _PACKERS: dict[int, struct.Struct] = {}  # by block length: a handful of sizes
@@ -157,7 +162,10 @@ class BlockManager:
         get = self._hash_to_block.get
         for i in range(len(ids), (len(token_ids) - 1) // size):
             bid = get(hashes[i] if i < len(hashes) else chain.upto(token_ids, i + 1)[i])
-            if bid is None or blocks[bid].token_ids != token_ids[i * size:(i + 1) * size]:
+            if bid is None:
+                break
+            block, start = blocks[bid], blocks[bid].token_at
+            if block.token_ids[start:start + size] != token_ids[i * size:(i + 1) * size]:
                 break
             ids.append(bid)
             at[bid] = i
@@ -269,7 +277,7 @@ class BlockManager:
                               range(first * size, num_full * size, size)):
             block = blocks[bid]
             if block.hash is None:
-                block.hash, block.token_ids = h, tokens[at:at + size]
+                block.hash, block.token_ids, block.token_at = h, tokens, at
                 if store(h, bid) == bid and events is not None:
                     events[h] = True
         registered.extend(hashes)

@@ -304,10 +304,7 @@ def test_the_rebalancers_counts_match_a_recount():
             serving = {w for w in self.role("decode") if not w.is_switching}
             reserved = sum(len(seq.block_table) for r in waiting if r.decode in serving
                            for seq in (r.decode.seqs.get(r.rid),) if seq is not None)
-            kept = sum(sum(len(seq.block_table) for seq in w.awaiting_kv.values())
-                       + sum(len(seq.block_table) for seq in w.runtime.scheduler.running
-                             if not self.requests[seq.request_id].token_times)
-                       for w in serving)
+            kept = self._reserved_blocks([w for w in self.workers if w in serving])
             looks.append((self.num_waiting, kept, len(waiting), reserved))
             super()._observe()
 

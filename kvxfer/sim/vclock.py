@@ -469,14 +469,7 @@ class VirtualCluster:
         blocked = sum(len(w.admit_queue) for w in self.role("decode"))  # no decode blocks yet
         total = sum(w.runtime.blocks.num_blocks for w in decode)
         free = sum(w.runtime.blocks.num_free_blocks for w in decode)
-        # blocks the serving decode workers hold for prompts without their first token:
-        # remote ones admitted (awaiting_kv), local ones being prefilled there (running);
-        # those still queued (admit queue, scheduler's waiting) hold none
-        requests = self.requests
-        reserved = sum(sum(len(seq.block_table) for seq in w.awaiting_kv.values())
-                       + sum(len(seq.block_table) for seq in w.runtime.scheduler.running
-                             if not requests[seq.request_id].token_times)
-                       for w in decode)
+        reserved = self._reserved_blocks(decode)
         ttft_att, tpot_att = attainment(self.recent, self.adaptive_slo_ms)
         obs = Observation(self.now, len(prefill), len(decode), self.num_waiting - blocked,
                           len(self.requests) - self.num_waiting,
@@ -497,6 +490,16 @@ class VirtualCluster:
         self._switching, self._switch_to = worker, (move.dst, self.now + policy.drain_timeout_s)
         self.counters[f"move_{move.src}_to_{move.dst}"] += 1
         self._maybe_switch(worker)
+
+    def _reserved_blocks(self, decode: list[SimWorker]) -> int:
+        """The blocks ``decode`` workers hold for prompts without their first token: remote
+        ones admitted (``awaiting_kv``), local ones being prefilled there (``running``);
+        those still queued (admit queue, the scheduler's waiting) hold none."""
+        requests = self.requests
+        return sum(sum(len(seq.block_table) for seq in w.awaiting_kv.values())
+                   + sum(len(seq.block_table) for seq in w.runtime.scheduler.running
+                         if not requests[seq.request_id].token_times)
+                   for w in decode)
 
     def _maybe_switch(self, worker: SimWorker) -> None:
         """A drained worker being moved takes its new role (its pool is all free)."""

@@ -64,14 +64,20 @@ def generate(args) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="the jsonl file to write")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The trace's options (``--seed`` and each phase's length and rate), defaults as in
+    the module docstring; :mod:`vclock_adaptive` takes the same."""
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-phase-s", type=float, default=120.0)
     ap.add_argument("--prompt-rate", type=float, default=23.0, help="requests/s")
     ap.add_argument("--output-phase-s", type=float, default=120.0)
     ap.add_argument("--output-rate", type=float, default=26.0, help="requests/s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the jsonl file to write")
+    add_arguments(ap)
     args = ap.parse_args()
     rows = generate(args)
     with open(args.out, "w") as f:

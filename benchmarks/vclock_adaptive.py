@@ -61,11 +61,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompt-phase-s", type=float, default=120.0)
-    ap.add_argument("--prompt-rate", type=float, default=23.0)
-    ap.add_argument("--output-phase-s", type=float, default=120.0)
-    ap.add_argument("--output-rate", type=float, default=26.0)
+    shifting_trace.add_arguments(ap)
     ap.add_argument("--adaptive-from", default="8P8D",
                     help="starting splits of the adaptive runs (the best static one is added)")
     ap.add_argument("--num-blocks", type=int, default=6000)

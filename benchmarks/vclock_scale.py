@@ -5,13 +5,17 @@
 For each cluster size N it replays the Mooncake conversation trace (the first
 ``--per-gpu`` x N requests, the arrival rate scaled by N / 8 so that each GPU sees
 the same offered load) through ``kvxfer plan`` (its pruned search) with
-least-loaded and with KV-aware routing, and reports, per size and routing, the
+least-loaded and with KV-aware routing, each with the KV store off and on, and
+reports, per size, routing and store, the
 goodput of the best colocated configuration, the best static xPyD split, the best
 conditional and the best adaptive one, with SLO attainment and the colocated
 prefix-hit ratio. SLO: DistServe (OSDI'24) Table 1, chatbot on OPT-66B: TTFT 2.5 s,
 TPOT 0.15 s (its 13B row, 0.25 s, is below the modelled prefill time of the trace's
-median prompt on one H100). The KV store is not part of the virtual clock; every run
-is store-off. Every figure is virtual time: the machine's load does not change it.
+median prompt on one H100). The store (``--store``): one node per 8 GPUs (a host),
+each of ``--store-blocks`` one-block slots (default 131,072: 1 TiB of 8 MiB blocks, half
+of a DGX H100's 2 TB of system memory), used by the prefill workers as ``kvxfer serve
+--store``'s are (colocated workers have none: their figures are the same either way).
+Every figure is virtual time: the machine's load does not change it.
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ def _classes(rows: list[dict]) -> dict:
            "adaptive": best(lambda n: n.startswith("adaptive"))}
     return {k: None if r is None else {"name": r["name"], "goodput_rps": r["goodput_rps"],
                                        "slo_attainment": r["slo_attainment"],
-                                       "prefix_hit_ratio": r["prefix_hit_ratio"]}
+                                       "prefix_hit_ratio": r["prefix_hit_ratio"],
+                                       "store_hit_tokens": r.get("store_hit_tokens")}
             for k, r in out.items()}
 
 
@@ -60,6 +65,8 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=6000,
                     help="KV blocks of 16 tokens per GPU (Llama-2-7B fp16 on an 80 GB H100 "
                          "at 0.9 memory use: ~55 GB of 8 MiB blocks)")
+    ap.add_argument("--store-blocks", type=int, default=131072,
+                    help="one-block slots of each store node (one node per 8 GPUs)")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--profile", default="h100-llama2-7b-vidur")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -68,7 +75,8 @@ def main() -> int:
     results = []
     began = time.perf_counter()
     for n in (int(x) for x in args.sizes.split(",")):
-        for routing in ("least-loaded", "kv"):
+        for routing, store in ((r, s) for s in (None, f"{max(1, n // 8)}x{args.store_blocks}")
+                               for r in ("least-loaded", "kv")):
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "plan.json")
                 cmd = [sys.executable, "-m", "kvxfer.cli", "plan", "--trace", args.trace,
@@ -77,24 +85,26 @@ def main() -> int:
                        "--time-scale", f"{args.time_scale_8 * 8 / n:g}",
                        "--num-blocks", str(args.num_blocks), "--routing", routing,
                        "--variants", "1", "--jobs", str(args.jobs), "--json", path]
+                cmd += ["--store", store] if store else []
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT,
                                env={**os.environ, "PYTHONPATH": ROOT})
                 with open(path) as f:
                     doc = json.load(f)
-            row = {"gpus": n, "routing": routing, "num_requests": doc["num_requests"],
+            row = {"gpus": n, "routing": routing, "store": store or "off", "num_requests": doc["num_requests"],
                    "rate_rps": doc["base_rate_rps"], "best": doc["best"], "runs": doc["runs"],
                    "plan_s": time.perf_counter() - t0, **_classes(doc["configs"])}
             results.append(row)
             c, s = row["colocated"], row["static"]
-            print(f"{n:>3} GPUs {routing:>12}: {row['rate_rps']:.1f} req/s; best {row['best']}; "
+            print(f"{n:>3} GPUs {routing:>12} store {row['store']}: {row['rate_rps']:.1f} req/s; best {row['best']}; "
                   f"colocated {c['goodput_rps']:.2f} ({100 * c['slo_attainment']:.1f}%, hits "
                   f"{100 * c['prefix_hit_ratio']:.1f}%), {s['name']} {s['goodput_rps']:.2f}, "
                   + ", ".join(f"{row[k]['name']} {row[k]['goodput_rps']:.2f}"
                               for k in ("conditional", "adaptive") if row[k]), flush=True)
     doc = {"command": "python benchmarks/vclock_scale.py " + " ".join(sys.argv[1:]),
            "slo": SLO, "slo_source": "DistServe (OSDI'24) Table 1, chatbot, OPT-66B",
-           "profile": args.profile, "num_blocks": args.num_blocks, "store": "off",
+           "profile": args.profile, "num_blocks": args.num_blocks,
+           "store_blocks_per_node": args.store_blocks,
            "elapsed_s": time.perf_counter() - began, "results": results}
     write_doc(args.out, doc)
     return 0

@@ -33,7 +33,9 @@ OPEN = {
     "loadgen": ("kvxfer.report",),
     "serving": ("kvxfer.sim",),  # --engine sim: the simulated engine core
     "integrations": ("kvxfer.serving.model",),  # export-hf: the embedded model's GGUF reader
-    "sim": ("kvxfer.serving",),  # the real scheduler, block manager and runtime, forward pass modelled
+    # the real scheduler, block manager and runtime, forward pass modelled; the store
+    # nodes' own index and placement, no bytes moved (kvxfer simulate --store)
+    "sim": ("kvxfer.serving", "kvxfer.store"),
 }
 CLIENTS = tuple(OPEN)
 
@@ -181,7 +183,7 @@ def test_the_check_finds_private_and_internal_imports(source, found):
     ("serving/model/probe.py", "from kvxfer.layout import KVLayout", "kvxfer.layout (internal module)"),
     ("integrations/probe.py", "from ..serving.server.api import ChatRequest",
      "kvxfer.serving.server.api (internal module)"),
-    ("sim/probe.py", "from ..store.client import KVStore", "kvxfer.store.client (internal module)"),
+    ("sim/probe.py", "from ..agent.peers import split_address", "kvxfer.agent.peers (internal module)"),
 ])
 def test_the_check_covers_serving_integrations_and_sim(path, source, found):
     assert public_surface_violations(ROOT / path, source) == [found]

@@ -252,6 +252,7 @@ def run(args) -> int:
     if args.json:
         write_json(args.json, best, rows, {"profile": profile.name, "gpus": args.gpus,
                                            "slo": args.slo, "routing": args.routing,
+                                           "store": args.store,
                                            "num_requests": len(requests), "exhaustive": args.exhaustive,
                                            "runs": runner.runs, "jobs": jobs,
                                            "base_rate_rps": base_rate, "elapsed_s": elapsed})

@@ -38,6 +38,9 @@ def add_common(p) -> None:
                    help="--routing kv: as kvxfer serve (default 4)")
     p.add_argument("--routing-overlap-weight", type=float, default=None, metavar="W",
                    help="--routing kv: as kvxfer serve (default 4)")
+    p.add_argument("--store", default=None, metavar="NODESxBLOCKS",
+                   help="a KV pool the prefill workers use, as kvxfer serve --store: NODES store "
+                        "nodes of BLOCKS one-block slots each (e.g. 2x125000; default: none)")
     p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks,
                    help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -85,6 +88,14 @@ def routing_knobs(args) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
+def store_spec(args):
+    """The ``--store`` pool (:class:`kvxfer.sim.store.StoreSpec`), or None."""
+    from ..sim.store import StoreSpec
+
+    text = getattr(args, "store", None)
+    return None if text is None else StoreSpec.parse(text)
+
+
 def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bool = False,
                routed_hits: bool = True) -> dict:
     """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
@@ -105,7 +116,8 @@ def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bo
     config = parse_config(name, slo_ms=slo_ms, **engine)
     twin_config = parse_config(f"adaptive:{name}", slo_ms=slo_ms, **engine) if twin else None
     result = simulate(config, profile, requests, routing=args.routing, prompt_hashes=hashes,
-                      twin=twin_config, routed_hits=routed_hits, **routing_knobs(args))
+                      twin=twin_config, routed_hits=routed_hits, store=store_spec(args),
+                      **routing_knobs(args))
     summary = summarize_run(result.records, slo)
     row = _row(name, summary, result, result.end_s)
     if twin:
@@ -127,6 +139,8 @@ def _row(name: str, summary: dict, result, end_s: float, counters: dict | None =
             "routed_hit_ratio": (None if "routed_prompt_blocks" not in counts
                                  else counts["routed_hit_blocks"] / counts["routed_prompt_blocks"]
                                  if counts["routed_prompt_blocks"] else 0.0),
+            # prompt tokens prefill workers loaded from the KV pool (--store), else None
+            "store_hit_tokens": counts.get("store_hit_tokens"),
             "virtual_s": end_s, "counters": counts, "records": result.records}
 
 
@@ -177,6 +191,7 @@ def load_inputs(args):
 
     try:
         slo = SLO.parse(args.slo) if args.slo else None
+        store_spec(args)  # checked before the trace is read
         profile = load_profile(args.profile)
         requests = arrivals(args)
     except (ProfileError, ValueError) as exc:
@@ -203,5 +218,6 @@ def run(args) -> int:
     print_rows(f"virtual clock: {len(requests)} requests, profile {profile.name}", rows, best)
     if args.json:
         write_json(args.json, best, rows, {"profile": profile.name, "routing": args.routing,
-                                           "slo": args.slo, "num_requests": len(requests)})
+                                           "store": args.store, "slo": args.slo,
+                                           "num_requests": len(requests)})
     return 0

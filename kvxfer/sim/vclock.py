@@ -11,6 +11,12 @@ scores. What runs is the serving code itself, each worker with its own:
 - :class:`~kvxfer.sim.link.NicQueue` for the P->D transfer (egress on the prefill worker
   frees its blocks at the modelled end; ingress on the decode worker, booked when the
   send is posted, decides when decoding starts: as ``--engine sim`` does);
+- with a KV pool (``store``, as ``kvxfer serve --store``): the workers' own
+  :class:`~kvxfer.serving.workers.pool.PrefillPool` over :mod:`kvxfer.sim.store` (the
+  store nodes' real index and placement): a prompt admitted on a prefill worker loads
+  its pool hits first (the worker waits for the get), and its computed blocks are put
+  after its prefill (the blocks freed once both the send and the put ended). Colocated
+  workers have no pool, as in ``kvxfer serve``;
 
 and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
 or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
@@ -48,9 +54,11 @@ from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
 from ..serving.server.routing import make_policy
 from ..serving.server.worker_ref import WorkerRef
+from ..serving.workers.pool import PrefillPool
 from .link import NicQueue
 from .profile import Profile
 from .runtime import next_token
+from .store import StoreSpec, VirtualStore, VirtualStoreClient
 
 
 @contextlib.contextmanager
@@ -104,6 +112,8 @@ class SimWorker(WorkerRef):
         self.awaiting_kv: dict[str, Sequence] = {}
         self.seqs: dict[str, Sequence] = {}  # what this worker holds, by request id
         self.busy_s = 0.0
+        self.step_end_s = 0.0  # when its current (or last) step ends
+        self.pool: PrefillPool | None = None  # with a KV pool: its PrefillPool
 
 
 @dataclass
@@ -139,7 +149,8 @@ class VirtualCluster:
     """The event loop over the workers of ``config`` (see the module docstring)."""
 
     def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
-                 twin: ServeConfig | None = None, routed_hits: bool = True, **routing_knobs) -> None:
+                 twin: ServeConfig | None = None, routed_hits: bool = True,
+                 store: StoreSpec | None = None, **routing_knobs) -> None:
         if twin is not None and (config.adaptive is not None or twin.adaptive is None
                                  or replace(twin, adaptive=None, adaptive_slo_ms=None) != config):
             raise ValueError("twin: the adaptive configuration of this static split")
@@ -162,6 +173,14 @@ class VirtualCluster:
             if self.publishes_events:
                 w.runtime.blocks.record_events()
             self.routing.set_capacity(w.name, engine.num_blocks)
+        self.store = None if store is None else VirtualStore(store, profile, self._clock)
+        if self.store is not None:  # every worker that can be a prefill worker, as the workers' --store
+            salt = f"kvxfer-vclock|{profile.name}|{profile.block_bytes}".encode()
+            for w in self.workers:
+                if w.role != "colocated":
+                    client = VirtualStoreClient(self.store, w.nic, self._step_end_of(w), self.at,
+                                                self._puts_done_of(w))
+                    w.pool = PrefillPool(client, w.runtime, salt)
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
@@ -180,6 +199,16 @@ class VirtualCluster:
     # ---- the loop -----------------------------------------------------------------
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def _clock(self) -> float:
+        return self.now
+
+    @staticmethod
+    def _step_end_of(worker: SimWorker):
+        return lambda: worker.step_end_s
+
+    def _puts_done_of(self, worker: SimWorker):
+        return lambda: self._puts_done(worker)
 
     def run(self, arrivals: list[tuple[float, list[int], int]],
             prompt_hashes: list[list[int]] | None = None) -> SimResult:
@@ -220,7 +249,8 @@ class VirtualCluster:
                         last_work_s = self.now
         finally:
             del self._observe_event  # a bound method of self: no cycle left behind
-        stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue]
+        stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue
+                 or (w.pool is not None and w.pool.queue)]
         if self._num_left or stuck:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
                                f"(workers with work: {stuck}): nothing left could move them, "
@@ -232,6 +262,12 @@ class VirtualCluster:
             self.counters["query_tokens"] += w.runtime.blocks.num_query_tokens
             self.counters["hit_tokens"] += w.runtime.blocks.num_hit_tokens
             self.counters["preemptions"] += w.runtime.scheduler.num_preemptions
+            if w.pool is not None:  # the pool's, as the workers report them
+                self.counters.update(w.pool.counters)
+        if self.store is not None:
+            stats = self.store.stats()
+            for k in ("evictions", "objects", "hits", "misses"):
+                self.counters[f"store_node_{k}"] = stats[k]
         # the router's view, once a pick: the index's hit on the chosen worker (a preempted
         # request allocating again counts again in hit_tokens, never here); only where the
         # index was fed
@@ -352,7 +388,10 @@ class VirtualCluster:
             prefill.inflight.add(r.rid)
             pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
             pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
-            prefill.runtime.scheduler.add(pseq)
+            if prefill.pool is None:  # as PrefillWorker.on_prefill
+                prefill.runtime.scheduler.add(pseq)
+            else:
+                prefill.pool.submit(pseq)
             self._kick(prefill)
         self._publish(worker)
 
@@ -360,7 +399,11 @@ class VirtualCluster:
     def _kick(self, worker: SimWorker) -> None:
         """Start ``worker``'s next step if it is idle and has one."""
         runtime = worker.runtime
-        if worker.is_stepping or not runtime.scheduler.has_work():
+        if worker.is_stepping:
+            return
+        if worker.pool is not None:  # as PrefillWorker.tick, before its step
+            worker.pool.admit_queued()
+        if not runtime.scheduler.has_work():
             return
         step = runtime.step()
         self._publish(worker)
@@ -369,7 +412,10 @@ class VirtualCluster:
         worker.is_stepping = True
         worker.busy_s += runtime.last_step_s
         self.num_steps += 1
-        self.at(self.now + runtime.last_step_s, self._step_done, worker, step.produced)
+        # a pool get the worker waits for delays the step (it ran before it, in its loop)
+        start = self.now if worker.pool is None else max(self.now, worker.pool.store.ready_at)
+        worker.step_end_s = start + runtime.last_step_s
+        self.at(worker.step_end_s, self._step_done, worker, step.produced)
 
     def _step_done(self, worker: SimWorker, produced) -> None:
         worker.is_stepping = False
@@ -402,6 +448,8 @@ class VirtualCluster:
         del r.decode.awaiting_kv[r.rid]
         self.routing.prefilled(r.rid)
         r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
+        if worker.pool is not None:  # as PrefillWorker.tick: the put is posted before the send
+            worker.pool.put(seq)
         num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
         nbytes = num_blocks * self.profile.block_bytes
         _, sent_at = worker.nic.reserve(self.now, nbytes)
@@ -412,12 +460,26 @@ class VirtualCluster:
         self.at(landed_at, self._landed, r, token)
 
     def _sent(self, worker: SimWorker, r: _Request, seq: Sequence) -> None:
-        worker.runtime.release(seq, "stop")
-        del worker.seqs[r.rid]
-        worker.inflight.discard(r.rid)
+        if worker.pool is None or not worker.pool.release(seq):  # else once its put ended
+            self._free_sent(worker, seq)
         self.routing.release(r.rid, worker.name)
         self._kick(worker)
         self._maybe_switch(worker)
+
+    def _free_sent(self, worker: SimWorker, seq: Sequence) -> None:
+        """A prefill worker's sequence whose send (and put) ended leaves it."""
+        worker.runtime.release(seq, "stop")
+        del worker.seqs[seq.request_id]
+        worker.inflight.discard(seq.request_id)
+
+    def _puts_done(self, worker: SimWorker) -> None:
+        """A put of ``worker`` committed: the sequences that waited for it go (its loop's poll)."""
+        freed = worker.pool.poll()
+        for seq in freed:
+            self._free_sent(worker, seq)
+        if freed:
+            self._kick(worker)
+            self._maybe_switch(worker)
 
     def _landed(self, r: _Request, token: int) -> None:
         worker = r.decode
@@ -529,7 +591,7 @@ def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int)
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
              *, routing: str = "least-loaded", prompt_hashes: list[list[int]] | None = None,
              twin: ServeConfig | None = None, routed_hits: bool = True,
-             **routing_knobs) -> SimResult:
+             store: StoreSpec | None = None, **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
     policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
@@ -549,8 +611,12 @@ def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, 
     ``routed_prompt_blocks``). A policy that picks by prefix always has them; for
     ``least-loaded`` they cost feeding its index every worker's cache events (about
     1.4x the run's time), so a caller that reads only goodput passes False (the
-    records are the same either way)."""
+    records are the same either way).
+
+    ``store``: a KV pool of that many nodes and slots, which the prefill workers use as
+    ``kvxfer serve --store``'s do (module docstring); its counters are the workers'
+    ``store_*`` and the nodes' ``store_node_*``."""
     with gc_paused():  # its workers' blocks: many objects, no cycles
         cluster = VirtualCluster(config, profile, routing=routing, twin=twin,
-                                 routed_hits=routed_hits, **routing_knobs)
+                                 routed_hits=routed_hits, store=store, **routing_knobs)
     return cluster.run(arrivals, prompt_hashes)

@@ -1,18 +1,24 @@
 """A prefill worker's use of the KV pool (``kvxfer serve --store``, ``kvxfer worker --store``).
 
-:meth:`PrefillPool.admit` allocates a new prompt's blocks (this worker's own prefix-cache
-hits first), looks the prompt's next full blocks up in the pool (``kvxfer.block_keys``
+:meth:`PrefillPool.submit` queues a new prompt; :meth:`PrefillPool.admit_queued` (the
+worker's every tick, and each submit) admits the queue's head while the scheduler would
+take it (nothing waiting before it, a batch slot and the blocks free), so every prompt
+is looked up when it is admitted, also behind a queue. Admitting allocates the prompt's
+blocks (this worker's own prefix-cache hits first), looks the prompt's next full blocks
+up in the pool (``kvxfer.block_keys``
 salted with the model identity), loads the leading hits straight into the allocated
 blocks and counts them computed, so the scheduler prefills only the rest. The get is
 waited for (a copy at memory speed, bounded by the store's ``timeout``); if it fails,
 the blocks it did load (``.loaded``) count and the rest is computed. After the prefill,
 :meth:`PrefillPool.put` posts a put of the full prompt blocks this worker computed and
-never waits: at most ``max_put_blocks`` blocks are in flight, the rest are dropped
-(counted). A sequence whose blocks a put still reads is released only once the put
+never waits: at most ``max_put_blocks`` blocks are in flight; past that a put takes the
+leading blocks that fit and drops the rest (counted), so a prompt longer than the budget
+still pools its prefix. A sequence whose blocks a put still reads is released only once the put
 ended (:meth:`release`, :meth:`poll`).
 """
 from __future__ import annotations
 
+import collections
 import logging
 
 log = logging.getLogger("kvxfer.worker")
@@ -30,7 +36,9 @@ class PrefillPool:
     def __init__(self, store, runtime, salt: bytes, *, max_put_blocks: int = 1024) -> None:
         self.store = store
         self.runtime = runtime
-        self.layout = runtime.cache.kv_layout()  # one object: the store registers it once
+        # one object: the store registers it once. The virtual clock's runtime has no pool
+        # (None): its store (kvxfer.sim.store) moves no bytes and reads no layout.
+        self.layout = runtime.cache.kv_layout() if runtime.cache is not None else None
         self.salt = salt
         self.max_put_blocks = max_put_blocks
         # reported with the worker's counters (the router's kvxfer_worker_stat{stat=...})
@@ -40,6 +48,21 @@ class PrefillPool:
         self._keys: dict = {}  # request id -> (keys, first block this worker computed)
         self._puts: dict = {}  # request id -> (handle, blocks)
         self._deferred: dict = {}  # request id -> sequence to release once its put ended
+        self.queue: collections.deque = collections.deque()  # submitted, not admitted yet
+
+    def submit(self, seq) -> None:
+        """A new prompt: admitted now if the scheduler would take it, else queued, in
+        arrival order, for :meth:`admit_queued`."""
+        self.queue.append(seq)
+        self.admit_queued()
+
+    def admit_queued(self) -> int:
+        """Admit queued prompts from the head while :meth:`admit` takes them; how many."""
+        n = 0
+        while self.queue and self.admit(self.queue[0]):
+            self.queue.popleft()
+            n += 1
+        return n
 
     def admit(self, seq) -> bool:
         """Allocate ``seq``, load its pool hits and hand it to the scheduler as allocated;
@@ -86,11 +109,14 @@ class PrefillPool:
         n = len(keys) - first
         if n <= 0:
             return
-        if sum(b for _, b in self._puts.values()) + n > self.max_put_blocks:
-            self.counters["store_put_drops"] += n
-            return
+        room = self.max_put_blocks - sum(b for _, b in self._puts.values())
+        if n > room:  # the leading blocks that fit: keys are chained, a prefix is useful alone
+            self.counters["store_put_drops"] += n - max(room, 0)
+            n = room
+            if n <= 0:
+                return
         try:
-            handle = self.store.put(keys[first:], self.layout, seq.block_table[first:len(keys)])
+            handle = self.store.put(keys[first:first + n], self.layout, seq.block_table[first:first + n])
         except KVXferError as exc:  # LimitExceeded: the client's queue is full
             self.counters["store_put_drops"] += n
             log.warning("%s: put of %d blocks dropped: %s", seq.request_id, n, exc)
@@ -98,8 +124,11 @@ class PrefillPool:
         self._puts[seq.request_id] = (handle, n)
 
     def forget(self, seq) -> None:
-        """``seq`` left before its prefill finished (aborted): nothing to put."""
+        """``seq`` left before its prefill finished (aborted): nothing to put (queued: it
+        leaves the queue)."""
         self._keys.pop(seq.request_id, None)
+        if self.queue and seq in self.queue:
+            self.queue.remove(seq)
 
     def release(self, seq) -> bool:
         """True if ``seq``'s blocks must wait for its put (then :meth:`poll` returns it)."""
@@ -110,7 +139,8 @@ class PrefillPool:
 
     @property
     def busy(self) -> bool:
-        return bool(self._puts)
+        """Prompts queued or puts in flight."""
+        return bool(self._puts or self.queue)
 
     def poll(self) -> list:
         """Account ended puts; the deferred sequences whose blocks may be released now."""

@@ -10,8 +10,9 @@ until the send completes, fails, or outlives its lease
 (``--transfer-timeout``), then freed; full blocks keep their prefix hash.
 
 With a KV pool (``--store``, :class:`~kvxfer.serving.workers.pool.PrefillPool`), a new
-prompt loads its pool hits before it is scheduled, and its computed full blocks are
-put into the pool after its prefill (async; the blocks are freed once the put ended).
+prompt waits in the pool's queue until the scheduler would take it, then loads its pool
+hits before it is scheduled; its computed full blocks are put into the pool after its
+prefill (async; the blocks are freed once the put ended).
 
 Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim.link`): the write is
 posted at once; the transfer is booked on this worker's modelled egress, its
@@ -55,8 +56,10 @@ class PrefillWorker(WorkerLoop):
         seq = Sequence(msg["prompt_ids"], sampling_params(msg["params"]), msg["rid"])
         self.jobs[seq.request_id] = msg
         self.seqs[seq.request_id] = seq
-        if self.pool is None or not self.pool.admit(seq):
+        if self.pool is None:
             self.runtime.scheduler.add(seq)
+        else:
+            self.pool.submit(seq)
 
     def on_abort(self, msg: dict) -> None:
         rid = msg["rid"]
@@ -80,6 +83,7 @@ class PrefillWorker(WorkerLoop):
         if self.pool is not None:
             for seq in self.pool.poll():  # their puts ended: the blocks may go
                 self.runtime.release(seq, "stop")
+            self.pool.admit_queued()
         step = self.step()
         for (seq, token), logprobs in zip(step.produced, step.logprobs):
             rid = seq.request_id
@@ -165,6 +169,7 @@ class PrefillWorker(WorkerLoop):
 
     def stats(self) -> dict:
         sched = self.runtime.scheduler
-        return {"waiting": len(sched.waiting), "running": len(sched.running),
+        return {"waiting": len(sched.waiting) + (len(self.pool.queue) if self.pool is not None else 0),
+                "running": len(sched.running),
                 "sending": len(self.outgoing), "free_blocks": self.runtime.blocks.num_free_blocks,
                 **(self.pool.counters if self.pool is not None else {})}

@@ -448,14 +448,14 @@ class VirtualCluster:
         del r.decode.awaiting_kv[r.rid]
         self.routing.prefilled(r.rid)
         r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
-        if worker.pool is not None:  # as PrefillWorker.tick: the put is posted before the send
-            worker.pool.put(seq)
         num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
         nbytes = num_blocks * self.profile.block_bytes
         _, sent_at = worker.nic.reserve(self.now, nbytes)
         _, landed_at = r.decode.nic.reserve(self.now, nbytes)
         r.kv_transfer_ms = (sent_at - self.now) * 1e3
         self.counters["kv_bytes"] += nbytes
+        if worker.pool is not None:  # as PrefillWorker.tick: the put is posted after the send
+            worker.pool.put(seq)
         self.at(sent_at, self._sent, worker, r, seq)
         self.at(landed_at, self._landed, r, token)
 

@@ -12,7 +12,8 @@ until the send completes, fails, or outlives its lease
 With a KV pool (``--store``, :class:`~kvxfer.serving.workers.pool.PrefillPool`), a new
 prompt waits in the pool's queue until the scheduler would take it, then loads its pool
 hits before it is scheduled; its computed full blocks are put into the pool after its
-prefill (async; the blocks are freed once the put ended).
+prefill, posted after the send so that the decode worker's KV is first on the wire
+(async; the blocks are freed once both the send and the put ended).
 
 Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim.link`): the write is
 posted at once; the transfer is booked on this worker's modelled egress, its
@@ -97,10 +98,13 @@ class PrefillWorker(WorkerLoop):
                     self.pool.forget(seq)
                 self.runtime.release(seq)
                 continue
-            if self.pool is not None:
-                self.pool.put(seq)
             self.send(token_event(rid, token, logprobs))
             self._post_send(seq, msg)
+            if self.pool is not None:  # after the send: the decode worker's KV goes first
+                if rid in self.outgoing:
+                    self.pool.put(seq)
+                else:  # the send failed at once: its blocks are gone already
+                    self.pool.forget(seq)
 
     def _peer(self, address: str):
         peer = self.peers.get(address)

@@ -486,6 +486,69 @@ def test_dispatcher_books_a_request_until_it_ends():
     assert all(routing.booked(w.name) == Booking(0, 0) for w in d.cluster.workers)
 
 
+def test_dispatcher_weighs_the_pools_blocks_in_the_prefill_pick():
+    from kvxfer.serving.server.dispatch import Dispatcher
+    from kvxfer.serving.server.prom import Registry
+    from kvxfer.serving.server.serve_config import ServeConfig
+
+    registry = Registry()
+    d = Dispatcher(ServeConfig(num_prefill=2, num_decode=1, routing="kv"), registry)
+    for w in d.cluster.workers:
+        w.is_alive, w.channel = True, _Channel()
+        w.info = {"agent_address": f"127.0.0.1:{len(w.name)}"}
+    p0, p1 = d.cluster.role("prefill")
+    d.submit("busy", list(range(5000, 5000 + 97)), {"max_tokens": 4})  # 6 blocks to prefill on p0
+    prompt = list(range(200))  # 12 full blocks, all in p0's cache
+    d.on_message(p0, {"ev": "kv_events", "stored": chain(prompt, 16), "removed": []})
+    # local hits only: p0 spares 12 blocks of prefill, worth its 6 pending ones
+    assert d.submit("a", prompt, {"max_tokens": 4}).prefill is p0
+    d.abort("a")
+    # the pool holds all 12: p0's cache is no advantage, and p1 has nothing pending
+    assert d.submit("b", prompt, {"max_tokens": 4}, pool_hit_blocks=12).prefill is p1
+    assert 'kvxfer_routed_blocks_total{kind="pool",policy="kv",role="prefill"} 12.0' in registry.render()
+
+
+def test_router_pool_lookup_keys_as_the_prefill_workers_do():
+    import asyncio
+
+    from kvxfer import block_keys
+    from kvxfer.serving.server.pool_lookup import MAX_WAITING, PoolLookup
+    from kvxfer.serving.workers.pool import model_salt
+
+    class Layout:
+        def fingerprint(self):
+            return "fp"
+
+    worker_salt = model_salt("m", "bf16", Layout())
+    held = block_keys(list(range(100)), 16, salt=worker_salt)[:4]
+
+    class Store:
+        def __init__(self):
+            self.asked = []
+
+        def lookup(self, keys):
+            self.asked.append(keys)
+            n = 0
+            while n < len(keys) and keys[n] in held:
+                n += 1
+            return n
+
+    store = Store()
+    pool = PoolLookup(store, 16)
+    info = {"model": "m", "matmul": "bf16", "kv_fingerprint": "fp"}
+    try:
+        assert asyncio.run(pool.hits(list(range(100)), info)) == 4
+        assert len(store.asked[-1]) == 6  # (100 - 1) // 16 full blocks: the last token never counts
+        assert asyncio.run(pool.hits(list(range(100)), {**info, "matmul": "fp32"})) == 0  # another model
+        asked = len(store.asked)
+        assert asyncio.run(pool.hits(list(range(100)), {"model": "m"})) == 0  # no salt: no lookup
+        assert asyncio.run(pool.hits([1] * 16, info)) == 0 and len(store.asked) == asked
+        pool.waiting = MAX_WAITING  # a full queue: routed without a lookup, counted
+        assert asyncio.run(pool.hits(list(range(100)), info)) == 0 and pool.counters["skipped"] == 1
+    finally:
+        pool._thread.shutdown()
+
+
 def test_kv_event_batches_keep_every_hash_once_within_the_limit():
     from kvxfer.serving.channel.ipc import kv_event_batches
 

@@ -7,6 +7,10 @@ serves the same prompt: its prefill worker loads the blocks from the pool (its
 ``store_hit_tokens`` counter on ``/metrics``), computes only the tail, and answers
 A's reference tokens exactly. Then the node is SIGKILLed: B recomputes a new prompt
 (no hang) and answers what A answers cold for it.
+
+With ``--routing kv`` the router looks each prompt up in the pool before it picks a
+prefill worker, with the workers' own keys: the blocks a first request put are the
+blocks the router sees for the second.
 """
 from __future__ import annotations
 
@@ -99,3 +103,23 @@ def test_second_server_prefills_from_the_pool(node):
         assert _stat(b, "store_hit_tokens") == pooled
     finally:
         b.stop()
+
+
+def test_the_kv_router_looks_prompts_up_in_the_pool():
+    proc, addr = start_node(capacity="64M", slot="1M")  # its own: the test above kills its node
+    srv = Server("--prefill", "2", "--decode", "1", "--matmul-dtype", "fp32", "--store", addr,
+                 "--routing", "kv", env=ENV)
+    try:
+        prompt = PROMPT + " twice"
+        _, n = _tokens(srv.complete(prompt, max_tokens=MAX_TOKENS))
+        pooled = (n - 1) // BLOCK
+        assert _wait_for(lambda: sum(_stat(srv, "store_put_blocks", w) for w in ("prefill-0", "prefill-1"))
+                         == n // BLOCK)
+        srv.complete(prompt, max_tokens=MAX_TOKENS)
+        text = srv.client.get("/metrics").text
+        m = re.search(r'^kvxfer_routed_blocks_total\{kind="pool",policy="kv",role="prefill"\} (\S+)$', text, re.M)
+        # the router's keys are the workers' (same salt, same blocks): it saw every pooled block
+        assert m and float(m.group(1)) == pooled, text
+    finally:
+        srv.stop()
+        stop_node(proc)

@@ -191,3 +191,22 @@ def test_colocated_workers_have_no_pool_and_bad_specs_are_refused():
     with pytest.raises(ValueError):
         VirtualStoreClient(VirtualStore(StoreSpec(1, 4), _profile(), lambda: 0.0),
                            NicQueue(Link(1.0, 0.0)), lambda: 0.0, None, None).get([b"k"], None, [])
+
+
+def test_kv_routing_weighs_the_pools_blocks_as_the_router_does():
+    x = list(range(100, 100 + 12 * BLOCK + 5))  # 12 full blocks, cached on prefill-0 and pooled
+    z = list(range(9000, 9000 + 3 * BLOCK))  # a short prompt that keeps prefill-0 busy
+    arrivals = [(0.0, x, 4), (5.0, z, 4), (5.0001, x, 4)]
+    config = parse_config("2P1D", num_blocks=128)
+    picks = {}
+    for name, kw in (("kv", {}), ("kv+store", {"store": StoreSpec(1, 256)}),
+                     ("least-loaded+store", {"store": StoreSpec(1, 256), "routing": "least-loaded"})):
+        res = simulate(config, _profile(), arrivals, **{"routing": "kv", **kw})
+        picks[name] = [r["prefill"] for r in sorted(res.records, key=lambda r: r["sent_s"])]
+        picks[name + " pool blocks"] = res.counters.get("routed_pool_blocks")
+    # local hits only: prefill-0's 12 cached blocks outweigh its 3 pending ones
+    assert picks["kv"] == ["prefill-0", "prefill-0", "prefill-0"]
+    # the pool holds all 12: they are no advantage, and prefill-1 is idle (it loads them)
+    assert picks["kv+store"] == ["prefill-0", "prefill-0", "prefill-1"]
+    assert picks["kv+store pool blocks"] == 12
+    assert picks["least-loaded+store pool blocks"] is None  # its pick reads no pool

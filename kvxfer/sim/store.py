@@ -99,6 +99,15 @@ class VirtualStore:
     def node_of(self, key: bytes) -> str:
         return self.placement.owners(key)[0]
 
+    def lookup(self, keys) -> int:
+        """How many leading ``keys`` are readable in their nodes now (recency untouched)."""
+        n = 0
+        for k in keys:
+            if not self.nodes[self.node_of(k)].contains(k):
+                break
+            n += 1
+        return n
+
     def transfer(self, start: float, worker_nic: NicQueue, keys, *, put: bool) -> float:
         """The end of moving ``keys``' objects between a worker's ``worker_nic`` and their
         nodes (to them: ``put``), from ``start``."""
@@ -141,12 +150,7 @@ class VirtualStoreClient:
         self.ready_at = 0.0  # the end of the last get: the worker's next step starts after it
 
     def lookup(self, keys) -> int:
-        n = 0
-        for k in keys:
-            if not self.store.nodes[self.store.node_of(k)].contains(k):
-                break
-            n += 1
-        return n
+        return self.store.lookup(keys)
 
     def get(self, keys, layout, block_ids):
         """The objects of ``keys`` (all in the pool: looked up at this instant), read at

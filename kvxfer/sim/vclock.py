@@ -16,7 +16,9 @@ scores. What runs is the serving code itself, each worker with its own:
   store nodes' real index and placement): a prompt admitted on a prefill worker loads
   its pool hits first (the worker waits for the get), and its computed blocks are put
   after its prefill (the blocks freed once both the send and the put ended). Colocated
-  workers have no pool, as in ``kvxfer serve``;
+  workers have no pool, as in ``kvxfer serve``. With ``kv`` routing the router looks
+  each prompt up in the pool (:func:`~kvxfer.serving.server.pool_lookup.lookup_keys`)
+  and the prefill pick weighs its blocks, as the router does;
 
 and for the router: the routing policy (:mod:`kvxfer.serving.server.routing`, ``least-loaded``
 or ``kv``) fed each worker's prefix-cache events after every step, as the workers publish
@@ -53,6 +55,7 @@ from ..serving.server.dispatch import prefill_queue_full, usable
 from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
 from ..serving.server.routing import make_policy
+from ..serving.server.pool_lookup import lookup_keys
 from ..serving.server.worker_ref import WorkerRef
 from ..serving.workers.pool import PrefillPool
 from .link import NicQueue
@@ -174,8 +177,12 @@ class VirtualCluster:
                 w.runtime.blocks.record_events()
             self.routing.set_capacity(w.name, engine.num_blocks)
         self.store = None if store is None else VirtualStore(store, profile, self._clock)
+        # the router weighs the pool's blocks where it has a pool and picks by prefix
+        self.router_looks_up = (self.store is not None and self.routing.chooses_by_prefix
+                                and config.is_disaggregated)
+        self.pool_salt = f"kvxfer-vclock|{profile.name}|{profile.block_bytes}".encode()
         if self.store is not None:  # every worker that can be a prefill worker, as the workers' --store
-            salt = f"kvxfer-vclock|{profile.name}|{profile.block_bytes}".encode()
+            salt = self.pool_salt
             for w in self.workers:
                 if w.role != "colocated":
                     client = VirtualStoreClient(self.store, w.nic, self._step_end_of(w), self.at,
@@ -297,7 +304,7 @@ class VirtualCluster:
     def role(self, role: str) -> list[SimWorker]:
         return [w for w in self.workers if w.role == role]
 
-    def _pick(self, role: str, r: _Request) -> SimWorker | None:
+    def _pick(self, role: str, r: _Request, pool_hit_blocks: int = 0) -> SimWorker | None:
         """The routing policy's pick among the workers of ``role`` taking requests (as
         :meth:`kvxfer.serving.server.launcher.Cluster.route`), ``r`` booked on it as the
         dispatcher books it."""
@@ -306,7 +313,7 @@ class VirtualCluster:
             return None
         return self.routing.pick(live, r.prompt_ids, request_id=r.rid,
                                  max_tokens=0 if role == "prefill" else r.max_tokens,
-                                 prefills=role != "decode")
+                                 prefills=role != "decode", pool_hit_blocks=pool_hit_blocks)
 
     def _publish(self, worker: SimWorker) -> None:
         """``worker``'s prefix-cache changes to the router's policy (its kv_events)."""
@@ -345,7 +352,12 @@ class VirtualCluster:
             self._admit_local(r, params)
             return
         r.decode = self._pick("decode", r)
-        prefill = self._pick("prefill", r)
+        pool_hit_blocks = 0
+        if self.router_looks_up:  # the router's pool lookup, before its picks (dispatcher.submit)
+            pool_hit_blocks = self.store.lookup(lookup_keys(r.prompt_ids, self.profile.block_size,
+                                                            self.pool_salt))
+            self.counters["routed_pool_blocks"] += pool_hit_blocks
+        prefill = self._pick("prefill", r, pool_hit_blocks)
         if prefill_queue_full(prefill.load, self.config):
             self.counters["local_prefill_queue"] += 1
             self.routing.release(r.rid, prefill.name)

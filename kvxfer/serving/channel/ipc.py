@@ -58,6 +58,14 @@ MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as JSON ints still fits
 MAX_EVENT_HASHES = 4096  # hashes (stored + removed) in one kv_events message
 
 
+def pool_salt(model: str, matmul_dtype: str, kv_fingerprint: str) -> bytes:
+    """The KV pool keys' salt (:func:`kvxfer.store.block_keys`) of the model a worker's
+    ``ready`` message names (``model``, ``matmul``, ``kv_fingerprint``): its name, its
+    projection dtype (it changes the KV's values) and its KV layout's fingerprint. The
+    prefill workers key the pool with it, and the router looks prompts up with it."""
+    return f"kvxfer-serve|{model}|{matmul_dtype}|{kv_fingerprint}".encode()
+
+
 def kv_event_batches(stored: list[int], removed: list[int]):
     """``(stored, removed)`` split into the lists of successive ``kv_events`` messages, at
     most :data:`MAX_EVENT_HASHES` hashes each (a hash is in one list only, so the split

@@ -99,7 +99,7 @@ class Dispatcher:
         self.m_requests = r.counter("kvxfer_requests_total", "Finished requests (one per choice) by outcome: ok, error, aborted (the client went away), timeout.", ("outcome",))
         self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Generated tokens.")
         self.m_local_prefills = r.counter("kvxfer_local_prefills_total", "Disaggregated requests prefilled on their decode worker, by reason.", ("reason",))
-        self.m_routed_blocks = r.counter("kvxfer_routed_blocks_total", "Full prompt blocks routed (kind=prompt) and those the picked worker's prefix cache held by the router's index (kind=hit), by routing policy and the picked worker's role.", ("policy", "role", "kind"))
+        self.m_routed_blocks = r.counter("kvxfer_routed_blocks_total", "Full prompt blocks routed (kind=prompt), those the picked worker's prefix cache held by the router's index (kind=hit) and those the KV pool held (kind=pool, --store with --routing kv), by routing policy and the picked worker's role.", ("policy", "role", "kind"))
         self.m_bad_kv_events = r.counter("kvxfer_bad_kv_events_total", "kv_events messages from workers dropped as malformed.")
         self.m_retries = r.counter("kvxfer_request_retries_total", "Requests placed again after their worker died or failed, by role.", ("role",))
 
@@ -107,19 +107,22 @@ class Dispatcher:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9:09d}"
 
     # ---- submission -------------------------------------------------------
-    def submit(self, rid: str, prompt_ids: list[int], params: dict) -> RequestState:
+    def submit(self, rid: str, prompt_ids: list[int], params: dict, *,
+               pool_hit_blocks: int = 0) -> RequestState:
+        """Route and admit a request; ``pool_hit_blocks``: leading blocks of its prompt the
+        KV pool holds (:mod:`.pool_lookup`), which the prefill pick weighs."""
         st = RequestState(rid, prompt_ids, params)
-        self._place(st)
+        self._place(st, pool_hit_blocks)
         self._by_public[rid] = st
         return st
 
-    def _place(self, st: RequestState) -> None:
+    def _place(self, st: RequestState, pool_hit_blocks: int = 0) -> None:
         """Pick workers for ``st`` and admit it; raises NoWorkerAvailable."""
         rid, prompt_ids, params = st.rid, st.prompt_ids, st.params
         max_tokens = int(params.get("max_tokens") or 0)
         if self.config.is_disaggregated:
             decode = self._pick("decode", prompt_ids, rid, max_tokens, prefills=False)
-            prefill = self._pick("prefill", prompt_ids, rid, 0)
+            prefill = self._pick("prefill", prompt_ids, rid, 0, pool_hit_blocks=pool_hit_blocks)
             if decode is None or prefill is None:
                 self.cluster.routing.release(rid)
                 raise NoWorkerAvailable("no live prefill or decode worker")
@@ -142,17 +145,19 @@ class Dispatcher:
                      "mode": mode, "local_below": self.config.local_prefill_tokens})
 
     def _pick(self, role: str, prompt_ids: list[int], rid: str, max_tokens: int, *,
-              prefills: bool = True):
+              prefills: bool = True, pool_hit_blocks: int = 0):
         """The routing policy's worker of ``role`` for ``prompt_ids``, its hit counted and
         request ``rid`` booked on it (the policy's ledger: released in :meth:`_release`,
         :meth:`_finish`, :meth:`_retry`, on ``sent``/``send_failed`` for a prefill worker;
         its prefill part on the first token)."""
         route = self.cluster.route(role, prompt_ids, request_id=rid, max_tokens=max_tokens,
-                                   prefills=prefills)
+                                   prefills=prefills, pool_hit_blocks=pool_hit_blocks)
         if route.worker is not None and route.prompt_blocks:
             policy = self.cluster.routing.name
             self.m_routed_blocks.inc(route.prompt_blocks, policy=policy, role=role, kind="prompt")
             self.m_routed_blocks.inc(route.hit_blocks, policy=policy, role=role, kind="hit")
+            if pool_hit_blocks:
+                self.m_routed_blocks.inc(pool_hit_blocks, policy=policy, role=role, kind="pool")
         return route.worker
 
     def abort(self, rid: str, outcome: str = "aborted") -> None:

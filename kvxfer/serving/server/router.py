@@ -56,6 +56,7 @@ class Choice:
     prompt_ids: list[int]
     params: dict
     state: RequestState | None = None
+    pool_hit_blocks: int = 0  # leading prompt blocks the KV pool held when it was routed
 
 
 class _Batch:
@@ -93,6 +94,9 @@ class Router:
             self.rebalancer = Rebalancer(self.dispatcher, self.registry, config.adaptive,
                                          config.adaptive_slo_ms)
         self._pool_tokens = 0  # a worker's KV pool in tokens, from its ready message
+        from .pool_lookup import PoolLookup
+
+        self.pool = PoolLookup.open(config, self.dispatcher.cluster.routing.block_size)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -104,6 +108,22 @@ class Router:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()
+
+    async def look_up_pool(self, choices: list[Choice]) -> None:
+        """Each choice's ``pool_hit_blocks`` (:mod:`.pool_lookup`; one lookup a prompt),
+        when the server has a pool the router weighs."""
+        if self.pool is None:
+            return
+        info = next((w.info for w in self.dispatcher.cluster.role("prefill")
+                     if w.is_alive and self.pool.salt(w.info) is not None), None)
+        found: dict[int, int] = {}
+        for c in choices:
+            key = id(c.prompt_ids)
+            if key not in found:
+                found[key] = await self.pool.hits(c.prompt_ids, info)
+            c.pool_hit_blocks = found[key]
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (None: the served one)."""
@@ -131,7 +151,8 @@ class Router:
         """Hand every choice to the workers; 503 (and nothing left running) when one cannot be."""
         for c in choices:
             try:
-                c.state = self.dispatcher.submit(c.rid, c.prompt_ids, c.params)
+                c.state = self.dispatcher.submit(c.rid, c.prompt_ids, c.params,
+                                                 pool_hit_blocks=c.pool_hit_blocks)
             except NoWorkerAvailable as exc:
                 for done in choices:
                     if done.state is not None:
@@ -289,6 +310,7 @@ async def _respond(router: Router, req: api._SamplingFields, prompts: list[list[
     created, model = api.now(), router.model_name
     try:
         choices = router.choices(rid, prompts, req)
+        await router.look_up_pool(choices)
         router.submit(choices)
     except RequestFailed as exc:
         return _error_response(exc)

@@ -27,9 +27,12 @@ GET_TIMEOUT_S = 30.0  # beyond the store's own per-request timeout: a last bound
 
 
 def model_salt(model_name: str, matmul_dtype: str, layout) -> bytes:
-    """The reference engine's model identity: its name, projection dtype (it changes the
-    KV's values) and the KV layout's fingerprint (layers, heads, head dim, dtype, block size)."""
-    return f"kvxfer-serve|{model_name}|{matmul_dtype}|{layout.fingerprint()}".encode()
+    """The reference engine's model identity (:func:`kvxfer.serving.channel.ipc.pool_salt`):
+    its name, projection dtype and the KV layout's fingerprint (layers, heads, head dim,
+    dtype, block size), as its ready message reports them to the router."""
+    from ..channel.ipc import pool_salt
+
+    return pool_salt(model_name, matmul_dtype, layout.fingerprint())
 
 
 class PrefillPool:

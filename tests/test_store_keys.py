@@ -63,3 +63,21 @@ def test_deterministic_across_processes():
 def test_bad_arguments(args, exc):
     with pytest.raises(exc):
         kvxfer.block_keys(*args)
+
+
+def test_extend_keys_continues_the_chain_as_a_sequence_grows():
+    from kvxfer.store import extend_keys
+
+    toks = [(7 * i) % 5000 for i in range(230)]
+    whole = kvxfer.block_keys(toks, 16, salt=b"m")
+    for known in (0, 1, 5, len(whole)):  # a prompt's keys, then its generated tokens' blocks
+        keys = whole[:known]
+        grown = extend_keys(keys, toks, 16, salt=b"m")
+        assert grown == whole and keys == whole[:known]  # a new list; the given one is kept
+    assert extend_keys(whole, toks[:40], 16, salt=b"m") is whole  # nothing new to hash
+    assert extend_keys(whole[:2], toks, 16, salt=b"other") == whole  # the salt roots the chain only from empty
+    assert extend_keys([], toks, 16, salt=b"other") == kvxfer.block_keys(toks, 16, salt=b"other")
+    with pytest.raises(TypeError):
+        extend_keys([], toks, 16, salt="m")
+    with pytest.raises(ValueError):
+        extend_keys([], [1, -1] * 8, 1)

@@ -9,7 +9,8 @@ its external hits (vLLM's and the connector's pool-hit counter) equal the pooled
 blocks, its own prefix cache hit nothing and it computed only the tail. A prefill
 engine P (``kv_producer`` with the pool) consults the pool before prefilling a
 remote-decode request, and a decode engine D (``kv_consumer``, no pool) decodes the
-reference's tokens from the KV P loaded and sent. Then the node is SIGKILLed: B serves
+reference's tokens from the KV P loaded and sent. A's generated tokens are pooled too: B serves the
+next turn (the prompt and A's answer) with the blocks A generated loaded from the pool. Then the node is SIGKILLed: B serves
 another pooled prompt by recomputing it (same tokens as A's reference), promptly, and
 goes on serving.
 """
@@ -36,7 +37,8 @@ def _ids(rng, n):
 
 
 _rng = random.Random(22)
-PROMPTS = {"pooled": _ids(_rng, 3 * B + 1), "killed": _ids(_rng, 2 * B + 5), "pd": _ids(_rng, 2 * B + 1)}
+PROMPTS = {"pooled": _ids(_rng, 3 * B + 1), "killed": _ids(_rng, 2 * B + 5), "pd": _ids(_rng, 2 * B + 1),
+           "turn": _ids(_rng, 2 * B + 1)}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +143,25 @@ def test_prefill_engine_consults_the_pool_before_prefilling(engines, node, budge
     # P's blocks go back once D has them and its puts (none: every block it computed was
     # pooled already or the partial last one) ended
     assert within(lambda: p.metric("vllm:kv_cache_usage_perc") == 0.0, budget)
+
+
+def test_generated_tokens_are_pooled_for_the_next_turn(engines, node, budget):
+    a, b = engines["a"], engines["b"]
+    _, addr = node
+    prompt = PROMPTS["turn"]  # 2 blocks + 1
+    before = _pool_objects(addr)
+    answer, _ = _answer(a.complete(prompt, 2 * B + 8, timeout=4 * budget))
+    assert len(answer) == 2 * B + 8
+    # A computed the KV of the prompt and of every generated token but the last: 4 full blocks
+    computed_blocks = (len(prompt) + len(answer) - 1) // B
+    assert computed_blocks == 4
+    assert within(lambda: _pool_objects(addr) >= before + computed_blocks, budget), \
+        "A's generated blocks never reached the pool"
+    hits0 = b.metric("kvxfer:store_hit_tokens_total")
+    # the next turn repeats the answer: B loads the blocks A generated too, not only the prompt's
+    _, cached = _answer(b.complete(prompt + answer, 4, timeout=4 * budget))
+    assert cached == computed_blocks * B
+    assert within(lambda: b.metric("kvxfer:store_hit_tokens_total") - hits0 == computed_blocks * B, budget)
 
 
 def test_store_node_killed_engine_recomputes(engines, node, budget):

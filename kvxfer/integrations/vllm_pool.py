@@ -6,9 +6,11 @@ prompt's next keys (``kvxfer.block_keys(prompt, block_size, salt=model identity)
 and reports the leading hits as external tokens loaded asynchronously (never the
 prompt's last token: vLLM computes at least one). After vLLM allocated blocks, a
 :class:`PoolBlocks` (a load) names the keys and the blocks they load into. Each step
-(``plan_puts``), blocks that become full with prompt tokens the engine computed in it
-(not those it loaded or held already) become a :class:`PoolBlocks` (a put), sent to the worker
-with the step. A finished request whose puts may still read its blocks keeps them
+(``plan_puts``), blocks that become full with tokens the engine computed in it, prompt
+or generated (not those it loaded or held already), become a :class:`PoolBlocks` (a
+put), sent to the worker with the step: a conversation's next turn, whose prompt
+repeats this answer, finds it in the pool. The keys of generated blocks continue the
+prompt's chain (``kvxfer.store.extend_keys``) as they fill. A finished request whose puts may still read its blocks keeps them
 (``request_finished`` answers ``True``) until the worker reports its puts ended.
 
 Worker (:class:`PoolMover`, two KVStore clients over the engine's registered pool, one
@@ -129,13 +131,20 @@ class PoolPlanner:
                                         tuple(block_ids[local:local + n])))
 
     def plan_puts(self, num_scheduled_tokens: dict, block_ids_of) -> None:
-        """Queue puts of the prompt blocks this step fills (``num_scheduled_tokens``:
-        request id -> tokens computed this step; ``block_ids_of(request id)``: its blocks)."""
+        """Queue puts of the blocks this step fills, prompt or generated tokens
+        (``num_scheduled_tokens``: request id -> tokens computed this step;
+        ``block_ids_of(request id)``: its blocks)."""
+        from ..store import extend_keys
+
         for req_id, n in num_scheduled_tokens.items():
             track = self._tracked.get(req_id)
             if track is None or n <= 0:
                 continue
-            full = min(track.request.num_computed_tokens + n, len(track.keys) * self.block_size) // self.block_size
+            tokens = track.request.all_token_ids  # prompt, then the tokens generated so far
+            full = min(track.request.num_computed_tokens + n, len(tokens)) // self.block_size
+            if full > len(track.keys):  # generated tokens filled a block: its key continues the chain
+                track.keys = extend_keys(track.keys, tokens[:full * self.block_size], self.block_size,
+                                         salt=self.salt)
             if full > track.put_upto:
                 ids = block_ids_of(req_id)
                 self._puts.append(PoolBlocks(req_id, tuple(track.keys[track.put_upto:full]),

@@ -1,6 +1,7 @@
 """The KV store: a pool of KV blocks shared across requests, engines and hosts.
 
-- :mod:`.keys`: ``block_keys`` (chained content keys of a prompt's full blocks);
+- :mod:`.keys`: ``block_keys`` (chained content keys of a prompt's full blocks) and
+  ``extend_keys`` (the same chain continued as a sequence grows);
 - :mod:`.objects`: what an object holds (one block, every layer and head, wire format);
 - :mod:`.index`: a node's slots, key -> object, LRU eviction, pins;
 - :mod:`.protocol`: the requests a node answers;
@@ -12,9 +13,9 @@ See docs/store.md. Importing this package loads neither torch nor UCX.
 """
 from __future__ import annotations
 
-from .keys import block_keys
+from .keys import block_keys, extend_keys
 
-__all__ = ["KVStore", "StoreNode", "block_keys"]
+__all__ = ["KVStore", "StoreNode", "block_keys", "extend_keys"]
 
 
 def __getattr__(name: str):

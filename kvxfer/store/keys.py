@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["block_keys", "KEY_BYTES", "MAX_KEY_BYTES"]
+__all__ = ["block_keys", "extend_keys", "KEY_BYTES", "MAX_KEY_BYTES"]
 
 KEY_BYTES = 32  # what block_keys makes
 MAX_KEY_BYTES = 64  # the longest key a store accepts
@@ -50,15 +50,37 @@ def block_keys(token_ids, block_size: int, salt: bytes = b"") -> list[bytes]:
     tensor); ``block_size``: tokens per block (>= 1); ``salt``: bytes naming the model
     (see the module docstring). Raises ``TypeError``/``ValueError`` for bad arguments.
     """
+    return _chain(_root(block_size, salt), _token_bytes(token_ids), block_size)
+
+
+def extend_keys(keys: list[bytes], token_ids, block_size: int, salt: bytes = b"") -> list[bytes]:
+    """``keys`` continued over the full blocks of ``token_ids`` past them: the same list as
+    ``block_keys(token_ids, block_size, salt)`` when ``keys`` are that call's first
+    ``len(keys)`` keys (a sequence that grew, e.g. by generated tokens), hashing only the
+    new blocks. Returns a new list; ``keys`` itself if no block is new. ``salt`` roots the
+    chain when ``keys`` is empty (the chain goes on from ``keys[-1]`` otherwise). Arguments
+    and errors as :func:`block_keys`; ``keys`` are not checked against ``token_ids``."""
+    root = _root(block_size, salt)
+    n, full = len(keys), len(token_ids) // block_size
+    if full <= n:
+        return keys
+    data = _token_bytes(token_ids[n * block_size:full * block_size])
+    return list(keys) + _chain(keys[-1] if keys else root, data, block_size)
+
+
+def _root(block_size: int, salt) -> bytes:
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if isinstance(salt, str) or not isinstance(salt, (bytes, bytearray, memoryview)):
         raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
-    data = _token_bytes(token_ids)
-    prev = hashlib.blake2b(_DOMAIN + len(salt).to_bytes(8, "little") + bytes(salt)
+    return hashlib.blake2b(_DOMAIN + len(salt).to_bytes(8, "little") + bytes(salt)
                            + block_size.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
+
+
+def _chain(prev: bytes, data: bytes, block_size: int) -> list[bytes]:
+    """The keys of ``data``'s full blocks (``4 * block_size`` bytes each) after key ``prev``."""
     step = 4 * block_size
     keys = []
     for start in range(0, len(data) - step + 1, step):

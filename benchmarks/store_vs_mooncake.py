@@ -6,7 +6,9 @@ a time, alternating, with the memcpy limit of the same bytes sampled between the
 
 - kvxfer: one ``kvxfer store`` node process; ``KVStore.put``/``get`` of ``--batch`` blocks
   of an NHD pool (each object gathered from 64 tiles of 32 KiB, straight into the node's
-  slots), with checksums on (the default) and off; ``lookup`` of a 64-key chain.
+  slots), with checksums on (the default) and off; ``lookup`` of a 64-key chain (16 keys
+  present), answered from the node's key table in shared memory (the same-host path), and
+  the same lookup by a client on UCX only, which asks the node (the path from another host).
 - Mooncake Store (``mooncake-transfer-engine-non-cuda``, ``make bench-mooncake`` installs
   it): ``mooncake_master`` with its HTTP metadata server, a process that mounts the
   segment, and the client (no segment of its own) using its zero-copy calls
@@ -55,6 +57,8 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
     src, dst = pool(1), pool(2)
     stores = {crc: kvxfer.KVStore(nodes=[addr], secret=secret.encode(), staging_bytes=batch * OBJ, timeout=30.0,
                                   checksum=crc) for crc in (True, False)}
+    # the same node through UCX only (no same-host vm path): lookups ask it, as from another host
+    asker = kvxfer.KVStore(nodes=[addr], secret=secret.encode(), staging_bytes=OBJ, timeout=30.0, backend="ucx")
     chain = kvxfer.block_keys(range(BS * CHAIN), BS, salt=b"lookup")
     stores[True].put(chain[:batch], src, range(batch)).wait(timeout=120)
     for line in sys.stdin:
@@ -71,15 +75,19 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
             for t in dst.tensors:
                 t.zero_()
             reply = {"put_s": t1 - t0, "get_s": t2 - t1, "ok": ok}
-        else:
+        else:  # lookup N (read the node's key table) or lookup-asked N (a request to the node)
+            st = asker if cmd == "lookup-asked" else stores[True]
+            before = dict(st.counters)
             lat = []
             for _ in range(int(arg)):
                 t = time.perf_counter()
-                n = stores[True].lookup(chain)
+                n = st.lookup(chain)
                 lat.append(time.perf_counter() - t)
-            reply = {"lookup_s": lat, "ok": n == batch, "found": n}
+            reply = {"lookup_s": lat, "ok": n == batch, "found": n,
+                     "table_reads": st.counters["lookup_table_reads"] - before["lookup_table_reads"],
+                     "requests": st.counters["lookup_requests"] - before["lookup_requests"]}
         print(json.dumps(reply), flush=True)
-    for st in stores.values():
+    for st in (*stores.values(), asker):
         st.close()
 
 
@@ -248,9 +256,14 @@ def main() -> None:
         kv = Child([*me, "kvxfer", nodes[0][1]], env)
         moon = Child([*me, "mooncake", str(segment if args.mooncake_local else 0)], env)
         children += [kv, moon]
-        lookups = {"kvxfer": [], "mooncake": []}
+        lookups = {"kvxfer": [], "kvxfer_asked": [], "mooncake": []}
+        paths = {"kvxfer": [0, 0], "kvxfer_asked": [0, 0]}  # [key table reads, requests]
         for _ in range(10):  # alternating blocks of lookups, before the puts fill the pools
-            lookups["kvxfer"] += kv.ask(f"lookup {args.lookups // 10}")["lookup_s"]
+            for name, cmd in (("kvxfer", "lookup"), ("kvxfer_asked", "lookup-asked")):
+                r = kv.ask(f"{cmd} {args.lookups // 10}")  # (ask checks that it found the 16)
+                lookups[name] += r["lookup_s"]
+                paths[name][0] += r["table_reads"]
+                paths[name][1] += r["requests"]
             lookups["mooncake"] += moon.ask(f"lookup {args.lookups // 10}")["lookup_s"]
         limit = MemcpyLimit(nbytes, threads=1)
         samples = {k: [] for k in ("memcpy", "kvxfer_put_crc", "kvxfer_get_crc", "kvxfer_put_nocrc",
@@ -287,6 +300,9 @@ def main() -> None:
         out[f"{name}_lookup_p50_us"] = lat[len(lat) // 2] * 1e6
         out[f"{name}_lookup_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
     out["lookup_p50_vs_mooncake"] = out["kvxfer_lookup_p50_us"] / out["mooncake_lookup_p50_us"]
+    out["lookup_asked_p50_vs_mooncake"] = out["kvxfer_asked_lookup_p50_us"] / out["mooncake_lookup_p50_us"]
+    for name, (reads, requests) in paths.items():
+        out[f"{name}_lookup_table_reads"], out[f"{name}_lookup_requests"] = reads, requests
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

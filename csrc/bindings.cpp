@@ -10,6 +10,7 @@
 #include "checksum.h"
 #include "copy.h"
 #include "errors.h"
+#include "key_table.h"
 #include "shared_mem.h"
 #include "spin.h"
 #include "stripe.h"
@@ -102,6 +103,60 @@ PYBIND11_MODULE(_C, m) {
             "back to back; no pieces if none.");
     }
 
+    // ---- a store node's published key set (key_table.h) ----
+    {
+        auto key_view = [](const py::handle& key) {
+            char* p = nullptr;
+            Py_ssize_t n = 0;
+            if (!PyBytes_Check(key.ptr()) || PyBytes_AsStringAndSize(key.ptr(), &p, &n) != 0)
+                throw py::type_error("key table: keys must be bytes");
+            return std::make_pair(reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(n));
+        };
+        m.def("keys_ok", [](const py::list& keys, size_t max_len) {
+                for (const py::handle& k : keys) {
+                    if (!PyBytes_CheckExact(k.ptr())) return false;
+                    const Py_ssize_t n = PyBytes_GET_SIZE(k.ptr());
+                    if (n < 1 || static_cast<size_t>(n) > max_len) return false;
+                }
+                return true;
+            }, py::arg("keys"), py::arg("max_len"),
+            "Whether every item is a bytes object of 1..max_len bytes (the store's key check, at C speed).");
+        m.def("key_table_bytes", &kvxfer::key_table_bytes, py::arg("nbuckets"),
+              "Bytes of a key table of nbuckets (a power of two) buckets, header included.");
+        m.def("key_table_init", &kvxfer::key_table_init, py::arg("base"), py::arg("nbuckets"),
+              "Zero a key table at base (key_table_bytes(nbuckets) bytes the caller owns) and start its heartbeat.");
+        m.def("key_table_add", [=](uintptr_t base, uint64_t nbuckets, py::bytes key) {
+                auto k = key_view(key);
+                return kvxfer::key_table_add(base, nbuckets, k.first, k.second);
+            }, py::arg("base"), py::arg("nbuckets"), py::arg("key"),
+            "Publish a key (the one writer); False: its bucket was full (counted as overflow).");
+        m.def("key_table_remove", [=](uintptr_t base, uint64_t nbuckets, py::bytes key) {
+                auto k = key_view(key);
+                kvxfer::key_table_remove(base, nbuckets, k.first, k.second);
+            }, py::arg("base"), py::arg("nbuckets"), py::arg("key"), "Withdraw a published key (the one writer).");
+        m.def("key_table_beat", &kvxfer::key_table_beat, py::arg("base"), py::arg("alive") = true,
+              "Refresh the heartbeat (alive=False: mark the writer stopped).");
+        m.def("key_table_age_ns", &kvxfer::key_table_age_ns, py::arg("base"), py::arg("nbuckets"),
+              "Nanoseconds since the heartbeat; -1 if the writer stopped or this is no table of nbuckets.");
+        m.def("key_table_find", [=](uintptr_t base, uint64_t nbuckets, const py::sequence& keys) {
+                const size_t n = keys.size();
+                std::vector<const uint8_t*> ptrs(n);
+                std::vector<size_t> lens(n);
+                std::vector<py::object> held(n);  // the items, alive while their bytes are read
+                for (size_t i = 0; i < n; ++i) {
+                    held[i] = keys[i];
+                    auto k = key_view(held[i]);
+                    ptrs[i] = k.first;
+                    lens[i] = k.second;
+                }
+                std::string out(n, '\0');
+                kvxfer::key_table_find(base, nbuckets, ptrs.data(), lens.data(), n,
+                                       reinterpret_cast<uint8_t*>(out.data()));
+                return py::bytes(out);
+            }, py::arg("base"), py::arg("nbuckets"), py::arg("keys"),
+            "Per key (a list or tuple of bytes) a byte: 1 present, 0 absent, 2 unknown (ask the node).");
+    }
+
     // ---- bounded busy-polling for the control plane's latency path (spin.h) ----
     {
         m.def(
@@ -177,11 +232,12 @@ PYBIND11_MODULE(_C, m) {
                 }, py::arg("metadata"), py::arg("allow_vm") = true)
             .def("conn_info", [](Engine& e, uint64_t id) {
                     const kvxfer::PeerConn& c = e.conn(id);
-                    py::dict regions;
+                    py::dict regions, shared_addrs;
                     size_t shared = 0;
                     for (const auto& kv : c.regions) {
                         regions[py::int_(kv.first)] = py::make_tuple(kv.second.addr, kv.second.length);
                         shared += kv.second.shm_addr != 0;
+                        if (kv.second.shm_addr != 0) shared_addrs[py::int_(kv.first)] = kv.second.shm_addr;
                     }
                     py::dict d;
                     d["transport"] = c.transport;
@@ -193,6 +249,7 @@ PYBIND11_MODULE(_C, m) {
                     d["failed"] = c.failed;
                     d["regions"] = regions;
                     d["shared_regions"] = shared;  // remote regions written with memcpy (vm path)
+                    d["shared_addrs"] = shared_addrs;  // region id -> where it is mapped here
                     return d;
                 }, py::arg("conn_id"))
             .def("disconnect", &Engine::disconnect, py::arg("conn_id"), py::call_guard<py::gil_scoped_release>())

@@ -28,18 +28,22 @@ done when the objects are committed (put) or the blocks hold the KV (get).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
 import time
 import uuid
+from operator import itemgetter
 
+from .._native import load
 from ..secrets import normalize_secret
 from ..errors import (AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss,
                       StorePartConflict, TransferTimeout)
 from ..handle import HandleCompleter
 from . import index as ix
 from .conn import NodeConn
+from .key_table import ABSENT, UNKNOWN
 from .keys import MAX_KEY_BYTES
 from .objects import ObjectFormat, checksum
 from .placement import Placement
@@ -108,7 +112,8 @@ class KVStore:
             if not self._members:
                 raise ValueError("nodes must name at least one HOST:PORT")
         self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "put_conflicts": 0, "gets": 0,
-                         "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0}
+                         "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0,
+                         "lookup_table_reads": 0, "lookup_requests": 0}
         self._backend = make_backend(backend)
         self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
         self._stage_ptr = self._staging.data_ptr()
@@ -193,30 +198,40 @@ class KVStore:
 
     def _route(self, keys) -> dict:
         """``{address: [positions]}``: each key's first live owner."""
-        place = self._placement(1)
-        out: dict = {}
-        for i, k in enumerate(keys):
-            own = place.owners(k)
-            if own:
-                out.setdefault(own[0], []).append(i)
-        return out
+        return self._placement(1).route(keys)
 
     # ---- lookup ----------------------------------------------------------------------
     def lookup(self, keys) -> int:
-        """How many leading ``keys`` (bytes, 1..64 each) are in the pool now: one request to
-        each node that owns one of them, all in flight at once. A node that fails counts its
-        keys as absent (and is marked down)."""
+        """How many leading ``keys`` (bytes, 1..64 each) are in the pool now.
+
+        A node on this host is answered from its key table in shared memory (no request;
+        :mod:`kvxfer.store.key_table`), unless the table is stale or cannot tell; every
+        other node that owns one of the keys before the first one known absent gets one
+        request, all in flight at once. A node that fails counts its keys as absent (and
+        is marked down)."""
         keys = _check_keys(keys)
         if not keys:
             return 0
-        present = [False] * len(keys)
+        # the answer is the first position that some node does not hold (or cannot answer for)
+        first_absent = len(keys)
+        ask = []  # (address, positions): nodes to send a request
+        for addr, pos in self._route(keys).items():
+            codes = self._read_table(addr, keys, pos)
+            if codes is None:
+                ask.append((addr, pos))
+            elif (j := codes.find(ABSENT)) >= 0:
+                first_absent = min(first_absent, pos[j])
         sent = []  # (address, connection (locked), [(request id, positions)])
         try:
-            for addr, pos in self._route(keys).items():
+            for addr, pos in ask:
+                pos = pos[:bisect.bisect_left(pos, first_absent)]  # later keys cannot count
+                if not pos:
+                    continue
                 try:
                     c = self._conn(addr)
                 except KVXferError as exc:
                     self._mark_down(addr, exc)
+                    first_absent = min(first_absent, pos[0])
                     continue
                 c.lock.acquire()
                 reqs: list = []
@@ -225,25 +240,45 @@ class KVStore:
                     for start in range(0, len(pos), MAX_KEYS):
                         part = pos[start:start + MAX_KEYS]
                         reqs.append((c.send(Req.LOOKUP, {"keys": [keys[i] for i in part]}), part))
+                        self.counters["lookup_requests"] += 1
                 except KVXferError as exc:
                     self._mark_down(addr, exc)
+                    first_absent = min(first_absent, pos[0])
             for addr, c, reqs in sent:  # every request is out: now the replies
                 if c.closed:
+                    first_absent = min([first_absent] + [part[0] for _, part in reqs])
                     continue
                 try:
                     for rid, part in reqs:
                         bits = c.recv(rid, self.timeout)["present"]
-                        for i, b in zip(part, bits):
-                            present[i] = b == "1"
+                        j = bits.find("0") if len(bits) == len(part) else 0
+                        if j >= 0:
+                            first_absent = min(first_absent, part[j])
                 except KVXferError as exc:
                     self._mark_down(addr, exc)
+                    first_absent = min([first_absent] + [part[0] for _, part in reqs])
         finally:
             for _, c, _ in sent:
                 c.lock.release()
-        n = 0
-        while n < len(keys) and present[n]:
-            n += 1
-        return n
+        return first_absent
+
+    def _read_table(self, address: str, keys: list, pos: list):
+        """``address``'s answer for ``keys[pos]`` from its key table, up to its first key
+        not present (bytes of :data:`PRESENT` / :data:`ABSENT`), or None: ask the node (no
+        connection yet, not on this host, the table stale, or a key it cannot tell)."""
+        c = self._conns.get(address)  # (one dict read: atomic)
+        if c is None or c.table is None:
+            return None
+        with c.table_lock:
+            if not c.table_usable():
+                return None
+            codes = c.table.find(keys if len(pos) == len(keys) else itemgetter(*pos)(keys) if len(pos) > 1
+                                 else (keys[pos[0]],))
+        n = codes.find(ABSENT)  # answers past the first absent key are not needed
+        if UNKNOWN in (codes if n < 0 else codes[:n]):
+            return None
+        self.counters["lookup_table_reads"] += 1
+        return codes
 
     # ---- put / get -------------------------------------------------------------------
     def put(self, keys, layout, block_ids):
@@ -627,7 +662,7 @@ def _check_keys(keys) -> list:
     if isinstance(keys, (bytes, str)):
         raise TypeError("keys must be a sequence of bytes (e.g. kvxfer.block_keys(...))")
     out = list(keys)
-    if all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in out):  # the common case
+    if load().keys_ok(out, MAX_KEY_BYTES):  # the common case, checked natively
         return out
     for k in out:
         if not isinstance(k, (bytes, bytearray)):

@@ -3,7 +3,9 @@
 :meth:`NodeConn.open` authenticates with the agents' handshake
 (:func:`kvxfer.agent.handshake.client_handshake`) and connects the client's backend
 to the node's memory (the metadata arrives only after both sides proved the secret).
-Requests are synchronous per connection (``lock`` held by the caller); a node that does
+On the same host (the backend's ``"vm"`` path) it also maps the node's
+:class:`~kvxfer.store.key_table.KeyTable` (``table``; None elsewhere), which lookups read
+instead of asking. Requests are synchronous per connection (``lock`` held by the caller); a node that does
 not answer within ``timeout`` or drops the connection raises
 :class:`~kvxfer.errors.TransferTimeout` / :class:`~kvxfer.errors.PeerDisconnected`,
 and the connection is closed (the client marks the node down).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import select
 import socket
 import threading
 import uuid
@@ -19,6 +22,7 @@ import uuid
 from ..framing import HEADER, parse_header
 from ..agent.peers import open_authenticated
 from ..errors import KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
+from .key_table import KeyTable
 from .node import CLIENT_INFO, STORE_INFO
 from .protocol import MAX_REQUEST_BYTES, REPLY, encode
 
@@ -41,13 +45,24 @@ class NodeConn:
         self.lock = threading.Lock()
         self._sock, self._backend, self.bconn = sock, backend, bconn
         self.slot_bytes = int(info["slot_bytes"])
-        regions = list(bconn.remote_regions)
-        if len(regions) != 1:
-            raise ProtocolError(f"store node {address} advertised {len(regions)} regions, expected 1")
-        self.region = int(regions[0])
+        regions = bconn.remote_regions
+        self.region = info["slots_region"]
         self.region_bytes = int(info["slot_bytes"]) * int(info["num_slots"])
-        if bconn.remote_regions[self.region][1] < self.region_bytes:
+        table = info["key_table"]
+        if len(regions) != 2 or self.region not in regions or table["region"] not in regions \
+                or table["region"] == self.region:
+            raise ProtocolError(f"store node {address} advertised regions {sorted(regions)}, not its slots "
+                                f"and its key table")
+        if regions[self.region][1] < self.region_bytes:
             raise ProtocolError(f"store node {address} advertised a region smaller than its slots")
+        # same host (vm path): lookups read the node's key table where it is mapped here
+        self.table: KeyTable | None = None
+        self.table_lock = threading.Lock()  # held while the table is read; close() takes it away
+        local = getattr(bconn, "shared_addrs", {}).get(table["region"], 0)
+        if local and regions[table["region"]][1] >= KeyTable.nbytes(table["buckets"]):
+            self.table = KeyTable(int(local), table["buckets"])
+            self._quiet = select.poll()  # the socket with nothing to read: no reply due, no EOF
+            self._quiet.register(sock, select.POLLIN | select.POLLPRI)
         self._ids = itertools.count(1)
         self._rbuf = bytearray()
         self.closed = False
@@ -62,9 +77,16 @@ class NodeConn:
             lay = fields["layout"]
             if lay.get("kind") != STORE_INFO:
                 raise ProtocolError(f"{address} is not a kvxfer store node")
-            for k in ("slot_bytes", "num_slots"):
-                if isinstance(lay.get(k), bool) or not isinstance(lay.get(k), int) or lay[k] <= 0:
+            def count(v, least: int) -> bool:
+                return not isinstance(v, bool) and isinstance(v, int) and v >= least
+
+            for k, least in (("slot_bytes", 1), ("num_slots", 1), ("slots_region", 0)):
+                if not count(lay.get(k), least):
                     raise ProtocolError(f"store node {address} sent a bad {k}")
+            kt = lay.get("key_table")
+            if not isinstance(kt, dict) or not count(kt.get("region"), 0) or not count(kt.get("buckets"), 1) \
+                    or kt["buckets"] & (kt["buckets"] - 1) or kt["buckets"] > 1 << 30:
+                raise ProtocolError(f"store node {address} sent a bad key_table")
             seen.update(lay)
 
         sock, fields = open_authenticated(address, secret, info, check, timeout, what="store node ")
@@ -79,6 +101,12 @@ class NodeConn:
             backend.disconnect(bconn)
             sock.close()
             raise
+
+    def table_usable(self) -> bool:
+        """The key table may be read now (caller holds ``table_lock``): mapped, fresh, and
+        the socket quiet (a node that died has closed it; a reply due to another thread
+        also makes it loud, and that lookup asks instead)."""
+        return self.table is not None and not self._quiet.poll(0) and self.table.is_fresh()
 
     # ---- requests (caller holds self.lock) ----------------------------------------------
     def send(self, msg_type: int, fields: dict, *, reply: bool = True) -> int:
@@ -155,6 +183,8 @@ class NodeConn:
         if self.closed:
             return
         self.closed = True
+        with self.table_lock:  # no reader is inside the mapping when it goes
+            self.table = None
         try:
             self._backend.disconnect(self.bconn)
         except KVXferError:

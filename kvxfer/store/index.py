@@ -28,6 +28,10 @@ lease ran out), so the slot it reads is not reused meanwhile. An object dropped 
 pinned (a reader found its checksum wrong) leaves the index at once and frees its
 slot when the last pin goes.
 
+``mirror``: an object with ``add(key)`` and ``remove(key)`` told of every key that
+becomes readable and every one that stops being readable (a node's
+:class:`~kvxfer.store.key_table.KeyTable`).
+
 Not thread-safe: a node's one I/O thread owns it. Times are ``time.monotonic()``
 seconds passed in by the caller.
 """
@@ -82,14 +86,14 @@ class _Pin:
 
 
 class SlotIndex:
-    """``SlotIndex(num_slots, slot_bytes, high_watermark=0.98, max_pending=4096, max_pins=65536)``.
+    """``SlotIndex(num_slots, slot_bytes, high_watermark=0.98, max_pending=4096, max_pins=65536, mirror=None)``.
 
     ``max_pending`` / ``max_pins``: per client, the reservations and pins it may hold
-    at once (more: that key's request answers :data:`LIMIT`).
+    at once (more: that key's request answers :data:`LIMIT`). ``mirror``: see the module doc.
     """
 
     def __init__(self, num_slots: int, slot_bytes: int, *, high_watermark: float = 0.98,
-                 max_pending: int = 4096, max_pins: int = 65536) -> None:
+                 max_pending: int = 4096, max_pins: int = 65536, mirror=None) -> None:
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError("num_slots and slot_bytes must be >= 1")
         if not 0.0 < high_watermark <= 1.0:
@@ -97,6 +101,7 @@ class SlotIndex:
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.watermark = max(1, int(high_watermark * num_slots))
         self.max_pending, self.max_pins = max_pending, max_pins
+        self.mirror = mirror
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: low slots first
         self._objects: OrderedDict[bytes, Obj] = OrderedDict()  # committed, LRU first
         self._pending: dict[bytes, Obj] = {}
@@ -307,6 +312,8 @@ class SlotIndex:
     def _remove(self, obj: Obj) -> None:
         """Take a committed object out of the index; free its slot unless pinned."""
         del self._objects[obj.key]
+        if self.mirror is not None:
+            self.mirror.remove(obj.key)
         self.bytes_used -= obj.nbytes
         obj.dropped = True
         if obj.pins == 0:
@@ -346,6 +353,8 @@ class SlotIndex:
         self._drop_pending(obj)
         obj.committed = True
         self._objects[obj.key] = obj
+        if self.mirror is not None:
+            self.mirror.add(obj.key)
         self.bytes_used += obj.nbytes
 
     def _drop_pending(self, obj: Obj) -> None:

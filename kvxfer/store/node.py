@@ -2,8 +2,9 @@
 
 It owns one registered host buffer of ``num_slots`` fixed-size slots (a
 :func:`kvxfer.shared_empty` pool: same-host clients map it once and copy with
-``memcpy``; other hosts reach it through UCX), a :class:`~kvxfer.store.index.SlotIndex`
-and a listening socket. Clients authenticate with the agents' handshake
+``memcpy``; other hosts reach it through UCX), a :class:`~kvxfer.store.index.SlotIndex`,
+the index's committed keys published as a :class:`~kvxfer.store.key_table.KeyTable`
+(registered too: same-host clients answer lookups from it) and a listening socket. Clients authenticate with the agents' handshake
 (:mod:`kvxfer.agent.handshake`, the deployment's shared secret); only then does the
 node send its backend metadata (the memory keys). The bytes of objects never cross the
 socket: clients write and read slots one-sided, and the socket carries the requests of
@@ -35,6 +36,7 @@ from ..agent.protocol import Msg, decode
 from ..agent.peers import split_address
 from ..errors import KVXferError, LayoutMismatch, ProtocolError
 from . import index as ix
+from .key_table import KeyTable
 from .protocol import REPLY, Req, RequestReader, encode, parse_request
 
 log = logging.getLogger("kvxfer.store")
@@ -88,7 +90,11 @@ class StoreNode:
             raise ValueError(f"capacity ({capacity_bytes} B) must hold at least one slot of {slot_bytes} B")
         self._secret = normalize_secret(secret)
         num_slots = capacity_bytes // slot_bytes
-        self.index = ix.SlotIndex(num_slots, slot_bytes, high_watermark=high_watermark)
+        nbuckets = KeyTable.buckets_for(num_slots)
+        self._keys_buffer = kvxfer.shared_empty(KeyTable.nbytes(nbuckets))  # uint8 [table bytes]
+        self.keys = KeyTable(self._keys_buffer.data_ptr(), nbuckets)
+        self.keys.init()
+        self.index = ix.SlotIndex(num_slots, slot_bytes, high_watermark=high_watermark, mirror=self.keys)
         self.lease_s = float(lease_s)
         self.max_queued_bytes = int(max_queued_bytes)
         self.queued_peak = 0  # the most reply bytes ever queued for one client
@@ -98,6 +104,7 @@ class StoreNode:
         self._backend = make_backend(backend, listen_host=host)
         try:
             self._region = self._backend.register_tensor(self.buffer)
+            self._keys_region = self._backend.register_tensor(self._keys_buffer)
             self._lsock = socket.create_server((host, port), backlog=128)
         except BaseException:
             self._backend.close()
@@ -125,6 +132,7 @@ class StoreNode:
             return
         self._stop.set()
         self._thread.join(timeout)
+        self.keys.beat(alive=False)  # same-host clients stop reading the key table now
         for c in list(self._clients.values()):
             self._drop(c)
         self._sel.close()
@@ -143,7 +151,7 @@ class StoreNode:
         return {**self.index.stats(), "name": self.name, "address": self.address,
                 "clients": sum(1 for c in self._clients.values() if c.reader is not None),
                 "requests": self.num_requests, "bad_requests": self.num_bad_requests,
-                "queued_peak_bytes": self.queued_peak,
+                "queued_peak_bytes": self.queued_peak, "key_table_overflows": self.keys.num_overflows,
                 "auth_failures": self.num_auth_failures}
 
     # ---- the I/O thread --------------------------------------------------------------
@@ -167,6 +175,8 @@ class StoreNode:
             if now >= next_tick:
                 next_tick = now + _TICK_S
                 self.index.expire(now)
+                if not self._stop.is_set():
+                    self.keys.beat()
                 for c in [c for c in self._clients.values() if c.reader is None and c.deadline <= now]:
                     self._drop(c)
                 self._drive_backend()
@@ -202,7 +212,8 @@ class StoreNode:
         return {"name": self.name, "agent_id": self.node_id, "backend": self._meta, "staging": 0,
                 "layout": {"kind": STORE_INFO, "slot_bytes": self.index.slot_bytes,
                            "num_slots": self.index.num_slots, "region_bytes": self.index.num_slots
-                           * self.index.slot_bytes}}
+                           * self.index.slot_bytes, "slots_region": self._region,
+                           "key_table": {"region": self._keys_region, "buckets": self.keys.nbuckets}}}
 
     @staticmethod
     def _check_info(fields: dict) -> None:

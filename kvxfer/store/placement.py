@@ -45,11 +45,32 @@ class Placement:
         self.replicas = replicas
         self._max = max_cached
         self._memo: dict[bytes, list] = {}
+        self._first: dict[bytes, str] = {}  # key -> its first owner ("" if none), for route()
+
+    def route(self, keys: list) -> dict:
+        """``{node: [positions]}``: each key's first owner, positions in order (keys of no
+        node when there are none)."""
+        if len(self.nodes) == 1:  # one node owns every key
+            return {self.nodes[0]: list(range(len(keys)))}
+        firsts = list(map(self._first.get, keys))
+        for i in [i for i, f in enumerate(firsts) if f is None]:
+            own = self.owners(keys[i])
+            firsts[i] = self._first[keys[i]] = own[0] if own else ""
+        out: dict = {}
+        for i, node in enumerate(firsts):
+            pos = out.get(node)
+            if pos is None:
+                out[node] = [i]
+            else:
+                pos.append(i)
+        out.pop("", None)
+        return out
 
     def owners(self, key: bytes) -> list[str]:
         got = self._memo.get(key)
         if got is None:
             if len(self._memo) >= self._max:
                 self._memo.clear()
+                self._first.clear()
             got = self._memo[key] = owners(self.nodes, key, self.replicas)
         return got

@@ -32,7 +32,7 @@ its control channel after the data completed.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import KVXferError
 from ..memory import MemoryRegistry
@@ -69,6 +69,7 @@ class UcxConnection(Connection):
     ucx_info: str = ""  # ucp_ep_print_info() of the endpoint (lanes and protocols)
     lanes: int = 1  # endpoints (TCP connections) a request is striped over (AgentConfig.tcp_lanes)
     shared_regions: int = 0  # vm path: the peer's regions in kvxfer.shared_empty memory, mapped here
+    shared_addrs: dict = field(default_factory=dict)  # vm path: region id -> its first byte's address here
 
 
 def as_descs(descs):
@@ -168,7 +169,7 @@ class UcxBackend(Backend):
                              remote_regions=dict(info["regions"]), peer_uid=info["peer_uid"],
                              peer_pid=info["peer_pid"], peer_host=info["peer_host"],
                              ucx_info=info["ucx_info"], lanes=info["lanes"],
-                             shared_regions=info["shared_regions"])
+                             shared_regions=info["shared_regions"], shared_addrs=dict(info["shared_addrs"]))
         if self._require_vm and conn.transport != "vm":
             self._engine.disconnect(conn_id)
             raise KVXferError(f"same-host vm path unavailable to peer pid {conn.peer_pid} "

@@ -31,6 +31,15 @@ MAX_TCP_LANES: int  # the most TCP lanes (endpoints) per peer
 def shared_alloc(length: int) -> int: ...  # zeroed, populated, sealed memfd memory; RegistrationError
 def shared_free(addr: int) -> bool: ...  # False: not an address shared_alloc returned
 def shared_lookup(addr: int, length: int) -> tuple[int, list[tuple[int, int, int]]]: ...  # offset, [(fd, inode, size)]: back to back
+# ---- a store node's published key set (kvxfer/store/key_table.py wraps it) ----
+def keys_ok(keys: list[bytes], max_len: int) -> bool: ...  # every item a bytes of 1..max_len bytes
+def key_table_bytes(nbuckets: int) -> int: ...  # nbuckets: a power of two; ValueError otherwise
+def key_table_init(base: int, nbuckets: int) -> None: ...  # zero it, start the heartbeat
+def key_table_add(base: int, nbuckets: int, key: bytes) -> bool: ...  # the one writer; False: bucket full
+def key_table_remove(base: int, nbuckets: int, key: bytes) -> None: ...  # the one writer
+def key_table_beat(base: int, alive: bool = True) -> None: ...  # alive=False: readers stop at once
+def key_table_age_ns(base: int, nbuckets: int) -> int: ...  # -1: stopped, or no table of nbuckets
+def key_table_find(base: int, nbuckets: int, keys: list[bytes] | tuple[bytes, ...]) -> bytes: ...  # 1/0/2 per key
 def spin_readable(fd: int, ns: int, contended_ns: int = 0) -> int: ...  # busy-poll fd up to ns (GIL released,
 # yields): 1 readable, 0 time ran out, -1 a yield took over contended_ns (> 0): the CPU is contended
 
@@ -57,7 +66,7 @@ class Engine:
     def regions(self) -> list[RegionTuple]: ...
     def metadata(self) -> bytes: ...
     def connect(self, metadata: bytes, allow_vm: bool = True) -> int: ...
-    def conn_info(self, conn_id: int) -> dict: ...  # transport, peer_uid, peer_pid, peer_host, ucx_info, lanes, failed, regions, shared_regions
+    def conn_info(self, conn_id: int) -> dict: ...  # transport, peer_uid, peer_pid, peer_host, ucx_info, lanes, failed, regions, shared_regions, shared_addrs
     def disconnect(self, conn_id: int) -> None: ...
     def post(self, conn_id: int, is_write: bool, descs: npt.NDArray[np.int64]) -> int: ...  # descs: int64 [n, 5]
     def test(self, request_id: int) -> bool: ...

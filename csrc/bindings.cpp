@@ -85,6 +85,22 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("addr"), py::arg("len"),
             "XXH3-64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
+        m.def(
+            "copy_checksum_runs",
+            [](I64 hashed, I64 other, I64 len, bool into_hashed) {
+                const py::ssize_t n = len.size();
+                if (hashed.ndim() != 1 || other.ndim() != 1 || len.ndim() != 1 || hashed.size() != n ||
+                    other.size() != n)
+                    throw py::value_error("copy_checksum_runs: hashed, other and len must be 1-d of one length");
+                for (py::ssize_t i = 0; i < n; ++i)
+                    if (len.data()[i] < 0 || (len.data()[i] > 0 && (hashed.data()[i] <= 0 || other.data()[i] <= 0)))
+                        throw py::value_error("copy_checksum_runs: bad run");
+                py::gil_scoped_release release;
+                return kvxfer::copy_checksum_runs(hashed.data(), other.data(), len.data(), n, into_hashed);
+            },
+            py::arg("hashed"), py::arg("other"), py::arg("len"), py::arg("into_hashed"),
+            "checksum_runs(hashed, len), copying each run to (or, into_hashed, from) other[i] as it is hashed, "
+            "so each byte is read once (host memory the caller owns and has bounds-checked); GIL released.");
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

@@ -184,24 +184,49 @@ void accumulate_blocks(uint64_t* acc, const unsigned char* p, int64_t blocks) {
 }
 
 // A forward cursor over the runs: hands out the next `want` bytes as one pointer
-// (in place when they lie in one run, else gathered into `buf`).
+// (in place when they lie in one run, else gathered into `buf`). With `other`, it
+// also copies: each run's bytes between it and other[run], a chunk at a time, just
+// before it first hands them out (so they are hashed while in cache), `into` saying
+// which way (true: into the hashed runs); finish() copies what was not handed out.
 struct Cursor {
     const int64_t *addr, *len;
     int64_t n, run = 0, off = 0;
+    const int64_t* other = nullptr;
+    bool into = false;
+    int64_t copied = 0;  // with `other`: bytes of this run copied so far
+    static constexpr int64_t kChunk = 64 << 10;
 
-    // Up to `most` bytes that lie contiguously at the cursor (without moving it).
-    int64_t contiguous(const unsigned char** at) {
-        while (run < n && off == len[run]) ++run, off = 0;
-        if (run == n) return 0;
-        *at = reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(addr[run])) + off;
-        return len[run] - off;
+    unsigned char* at_run(const int64_t* base, int64_t k) const {
+        return reinterpret_cast<unsigned char*>(static_cast<uintptr_t>(base[run])) + k;
     }
-    void skip(int64_t k) {
+    void copy_next() {
+        const int64_t step = len[run] - copied < kChunk ? len[run] - copied : kChunk;
+        if (into) std::memcpy(at_run(addr, copied), at_run(other, copied), step);
+        else std::memcpy(at_run(other, copied), at_run(addr, copied), step);
+        copied += step;
+    }
+    void next_run() { ++run, off = 0, copied = 0; }
+
+    // The bytes that lie contiguously at the cursor (without moving it).
+    int64_t contiguous(const unsigned char** at) {
+        while (run < n && off == len[run]) next_run();
+        if (run == n) return 0;
+        *at = at_run(addr, off);
+        if (other == nullptr) return len[run] - off;
+        if (off == copied) copy_next();
+        return copied - off;
+    }
+    void skip(int64_t k) {  // (with `other`: no further than contiguous() handed out)
         while (k > 0) {
-            while (off == len[run]) ++run, off = 0;
+            while (off == len[run]) next_run();
             const int64_t take = k < len[run] - off ? k : len[run] - off;
             off += take, k -= take;
         }
+    }
+    void finish() {
+        if (other == nullptr) return;
+        for (; run < n; next_run())
+            while (copied < len[run]) copy_next();
     }
     const unsigned char* take(int64_t want, unsigned char* buf) {
         const unsigned char* at = nullptr;
@@ -221,10 +246,32 @@ struct Cursor {
 
 }  // namespace
 
+namespace {
+
+uint64_t hash_cursor(Cursor& cur, const int64_t* addr, const int64_t* len, int64_t n);
+
+}  // namespace
+
 uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n) {
+    Cursor cur{addr, len, n};
+    return hash_cursor(cur, addr, len, n);
+}
+
+uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const int64_t* len, int64_t n,
+                            bool into_hashed) {
+    Cursor cur{hashed, len, n};
+    cur.other = other;
+    cur.into = into_hashed;
+    const uint64_t h = hash_cursor(cur, hashed, len, n);
+    cur.finish();
+    return h;
+}
+
+namespace {
+
+uint64_t hash_cursor(Cursor& cur, const int64_t* addr, const int64_t* len, int64_t n) {
     int64_t total = 0;
     for (int64_t i = 0; i < n; ++i) total += len[i];
-    Cursor cur{addr, len, n};
     alignas(64) unsigned char buf[240];
     if (total <= 240) return hash_short(cur.take(total, buf), static_cast<uint64_t>(total));
 
@@ -257,6 +304,7 @@ uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n) {
         k += batch;
         if (k % STRIPES_PER_BLOCK == 0) scramble(acc);
     }
+    cur.finish();  // a copying cursor: the bytes the last stripe reads are in place now
     // the last stripe is the input's last 64 bytes, which may overlap the stripes above
     alignas(64) unsigned char last[STRIPE];
     const int64_t consumed = stripes * STRIPE;
@@ -269,5 +317,7 @@ uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n) {
     for (int i = 0; i < 4; ++i) h += fold(acc[2 * i] ^ load64(SECRET + 11 + 16 * i), acc[2 * i + 1] ^ load64(SECRET + 11 + 16 * i + 8));
     return avalanche(h);
 }
+
+}  // namespace
 
 }  // namespace kvxfer

@@ -52,3 +52,42 @@ def test_bad_runs_are_refused():
         checksum([0], [8])
     with pytest.raises(ValueError):
         checksum([1, 2], [1])
+
+
+@pytest.mark.parametrize("into_hashed", [False, True])
+def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed):
+    """copy_checksum_runs (the same-host put and get): runs of every length class (0, short,
+    around the 64 KiB copy chunk, over a MiB), placed on the other side in another order;
+    every byte arrives, and the checksum is XXH3-64 of the hashed side's bytes."""
+    from kvxfer._native import load
+
+    native = load()
+    rng = np.random.default_rng(7)
+    cases = [[5], [0, 3, 0], [240], [241], [65535, 1], [65536], [65537, 64], [1 << 20, 300_001, 17],
+             list(rng.integers(0, 300, 40)), list(rng.integers(0, 200_000, 9))]
+    for lens in cases:
+        lens = np.asarray(lens, np.int64)
+        total = int(lens.sum())
+        data = _buf(max(total, 1), seed=len(lens))
+        empty = np.zeros_like(data)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        order = rng.permutation(len(lens))  # the other side holds the runs in another order
+        other_starts = np.zeros(len(lens), np.int64)
+        at = 0
+        for i in order:
+            other_starts[i], at = at, at + lens[i]
+        expected = xxhash.xxh3_64_intdigest(data[:total].tobytes())
+        if into_hashed:  # the bytes arrive in the hashed runs from the other side
+            src = np.zeros_like(data)
+            for i in range(len(lens)):
+                src[other_starts[i]:other_starts[i] + lens[i]] = data[starts[i]:starts[i] + lens[i]]
+            got = native.copy_checksum_runs(empty.ctypes.data + starts, src.ctypes.data + other_starts, lens, True)
+            assert np.array_equal(empty[:total], data[:total]), list(lens)
+        else:
+            got = native.copy_checksum_runs(data.ctypes.data + starts, empty.ctypes.data + other_starts, lens, False)
+            for i in range(len(lens)):
+                assert np.array_equal(empty[other_starts[i]:other_starts[i] + lens[i]],
+                                      data[starts[i]:starts[i] + lens[i]]), list(lens)
+        assert got == expected, list(lens)
+    with pytest.raises(ValueError):
+        native.copy_checksum_runs(np.array([0], np.int64), np.array([8], np.int64), np.array([8], np.int64), False)

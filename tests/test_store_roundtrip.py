@@ -101,3 +101,40 @@ def test_get_of_missing_keys_fails_with_loaded_prefix(store):
         h.wait(timeout=60)
     assert err.value.loaded == 2 and h.state == "failed"
     assert torch.equal(block_bits(src, 1), block_bits(dst, 1))
+
+
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_one_pass_copies_on_this_host_agree_with_the_remote_path(node, head_dim):
+    """On this host a client copies between its blocks and the node's mapped slots and
+    hashes in the same pass; a client on UCX only moves the bytes through the backend and
+    hashes beside it. Objects either one puts, the other gets bitwise and verified (the
+    checksums agree), and a corrupted object is a miss on either."""
+    src = make_layout("2 N B H D", 6, seed=5, head_dim=head_dim)
+    with kvxfer.KVStore(nodes=[node], secret=SECRET) as local, \
+            kvxfer.KVStore(nodes=[node], secret=SECRET, backend="ucx") as remote:
+        for writer, reader, tag in ((local, remote, b"l2r"), (remote, local, b"r2l")):
+            keys = kvxfer.block_keys(range(6 * 4), 4, salt=b"one-pass-%s-%d" % (tag, head_dim))
+            writer.put(keys, src, range(6)).wait(timeout=60)
+            dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
+            reader.get(keys, dst, [5, 4, 3, 2, 1, 0]).wait(timeout=60)
+            for s in range(6):
+                assert torch.equal(block_bits(src, s), block_bits(dst, 5 - s))
+            assert reader.stats()["client"]["checksum_failures"] == 0
+        assert local._conns[node].slots_local != 0 and remote._conns[node].slots_local == 0
+        # flip a byte of a stored object through the local mapping: each reader misses it
+        # (its own checksum fails), never returns it
+        import ctypes
+
+        from kvxfer.store.protocol import Req
+
+        conn = local._conns[node]
+        for reader in (local, remote):
+            keys = kvxfer.block_keys(range(4), 4, salt=b"one-pass-flip-%d-%d" % (head_dim, reader is local))
+            local.put(keys, src, [2]).wait(timeout=60)
+            r = conn.request(Req.GET, {"keys": keys, "fmt": ObjectFormat(src).fmt}, 10)["r"]
+            conn.send(Req.RELEASE, {"pins": [r[0][3]], "bad": []}, reply=False)
+            ctypes.c_uint8.from_address(conn.slots_local + r[0][0] + 7).value ^= 0x40
+            failures = reader.stats()["client"]["checksum_failures"]
+            with pytest.raises(kvxfer.StoreMiss):
+                reader.get(keys, make_layout("2 N B H D", 1, head_dim=head_dim), [0]).wait(timeout=60)
+            assert reader.stats()["client"]["checksum_failures"] == failures + 1

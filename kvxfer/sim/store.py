@@ -23,7 +23,8 @@ from :class:`VirtualStore`:
   transfer ends (``on_put_done`` is then called, so the caller can let the worker
   release the blocks the put read, as :meth:`PrefillPool.poll` does).
 
-Not modelled: lookup round trips (a 64-key lookup takes ~150 us on one host, docs/benchmarks.md), nodes
+Not modelled: lookup times (a 64-key lookup takes ~20-30 us from a node's key table on
+the same host, a few hundred us as requests to a node; docs/benchmarks.md), nodes
 failing, pins outlasting the copy (a get's objects are unpinned at once: nothing else
 happens at that virtual instant).
 """

@@ -269,7 +269,7 @@ class KVStore:
         c = self._conns.get(address)  # (one dict read: atomic)
         if c is None or c.table is None:
             return None
-        with c.table_lock:
+        with c.mapped_lock:
             if not c.table_usable():
                 return None
             codes = c.table.find(keys if len(pos) == len(keys) else itemgetter(*pos)(keys) if len(pos) > 1
@@ -454,11 +454,16 @@ class KVStore:
         for j, off, _ in got:
             if not 0 <= off <= c.region_bytes - size:
                 raise KVXferError(f"store node {c.address} reserved a slot outside its region")
+        fused = self.checksum and fmt.full and c.slots_local != 0
         # the checksums read the source while the copy does (both native, GIL released)
-        hashing = self._hasher.submit(_checksums, sums) if self.checksum else None
+        hashing = self._hasher.submit(_checksums, sums) if self.checksum and not fused else None
         try:
-            c.move("write", descs, self.timeout)
-            crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
+            if fused:  # same host, slots mapped here: one pass copies and hashes each object
+                crcs = self._copy_hashing(c, [(a, off + d, n) for (a, n), d, (_, off, _)
+                                              in zip(sums, self._object_offsets(fmt, ids, got), got)], into=False)
+            else:
+                c.move("write", descs, self.timeout)
+                crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
         except KVXferError:
             if hashing is not None:
                 hashing.result()
@@ -525,6 +530,37 @@ class KVStore:
         done.fail(StoreMiss(f"{len(keys) - loaded} of {len(keys)} keys not loaded from the pool "
                             f"(first at position {loaded})", loaded=loaded))
 
+    def _object_offsets(self, fmt, ids, got) -> list:
+        """Per reserved object of a whole-object put (``got``: ``[(j, slot offset, token)]``),
+        where each of its checksum's runs lies in the object (int64 arrays)."""
+        import numpy as np
+
+        if fmt.put_zero_copy:
+            return [fmt.runs(ids[j])[:, 2] for j, _, _ in got]
+        return [np.zeros(1, np.int64)] * len(got)  # packed into staging: one run, the whole object
+
+    def _copy_hashing(self, c: NodeConn, objects, *, into: bool) -> list:
+        """Copy each object between this process's runs and the node's slots mapped here
+        (``objects``: ``[(local run addresses, run offsets in the node's region, lengths)]``;
+        ``into``: slots -> local, else local -> slots), hashing the local side as it goes
+        (native, one read of each byte); return the checksums. The offsets are checked
+        against the region; the mapping stays while ``c.mapped_lock`` is held."""
+        import numpy as np
+
+        from .._native import load
+
+        native = load()
+        out = []
+        with c.mapped_lock:
+            if c.slots_local == 0:
+                raise PeerDisconnected(f"store node {c.address} connection is closed")
+            for addrs, offs, lens in objects:
+                offs, lens = np.asarray(offs, np.int64), np.asarray(lens, np.int64)
+                if len(offs) and (offs.min() < 0 or (offs + lens).max() > c.region_bytes):
+                    raise KVXferError(f"store node {c.address}: a run outside its region")
+                out.append(native.copy_checksum_runs(np.asarray(addrs, np.int64), c.slots_local + offs, lens, into))
+        return out
+
     def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
         """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
         their blocks; return the positions whose bytes passed the checksum (the pins of
@@ -544,6 +580,9 @@ class KVStore:
                      for n, (_, off, *_) in enumerate(hits)]
             checks = ([fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)]
                       if self.checksum else None)
+        if checks is not None and c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
+            # same host, slots mapped here: one pass copies each object and hashes what arrived
+            return self._read_hashing(c, fmt, hits, ids, checks, bad)
         verdict = [True] * len(hits)
         step = max(1, -(-len(hits) // READ_PIECES))
         pending = None  # (first, future) of the piece being checked
@@ -558,6 +597,34 @@ class KVStore:
         good = []
         for n, ((i, *_, pin), fine) in enumerate(zip(hits, verdict)):
             if fine:
+                good.append((n, i))
+            else:
+                bad.append(pin)
+        if not fmt.zero_copy:
+            self._unpack_runs(fmt, good, ids)
+        return [i for _, i in good]
+
+    def _read_hashing(self, c: NodeConn, fmt, hits, ids, checks, bad: list) -> list:
+        """:meth:`_read_hits` for whole-object checksums from slots mapped here: each object
+        is copied into its blocks (zero-copy) or staging and hashed there in the same pass."""
+        import numpy as np
+
+        size = fmt.nbytes
+        objects, wanted = [], []  # what to copy and the checksum it must have, per object copied
+        for n, ((i, off, *_), ch) in enumerate(zip(hits, checks)):
+            if ch is None:  # a malformed checksum: bad, nothing copied
+                continue
+            (addrs, lens, crc), = ch
+            if fmt.zero_copy:
+                objects.append((addrs, off + fmt.runs(ids[i])[:, 2], lens))
+            else:
+                objects.append(([self._stage_ptr + n * size], [off], [size]))
+            wanted.append((n, crc))
+        fine = {n for (n, crc), got in zip(wanted, self._copy_hashing(c, objects, into=True))
+                if crc == NO_CRC or got == crc}
+        good = []
+        for n, (i, *_, pin) in enumerate(hits):
+            if n in fine:
                 good.append((n, i))
             else:
                 bad.append(pin)

@@ -57,8 +57,10 @@ class NodeConn:
             raise ProtocolError(f"store node {address} advertised a region smaller than its slots")
         # same host (vm path): lookups read the node's key table where it is mapped here
         self.table: KeyTable | None = None
-        self.table_lock = threading.Lock()  # held while the table is read; close() takes it away
-        local = getattr(bconn, "shared_addrs", {}).get(table["region"], 0)
+        self.mapped_lock = threading.Lock()  # held while the node's mapped memory is touched; close() unmaps it
+        shared = getattr(bconn, "shared_addrs", {})
+        self.slots_local = int(shared.get(self.region, 0))  # the slots' first byte mapped here (0: not mapped)
+        local = shared.get(table["region"], 0)
         if local and regions[table["region"]][1] >= KeyTable.nbytes(table["buckets"]):
             self.table = KeyTable(int(local), table["buckets"])
             self._quiet = select.poll()  # the socket with nothing to read: no reply due, no EOF
@@ -103,7 +105,7 @@ class NodeConn:
             raise
 
     def table_usable(self) -> bool:
-        """The key table may be read now (caller holds ``table_lock``): mapped, fresh, and
+        """The key table may be read now (caller holds ``mapped_lock``): mapped, fresh, and
         the socket quiet (a node that died has closed it; a reply due to another thread
         also makes it loud, and that lookup asks instead)."""
         return self.table is not None and not self._quiet.poll(0) and self.table.is_fresh()
@@ -183,8 +185,9 @@ class NodeConn:
         if self.closed:
             return
         self.closed = True
-        with self.table_lock:  # no reader is inside the mapping when it goes
+        with self.mapped_lock:  # no reader or copy is inside the mapping when it goes
             self.table = None
+            self.slots_local = 0
         try:
             self._backend.disconnect(self.bconn)
         except KVXferError:

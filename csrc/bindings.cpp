@@ -86,21 +86,38 @@ PYBIND11_MODULE(_C, m) {
             py::arg("addr"), py::arg("len"),
             "XXH3-64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
         m.def(
-            "copy_checksum_runs",
-            [](I64 hashed, I64 other, I64 len, bool into_hashed) {
+            "copy_checksum_objects",
+            [](I64 hashed, I64 other, I64 len, I64 counts, bool into_hashed) {
                 const py::ssize_t n = len.size();
-                if (hashed.ndim() != 1 || other.ndim() != 1 || len.ndim() != 1 || hashed.size() != n ||
-                    other.size() != n)
-                    throw py::value_error("copy_checksum_runs: hashed, other and len must be 1-d of one length");
+                if (hashed.ndim() != 1 || other.ndim() != 1 || len.ndim() != 1 || counts.ndim() != 1 ||
+                    hashed.size() != n || other.size() != n)
+                    throw py::value_error("copy_checksum_objects: hashed, other and len must be 1-d of one length");
+                int64_t runs = 0;
+                for (py::ssize_t i = 0; i < counts.size(); ++i) {
+                    if (counts.data()[i] < 0) throw py::value_error("copy_checksum_objects: negative run count");
+                    runs += counts.data()[i];
+                }
+                if (runs != n) throw py::value_error("copy_checksum_objects: run counts do not add up to the runs");
                 for (py::ssize_t i = 0; i < n; ++i)
                     if (len.data()[i] < 0 || (len.data()[i] > 0 && (hashed.data()[i] <= 0 || other.data()[i] <= 0)))
-                        throw py::value_error("copy_checksum_runs: bad run");
-                py::gil_scoped_release release;
-                return kvxfer::copy_checksum_runs(hashed.data(), other.data(), len.data(), n, into_hashed);
+                        throw py::value_error("copy_checksum_objects: bad run");
+                std::vector<uint64_t> out(counts.size());
+                {
+                    py::gil_scoped_release release;
+                    int64_t at = 0;
+                    for (py::ssize_t i = 0; i < counts.size(); ++i) {
+                        const int64_t k = counts.data()[i];
+                        out[i] = kvxfer::copy_checksum_runs(hashed.data() + at, other.data() + at, len.data() + at, k,
+                                                            into_hashed);
+                        at += k;
+                    }
+                }
+                return out;
             },
-            py::arg("hashed"), py::arg("other"), py::arg("len"), py::arg("into_hashed"),
-            "checksum_runs(hashed, len), copying each run to (or, into_hashed, from) other[i] as it is hashed, "
-            "so each byte is read once (host memory the caller owns and has bounds-checked); GIL released.");
+            py::arg("hashed"), py::arg("other"), py::arg("len"), py::arg("counts"), py::arg("into_hashed"),
+            "Per object (counts[i] consecutive runs each): checksum_runs of its hashed runs, copying each run to "
+            "(or, into_hashed, from) other[i] as it is hashed, so each byte is read once (host memory the caller "
+            "owns and has bounds-checked); GIL released.");
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

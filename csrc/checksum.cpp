@@ -7,6 +7,8 @@
 // through SSE2 on x86-64; a scalar form serves other CPUs. All give the same bits.
 #include "checksum.h"
 
+#include "copy.h"
+
 #include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -201,8 +203,11 @@ struct Cursor {
     }
     void copy_next() {
         const int64_t step = len[run] - copied < kChunk ? len[run] - copied : kChunk;
+        // out of the hashed runs (a put): streaming stores, as this process will not read
+        // the other side; into them (a get): plain stores, so the hash reads them from cache
         if (into) std::memcpy(at_run(addr, copied), at_run(other, copied), step);
-        else std::memcpy(at_run(other, copied), at_run(addr, copied), step);
+        else copy_bytes(reinterpret_cast<char*>(at_run(other, copied)),
+                        reinterpret_cast<const char*>(at_run(addr, copied)), step, true);
         copied += step;
     }
     void next_run() { ++run, off = 0, copied = 0; }
@@ -264,6 +269,7 @@ uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const i
     cur.into = into_hashed;
     const uint64_t h = hash_cursor(cur, hashed, len, n);
     cur.finish();
+    fence(!into_hashed);  // the streaming stores are visible before the caller commits
     return h;
 }
 

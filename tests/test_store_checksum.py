@@ -56,7 +56,7 @@ def test_bad_runs_are_refused():
 
 @pytest.mark.parametrize("into_hashed", [False, True])
 def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed):
-    """copy_checksum_runs (the same-host put and get): runs of every length class (0, short,
+    """copy_checksum_objects (the same-host put and get): runs of every length class (0, short,
     around the 64 KiB copy chunk, over a MiB), placed on the other side in another order;
     every byte arrives, and the checksum is XXH3-64 of the hashed side's bytes."""
     from kvxfer._native import load
@@ -81,13 +81,24 @@ def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed
             src = np.zeros_like(data)
             for i in range(len(lens)):
                 src[other_starts[i]:other_starts[i] + lens[i]] = data[starts[i]:starts[i] + lens[i]]
-            got = native.copy_checksum_runs(empty.ctypes.data + starts, src.ctypes.data + other_starts, lens, True)
+            got, = native.copy_checksum_objects(empty.ctypes.data + starts, src.ctypes.data + other_starts, lens,
+                                                [len(lens)], True)
             assert np.array_equal(empty[:total], data[:total]), list(lens)
         else:
-            got = native.copy_checksum_runs(data.ctypes.data + starts, empty.ctypes.data + other_starts, lens, False)
+            got, = native.copy_checksum_objects(data.ctypes.data + starts, empty.ctypes.data + other_starts, lens,
+                                                [len(lens)], False)
             for i in range(len(lens)):
                 assert np.array_equal(empty[other_starts[i]:other_starts[i] + lens[i]],
                                       data[starts[i]:starts[i] + lens[i]]), list(lens)
         assert got == expected, list(lens)
+    # two objects in one call: each its own checksum
+    data = _buf(1000, seed=3)
+    out = np.zeros_like(data)
+    sums = native.copy_checksum_objects(data.ctypes.data + np.array([0, 300, 700]), out.ctypes.data + np.array([0, 300, 700]),
+                                        np.array([300, 400, 300]), [1, 2], False)
+    assert sums == [xxhash.xxh3_64_intdigest(data[:300].tobytes()), xxhash.xxh3_64_intdigest(data[300:].tobytes())]
+    assert np.array_equal(out, data)
+    with pytest.raises(ValueError):  # a null run, and counts that do not add up
+        native.copy_checksum_objects(np.array([0]), np.array([8]), np.array([8]), [1], False)
     with pytest.raises(ValueError):
-        native.copy_checksum_runs(np.array([0], np.int64), np.array([8], np.int64), np.array([8], np.int64), False)
+        native.copy_checksum_objects(np.array([8]), np.array([8]), np.array([8]), [2], False)

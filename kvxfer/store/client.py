@@ -422,17 +422,19 @@ class KVStore:
                                             if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT))
         if not got:
             return conflicts
+        # same host with the slots mapped here: one native pass copies and hashes (below)
+        fused = self.checksum and fmt.full and c.slots_local != 0
         # per object: its descriptors and the runs its checksum reads (the same bytes)
         if fmt.put_zero_copy:  # straight from the blocks into the slots
             regions = np.array(self._pool_regions(fmt), np.int64)
             rows, sums = [], []
             for j, off, _ in got:
                 runs = fmt.runs(ids[j])
-                addrs = regions[runs[:, 0]]
-                rows.append(np.stack([addrs, runs[:, 1], np.full(len(runs), c.region, np.int64), off + runs[:, 2],
-                                      runs[:, 3]], axis=1))
+                if not fused:
+                    rows.append(np.stack([regions[runs[:, 0]], runs[:, 1], np.full(len(runs), c.region, np.int64),
+                                          off + runs[:, 2], runs[:, 3]], axis=1))
                 sums.append((fmt.run_addrs(runs), runs[:, 3]))
-            descs = np.concatenate(rows)
+            descs = np.concatenate(rows) if rows else None
         elif fmt.full:
             descs = np.empty((len(got), 5), np.int64)
             sums = []
@@ -454,13 +456,18 @@ class KVStore:
         for j, off, _ in got:
             if not 0 <= off <= c.region_bytes - size:
                 raise KVXferError(f"store node {c.address} reserved a slot outside its region")
-        fused = self.checksum and fmt.full and c.slots_local != 0
-        # the checksums read the source while the copy does (both native, GIL released)
+        # elsewhere the checksums read the source while the copy does (both native, GIL released)
         hashing = self._hasher.submit(_checksums, sums) if self.checksum and not fused else None
         try:
             if fused:  # same host, slots mapped here: one pass copies and hashes each object
-                crcs = self._copy_hashing(c, [(a, off + d, n) for (a, n), d, (_, off, _)
-                                              in zip(sums, self._object_offsets(fmt, ids, got), got)], into=False)
+                if fmt.put_zero_copy:  # each run from its block to its place in the slot
+                    runs = [fmt.runs(ids[j]) for j, _, _ in got]
+                    offsets = np.concatenate([off + r[:, 2] for r, (_, off, _) in zip(runs, got)])
+                else:  # each object packed in staging, whole
+                    offsets = np.array([off for _, off, _ in got], np.int64)
+                crcs = self._copy_hashing(c, np.concatenate([np.asarray(a, np.int64) for a, _ in sums]), offsets,
+                                          np.concatenate([np.asarray(n, np.int64) for _, n in sums]),
+                                          [len(n) for _, n in sums], into=False)
             else:
                 c.move("write", descs, self.timeout)
                 crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
@@ -530,36 +537,23 @@ class KVStore:
         done.fail(StoreMiss(f"{len(keys) - loaded} of {len(keys)} keys not loaded from the pool "
                             f"(first at position {loaded})", loaded=loaded))
 
-    def _object_offsets(self, fmt, ids, got) -> list:
-        """Per reserved object of a whole-object put (``got``: ``[(j, slot offset, token)]``),
-        where each of its checksum's runs lies in the object (int64 arrays)."""
+    def _copy_hashing(self, c: NodeConn, local, offsets, lengths, counts, *, into: bool) -> list:
+        """Copy objects between this process's memory and the node's slots mapped here,
+        hashing the local side as it goes (native, one read of each byte); return each
+        object's checksum. ``local`` / ``offsets`` / ``lengths``: int64 ``[num_runs]``, each
+        run's address here, offset in the node's region and length; ``counts``: runs per
+        object, in order. ``into``: slots -> local, else local -> slots. The offsets are
+        checked against the region; the mapping stays while ``c.mapped_lock`` is held."""
         import numpy as np
 
-        if fmt.put_zero_copy:
-            return [fmt.runs(ids[j])[:, 2] for j, _, _ in got]
-        return [np.zeros(1, np.int64)] * len(got)  # packed into staging: one run, the whole object
-
-    def _copy_hashing(self, c: NodeConn, objects, *, into: bool) -> list:
-        """Copy each object between this process's runs and the node's slots mapped here
-        (``objects``: ``[(local run addresses, run offsets in the node's region, lengths)]``;
-        ``into``: slots -> local, else local -> slots), hashing the local side as it goes
-        (native, one read of each byte); return the checksums. The offsets are checked
-        against the region; the mapping stays while ``c.mapped_lock`` is held."""
-        import numpy as np
-
-        from .._native import load
-
-        native = load()
-        out = []
+        offsets, lengths = np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
+        if len(offsets) and (offsets.min() < 0 or (offsets + lengths).max() > c.region_bytes):
+            raise KVXferError(f"store node {c.address}: a run outside its region")
         with c.mapped_lock:
             if c.slots_local == 0:
                 raise PeerDisconnected(f"store node {c.address} connection is closed")
-            for addrs, offs, lens in objects:
-                offs, lens = np.asarray(offs, np.int64), np.asarray(lens, np.int64)
-                if len(offs) and (offs.min() < 0 or (offs + lens).max() > c.region_bytes):
-                    raise KVXferError(f"store node {c.address}: a run outside its region")
-                out.append(native.copy_checksum_runs(np.asarray(addrs, np.int64), c.slots_local + offs, lens, into))
-        return out
+            return load().copy_checksum_objects(np.asarray(local, np.int64), c.slots_local + offsets, lengths,
+                                                np.asarray(counts, np.int64), into)
 
     def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
         """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
@@ -610,18 +604,25 @@ class KVStore:
         import numpy as np
 
         size = fmt.nbytes
-        objects, wanted = [], []  # what to copy and the checksum it must have, per object copied
+        local, offsets, lengths, counts = [], [], [], []  # per object copied: its runs
+        wanted = []  # per object copied: (position in hits, the checksum it must have)
         for n, ((i, off, *_), ch) in enumerate(zip(hits, checks)):
             if ch is None:  # a malformed checksum: bad, nothing copied
                 continue
             (addrs, lens, crc), = ch
-            if fmt.zero_copy:
-                objects.append((addrs, off + fmt.runs(ids[i])[:, 2], lens))
-            else:
-                objects.append(([self._stage_ptr + n * size], [off], [size]))
+            if fmt.zero_copy:  # each run from its place in the slot to its block
+                local.append(np.asarray(addrs, np.int64))
+                offsets.append(off + fmt.runs(ids[i])[:, 2])
+                lengths.append(np.asarray(lens, np.int64))
+            else:  # whole, into staging
+                local.append(np.array([self._stage_ptr + n * size], np.int64))
+                offsets.append(np.array([off], np.int64))
+                lengths.append(np.array([size], np.int64))
+            counts.append(len(lengths[-1]))
             wanted.append((n, crc))
-        fine = {n for (n, crc), got in zip(wanted, self._copy_hashing(c, objects, into=True))
-                if crc == NO_CRC or got == crc}
+        sums = (self._copy_hashing(c, np.concatenate(local), np.concatenate(offsets), np.concatenate(lengths),
+                                   counts, into=True) if wanted else [])
+        fine = {n for (n, crc), got in zip(wanted, sums) if crc == NO_CRC or got == crc}
         good = []
         for n, (i, *_, pin) in enumerate(hits):
             if n in fine:

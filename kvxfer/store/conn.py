@@ -3,10 +3,11 @@
 :meth:`NodeConn.open` authenticates with the agents' handshake
 (:func:`kvxfer.agent.handshake.client_handshake`) and connects the client's backend
 to the node's memory (the metadata arrives only after both sides proved the secret).
-On the same host (the backend's ``"vm"`` path) it also maps the node's
-:class:`~kvxfer.store.key_table.KeyTable` (``table``; None elsewhere), which lookups read
-instead of asking. Requests are synchronous per connection (``lock`` held by the caller); a node that does
-not answer within ``timeout`` or drops the connection raises
+On the same host (the backend's ``"vm"`` path) it also maps the node's slots
+(``slots_local``; 0 elsewhere) and :class:`~kvxfer.store.key_table.KeyTable` (``table``;
+None elsewhere), which lookups read instead of asking. Requests are synchronous per
+connection (``lock`` held by the caller); a node that does not answer within
+``timeout`` or drops the connection raises
 :class:`~kvxfer.errors.TransferTimeout` / :class:`~kvxfer.errors.PeerDisconnected`,
 and the connection is closed (the client marks the node down).
 """

@@ -4,8 +4,9 @@ It owns one registered host buffer of ``num_slots`` fixed-size slots (a
 :func:`kvxfer.shared_empty` pool: same-host clients map it once and copy with
 ``memcpy``; other hosts reach it through UCX), a :class:`~kvxfer.store.index.SlotIndex`,
 the index's committed keys published as a :class:`~kvxfer.store.key_table.KeyTable`
-(registered too: same-host clients answer lookups from it) and a listening socket. Clients authenticate with the agents' handshake
-(:mod:`kvxfer.agent.handshake`, the deployment's shared secret); only then does the
+(registered too: same-host clients answer lookups from it) and a listening socket.
+Clients authenticate with the agents' handshake (:mod:`kvxfer.agent.handshake`, the
+deployment's shared secret); only then does the
 node send its backend metadata (the memory keys). The bytes of objects never cross the
 socket: clients write and read slots one-sided, and the socket carries the requests of
 :mod:`kvxfer.store.protocol`.

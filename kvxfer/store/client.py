@@ -576,18 +576,19 @@ class KVStore:
                       if self.checksum else None)
         if checks is not None and c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
             # same host, slots mapped here: one pass copies each object and hashes what arrived
-            return self._read_hashing(c, fmt, hits, ids, checks, bad)
-        verdict = [True] * len(hits)
-        step = max(1, -(-len(hits) // READ_PIECES))
-        pending = None  # (first, future) of the piece being checked
-        for first in range(0, len(hits), step):
-            c.move("read", np.concatenate(descs[first:first + step]), self.timeout)
+            verdict = self._read_hashing(c, fmt, hits, ids, checks)
+        else:
+            verdict = [True] * len(hits)
+            step = max(1, -(-len(hits) // READ_PIECES))
+            pending = None  # (first, future) of the piece being checked
+            for first in range(0, len(hits), step):
+                c.move("read", np.concatenate(descs[first:first + step]), self.timeout)
+                if pending is not None:
+                    self._collect(pending, verdict)
+                if checks is not None:
+                    pending = (first, self._hasher.submit(_verify, checks[first:first + step]))
             if pending is not None:
                 self._collect(pending, verdict)
-            if checks is not None:
-                pending = (first, self._hasher.submit(_verify, checks[first:first + step]))
-        if pending is not None:
-            self._collect(pending, verdict)
         good = []
         for n, ((i, *_, pin), fine) in enumerate(zip(hits, verdict)):
             if fine:
@@ -598,9 +599,10 @@ class KVStore:
             self._unpack_runs(fmt, good, ids)
         return [i for _, i in good]
 
-    def _read_hashing(self, c: NodeConn, fmt, hits, ids, checks, bad: list) -> list:
-        """:meth:`_read_hits` for whole-object checksums from slots mapped here: each object
-        is copied into its blocks (zero-copy) or staging and hashed there in the same pass."""
+    def _read_hashing(self, c: NodeConn, fmt, hits, ids, checks) -> list:
+        """The reads of :meth:`_read_hits` for whole-object checksums from slots mapped here:
+        each object is copied into its blocks (zero-copy) or staging and hashed there in
+        the same pass; returns per hit whether its bytes passed the checksum."""
         import numpy as np
 
         size = fmt.nbytes
@@ -622,16 +624,10 @@ class KVStore:
             wanted.append((n, crc))
         sums = (self._copy_hashing(c, np.concatenate(local), np.concatenate(offsets), np.concatenate(lengths),
                                    counts, into=True) if wanted else [])
-        fine = {n for (n, crc), got in zip(wanted, sums) if crc == NO_CRC or got == crc}
-        good = []
-        for n, (i, *_, pin) in enumerate(hits):
-            if n in fine:
-                good.append((n, i))
-            else:
-                bad.append(pin)
-        if not fmt.zero_copy:
-            self._unpack_runs(fmt, good, ids)
-        return [i for _, i in good]
+        verdict = [False] * len(hits)  # a malformed checksum stays bad
+        for (n, crc), got in zip(wanted, sums):
+            verdict[n] = crc == NO_CRC or got == crc
+        return verdict
 
     @staticmethod
     def _collect(pending, verdict) -> None:

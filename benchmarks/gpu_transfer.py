@@ -72,7 +72,8 @@ def receiver(args) -> int:
             if dst.device.type == "cuda":
                 torch.cuda.synchronize(dst.device)
             ok = torch.equal(kvxfer.pack(dst, dst_ids, backend="reference"), want)
-            print(json.dumps({"phase": phase, "bitwise": ok, "path": handles[-1].path}), flush=True)
+            print(json.dumps({"phase": phase, "bitwise": ok, "path": handles[-1].path,
+                              "metrics": agent.metrics.to_dict()}), flush=True)
             for t in dst.tensors:
                 t.zero_()
     return 0
@@ -99,13 +100,22 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> list:
     return out[2:]
 
 
+def read_json(stream) -> dict:
+    """The next JSON object line of ``stream`` (lines UCX's own logging prints there are skipped)."""
+    for line in stream:
+        if line.startswith("{"):
+            return json.loads(line)
+        print(line, end="", file=sys.stderr)
+    raise RuntimeError("the receiver exited before reporting")
+
+
 def sender(args) -> int:
     from kvxfer import Agent, AgentConfig
 
     child = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--role", "d"], stdout=subprocess.PIPE,
                              text=True)
     try:
-        address = json.loads(child.stdout.readline())["address"]
+        address = read_json(child.stdout)["address"]
         src = make_layout(args.model, args.pool_blocks, args.device, args.seed)
         n = args.tokens // MODELS[args.model][3]
         src_ids = ids_for(n, args.pool_blocks, 1)
@@ -126,9 +136,14 @@ def sender(args) -> int:
                     h = agent.send(peer, f"{phase}-{i}", src_ids)
                     h.wait(120.0)
                     times.append(time.perf_counter() - t0)
-                check = json.loads(child.stdout.readline())
+                check = read_json(child.stdout)
                 gbps = nbytes / statistics.median(times[2:]) / 1e9
-                result["phases"].append({"phase": phase, "path": h.path, "transport": peer.transport,
+                result["phases"].append({"phase": phase, "path": h.path, "transport": peer.device_transport
+                                         if args.device == "cuda" else peer.transport,
+                                         "host_lane": peer.transport,
+                                         "ucx_info": getattr(peer.bconn, "ucx_info", ""),
+                                         "sender_metrics": agent.metrics.to_dict(),
+                                         "receiver_metrics": check.get("metrics"),
                                          "gbps": gbps, "ratio_to_copy": gbps / result["copy_gbps"],
                                          "median_ms": statistics.median(times[2:]) * 1e3,
                                          "bitwise": check["bitwise"], "recv_path": check["path"]})

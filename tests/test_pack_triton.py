@@ -165,3 +165,84 @@ def test_gpu_launch_follows_pool_device_not_current():
     t.join(60)
     assert out["wire"].device == torch.device("cuda", 1)
     assert torch.equal(out["wire"], kvxfer.pack(layout, [5, 1, 9], backend="reference"))
+
+
+def check_repeated_calls(device):
+    """Repeated calls reuse one cached plan and stay bitwise: every layer of a request, into
+    outputs of both vector alignments, packs and unpacks, and wrong arguments that compare
+    equal to cached ones (``1.0``, ``True``, duplicates for unpack) still fail."""
+    from kvxfer.kernels.tables import PoolTables
+
+    layout = make("vllm", device=device, layers=4, blocks=8, bs=2, heads=2, hd=16)
+    ids = [5, 0, 3]
+    whole = kvxfer.pack(layout, ids, backend="reference")
+    step = layout.wire_nbytes(len(ids), layers=[0])
+    raw = torch.zeros(2 * whole.numel() + 64, dtype=torch.uint8, device=device)
+    for rounds in range(2):
+        for offset in (0, 8, 16):  # 16-byte aligned, 8-byte aligned, aligned again
+            out = raw[offset:offset + whole.numel()]
+            out.zero_()
+            for layer in range(4):
+                kvxfer.pack(layout, ids, layers=[layer], out=out[layer * step:(layer + 1) * step],
+                            backend="triton")
+            assert torch.equal(out, whole), (rounds, offset)
+            assert torch.equal(kvxfer.pack(layout, ids, out=out, backend="triton"), whole)
+    got, ref = make("vllm", seed=2, device=device, layers=4, blocks=8, bs=2, heads=2, hd=16), \
+        make("vllm", seed=2, device=device, layers=4, blocks=8, bs=2, heads=2, hd=16)
+    for _ in range(2):
+        kvxfer.unpack(got, whole, [1, 7, 2], backend="triton")
+    kvxfer.unpack(ref, whole, [1, 7, 2], backend="reference")
+    assert same_storage(got, ref)
+    plans = len(PoolTables.of(layout)._plans)
+    assert plans == 4 + 1  # one per layer, the whole request; calls with other offsets reuse them
+    with pytest.raises(TypeError):
+        kvxfer.pack(layout, [5, 0, 3.0], backend="triton")
+    with pytest.raises(TypeError):
+        kvxfer.pack(layout, [5, 0, 3], layers=[True], backend="triton")
+    kvxfer.pack(layout, [1, 1], backend="triton")  # repeats are fine for pack ...
+    with pytest.raises(ValueError, match="duplicates"):
+        kvxfer.unpack(got, whole, [1, 1, 2], backend="triton")  # ... never for unpack
+    with pytest.raises(ValueError, match="out of range"):
+        kvxfer.pack(layout, [5, 0, 8], backend="triton")
+    with pytest.raises(ValueError, match="needs"):
+        kvxfer.pack(layout, ids, out=raw[:step], backend="triton")
+
+
+@needs_interpreter
+def test_repeated_calls_reuse_a_plan_in_interpreter(monkeypatch):
+    from kvxfer.kernels import common
+
+    calls = []
+    real = common.resolve
+    monkeypatch.setattr(common, "resolve", lambda *a, **k: calls.append(1) or real(*a, **k))
+    check_repeated_calls("cpu")
+    # validated once per distinct call: 4 layers, the whole request, the unpack, and the
+    # failing calls (never cached); array ids key by dtype and bytes
+    layout = make("vllm", layers=2, blocks=8, bs=2, heads=2, hd=16)
+    import numpy as np
+
+    before = len(calls)
+    for _ in range(3):
+        kvxfer.pack(layout, np.array([3, 1]), backend="triton")
+        kvxfer.pack(layout, np.array([3, 1], dtype=np.int32), backend="triton")
+        kvxfer.pack(layout, torch.tensor([3, 1]), backend="triton")  # a host tensor keys as its array
+    assert len(calls) - before == 2
+    with pytest.raises(TypeError):
+        kvxfer.pack(layout, torch.tensor([3.0, 1.0], dtype=torch.bfloat16), backend="triton")
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_launch_the_compiled_kernel():
+    """On CUDA the second call launches the cached compiled kernel (no Triton binding)."""
+    from kvxfer.kernels.tables import PoolTables
+
+    check_repeated_calls("cuda")
+    layout = make("vllm", device="cuda", layers=2, blocks=8, bs=2, heads=2, hd=16)
+    kvxfer.pack(layout, [2, 4])
+    plan = next(iter(PoolTables.of(layout)._plans.values()))
+    assert any(state.kernels for state in plan.by_word.values())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # tables built on the default stream, used on another
+        wire = kvxfer.pack(layout, [2, 4])
+    side.synchronize()
+    assert torch.equal(wire, kvxfer.pack(layout, [2, 4], backend="reference"))

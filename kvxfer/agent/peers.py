@@ -65,6 +65,12 @@ class Peer:
         """What actually carries the bytes (e.g. ``vm``, ``ucx:cma``, ``loopback``)."""
         return self.bconn.transport if self.bconn is not None else "none"
 
+    @property
+    def device_transport(self) -> str:
+        """What carries GPU memory to this peer (``ucx:cuda_ipc`` on one host); :attr:`transport`
+        where the backend does not tell them apart."""
+        return getattr(self.bconn, "device_transport", self.transport)
+
     def send(self, frame: bytes, more: bool = False) -> bool:
         return self.is_connected and self.conn.send(frame, more)
 

@@ -97,18 +97,8 @@ def unpack(layout, buf, block_ids, *, layers=None, heads=None, backend=None) -> 
 
 
 def _triton(layout, block_ids, layers, heads, buf, to_wire: bool):
-    """The Triton path without a per-call tile copy: validate, then launch from the device
-    caches (:mod:`.tables`), under the pool's device guard."""
-    import torch
+    """The Triton path: a cached plan per call, launched under the pool's device
+    (:func:`kvxfer.kernels.triton_pack.run`)."""
+    from .triton_pack import run
 
-    from .triton_pack import copy
-
-    ids, layers, heads, nbytes = resolve(layout, block_ids, layers, heads, unique=not to_wire)
-    with device_guard(layout.device):
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=layout.device)
-        else:
-            check_buffer(layout, nbytes, buf, "out" if to_wire else "buf")
-            buf = buf.reshape(-1)[:nbytes]
-        copy(layout, ids, layers, heads, buf, to_wire=to_wire)
-    return buf
+    return run(layout, block_ids, layers, heads, buf, to_wire=to_wire)

@@ -11,6 +11,12 @@ cached per contents (a request's ids serve all its layers). So a call does no
 numpy work and, after the first call of a request, no host->device copy;
 a miss copies through pinned memory with ``non_blocking=True``.
 
+A call itself is cached too (:meth:`PoolTables.plan`): block ids given as a list or
+tuple of ints, a numpy array or a host tensor, with ``layers``/``heads`` given as None, ints
+or tuples of ints, key a :class:`Plan` holding what validation found and the device
+tensors of that call, so a repeated call (every layer of a request, every retry of a
+chunk) validates nothing again and builds nothing.
+
 Cached device tensors remember the stream that built them; a launch on another
 stream first waits for that build (``wait_event``) and marks the tensor used
 there (``record_stream``), so neither a stale read nor an early reuse of its
@@ -29,6 +35,8 @@ from ..runs import tile_copy
 
 MAX_IDS = 256  # cached block-id tensors per pool
 MAX_TABLES = 64  # cached gathered tables per pool
+MAX_PLANS = 256  # cached calls per pool
+_INTS = {int}
 
 
 @dataclass(frozen=True)
@@ -45,10 +53,61 @@ class PlaneTable:
 
 
 class _Entry:
-    __slots__ = ("tensor", "event", "stream")
+    __slots__ = ("tensor", "event", "stream", "raw")
 
     def __init__(self, tensor, event, stream) -> None:
         self.tensor, self.event, self.stream = tensor, event, stream
+        self.raw = stream.cuda_stream if stream is not None else 0  # the building stream's handle
+
+
+class Plan:
+    """One validated call: ``ids`` (int64 numpy ``[n]``), ``layers`` and ``heads`` (resolved
+    tuples), ``nbytes`` (wire bytes), and per (word, vector) size the device table and ids
+    entries and the compiled kernels launched for it (filled by :mod:`kvxfer.kernels.triton_pack`)."""
+
+    __slots__ = ("ids", "layers", "heads", "nbytes", "by_word")
+
+    def __init__(self, ids, layers, heads, nbytes) -> None:
+        self.ids, self.layers, self.heads, self.nbytes = ids, layers, heads, nbytes
+        self.by_word: dict = {}
+
+
+def _int_tuple(value):
+    """``value`` as a hashable key when it is None, an int or a list/tuple of exact ints; else None."""
+    if value is None:
+        return ("all",)
+    t = type(value)
+    if t is int:
+        return ("int", value)
+    if (t is list or t is tuple) and (not value or set(map(type, value)) == _INTS):
+        return ("seq", *value)
+    return None
+
+
+def call_key(block_ids, layers, heads, unique: bool):
+    """The cache key of a pack/unpack call, or None when its arguments are not cacheable
+    (device tensors, ranges, scalars, numpy integers inside lists: those validate every time).
+    Exact types are part of the key (``1.0`` or ``True`` never meets a cached ``1``)."""
+    t = type(block_ids)
+    if t is list or t is tuple:
+        if block_ids and set(map(type, block_ids)) != _INTS:
+            return None
+        ids_key = ("seq", tuple(block_ids))
+    elif t is np.ndarray:
+        ids_key = ("array", block_ids.dtype.str, block_ids.shape, block_ids.tobytes())
+    elif t.__module__.startswith("torch") and getattr(block_ids, "device", None) is not None \
+            and block_ids.device.type == "cpu" and not block_ids.requires_grad:
+        try:
+            arr = block_ids.numpy()  # a host tensor's bytes, no copy (a device tensor would sync: not cached)
+        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16 ...): invalid ids anyway
+            return None
+        ids_key = ("array", arr.dtype.str, arr.shape, arr.tobytes())
+    else:
+        return None
+    layers_key, heads_key = _int_tuple(layers), _int_tuple(heads)
+    if layers_key is None or heads_key is None:
+        return None
+    return ids_key, layers_key, heads_key, unique
 
 
 class PoolTables:
@@ -63,6 +122,7 @@ class PoolTables:
         self._tables: dict = {}  # (heads, word) -> _Entry (all planes); (heads, word, layers) -> _Entry
         self._ids: collections.OrderedDict = collections.OrderedDict()
         self._words: dict = {}  # word bytes -> one-word tensor at the pool's base
+        self._plans: collections.OrderedDict = collections.OrderedDict()  # call key -> Plan
         storages = [t.untyped_storage() for t in layout.tensors]
         self._base_storage = min(storages, key=lambda s: s.data_ptr())
 
@@ -102,9 +162,34 @@ class PoolTables:
             self._words[word] = got
         return got
 
+    # ---- calls ------------------------------------------------------------------------
+    def plan(self, block_ids, layers, heads, *, unique: bool) -> Plan:
+        """The validated :class:`Plan` of a call (cached when :func:`call_key` allows).
+        Raises what :func:`kvxfer.kernels.common.resolve` raises; nothing is cached then."""
+        key = call_key(block_ids, layers, heads, unique)
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None:
+            return plan
+        from .common import resolve
+
+        plan = Plan(*resolve(self.layout, block_ids, layers, heads, unique=unique))
+        if key is not None:
+            with self._lock:
+                self._plans[key] = plan
+                while len(self._plans) > MAX_PLANS:
+                    self._plans.popitem(last=False)
+        return plan
+
     # ---- device tensors ---------------------------------------------------------------
     def table(self, heads: tuple, word: int, layers: tuple, stream):
         """Device int64 ``[len(layers) * kv, 5]`` table in words for the selected layers, in order."""
+        entry, view = self.table_entry(heads, word, layers, stream)
+        self._use(entry, stream)
+        return view
+
+    def table_entry(self, heads: tuple, word: int, layers: tuple, stream):
+        """``(entry, tensor)`` of :meth:`table` without marking it used on ``stream``: the
+        tensor is the entry's own or a row slice of it (consecutive layers)."""
         kv = self.layout.num_kv
         full = self._tables.get((heads, word))
         if full is None:
@@ -114,7 +199,7 @@ class PoolTables:
             full = self._upload((heads, word), words // word, stream)
         first, count = layers[0], len(layers)
         if layers == tuple(range(first, first + count)):
-            return self._use(full, stream)[first * kv:(first + count) * kv]
+            return full, full.tensor[first * kv:(first + count) * kv]
         key = (heads, word, layers)
         entry = self._tables.get(key)
         if entry is None:
@@ -127,10 +212,14 @@ class PoolTables:
                     for k in [k for k in self._tables if len(k) == 3]:
                         del self._tables[k]
             entry = self._upload(key, words // word, stream)
-        return self._use(entry, stream)
+        return entry, entry.tensor
 
     def ids(self, ids: np.ndarray, stream):
         """Device int64 ``[n]`` copy of ``ids`` (cached by contents, LRU)."""
+        return self._use(self.ids_entry(ids, stream), stream)
+
+    def ids_entry(self, ids: np.ndarray, stream) -> _Entry:
+        """The cache entry of :meth:`ids`, not marked used on ``stream``."""
         key = ids.tobytes()
         entry = self._ids.get(key)
         if entry is None:
@@ -143,7 +232,7 @@ class PoolTables:
             with self._lock:
                 if key in self._ids:
                     self._ids.move_to_end(key)
-        return self._use(entry, stream)
+        return entry
 
     def _upload(self, key, host: np.ndarray, stream) -> _Entry:
         entry = self._make(np.ascontiguousarray(host, dtype=np.int64), stream)

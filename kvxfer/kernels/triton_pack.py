@@ -59,6 +59,13 @@ def copy_tiles_kernel(
                 tl.store(pool_ptr + eng, tl.load(wire_ptr + wire, mask=mask), mask=mask)
 
 
+# the kernel's parameters after its five runtime arguments, TO_WIRE last: a compiled
+# kernel takes every parameter positionally, in this order
+_DIRECT = True  # launch cached compiled kernels directly (False once a launcher refused the call)
+_CONST_NAMES = ("S0", "S1", "S2", "ROW", "TILE", "BLOCK", "VEC")
+assert tuple(copy_tiles_kernel.arg_names[5:]) == (*_CONST_NAMES, "TO_WIRE")
+
+
 def _word(align: int, wire_ptr: int, base_nbytes: int) -> tuple:
     """(word bytes, vector width in words): the widest word every address, stride and the
     row divide (at most the base storage's size: its tensor is one word long)."""
@@ -95,38 +102,94 @@ def _consts(ptable, word: int, vec: int) -> dict:
     return dict(S0=s0, S1=s1, S2=s2, ROW=ptable.row_bytes // word, TILE=tile, BLOCK=block, VEC=vec)
 
 
-def copy(layout, ids, layers: tuple, heads: tuple, wire, *, to_wire: bool) -> None:
-    """Launch one copy of validated ``ids`` (int64 numpy), ``layers`` and ``heads`` between the
-    pool and ``wire`` (uint8, exactly the wire bytes) on the current stream of the pool's device.
+class _WordState:
+    """What a :class:`~kvxfer.kernels.tables.Plan` launches with for one word size."""
 
-    Asynchronous on GPU, like any launch; call it under :func:`device_guard` (the caller
-    allocated ``wire`` there too, see :func:`~kvxfer.kernels.common.device_guard`). Tables and ids come from the device caches
-    (:mod:`kvxfer.kernels.tables`), so a call builds no table and copies nothing host->device
-    once its request's ids were seen.
+    __slots__ = ("table_entry", "table", "ids_entry", "ids", "dtype", "consts", "const_values", "kernels")
+
+    def __init__(self, tables, plan, word: int, vec: int, stream) -> None:
+        import torch
+
+        ptable = tables.plane_table(plan.heads)
+        self.table_entry, self.table = tables.table_entry(plan.heads, word, plan.layers, stream)
+        self.ids_entry = tables.ids_entry(plan.ids, stream)
+        self.ids = self.ids_entry.tensor
+        self.dtype = getattr(torch, _WORD_DTYPES[word])
+        self.consts = _consts(ptable, word, vec)
+        self.const_values = tuple(self.consts[name] for name in _CONST_NAMES)  # the launcher's order
+        self.kernels: dict = {}  # (TO_WIRE, wire 16-byte aligned) -> compiled kernel
+
+
+def run(layout, block_ids, layers, heads, buf, *, to_wire: bool):
+    """Pack (``to_wire``; ``buf`` None allocates) or unpack ``block_ids`` of ``layers`` and
+    ``heads`` between the pool and ``buf`` (uint8, at least the wire bytes; the first
+    ``wire_nbytes`` are used). Returns the wire bytes (uint8 ``[wire_nbytes]``, a view of
+    ``buf`` when given).
+
+    Asynchronous on GPU, like any launch: queued on the current stream of the pool's
+    device, under that device whatever the thread's current device is. A repeated call
+    (same ids, layers and heads: every layer of a request) reuses its
+    :class:`~kvxfer.kernels.tables.Plan`: no validation, no table, no host->device copy,
+    and the compiled kernel launches directly, without Triton's argument binding.
     """
     import torch
 
+    from .common import device_guard
     from .tables import PoolTables
 
-    if ids.size == 0:
-        return
     tables = PoolTables.of(layout)
-    ptable = tables.plane_table(heads)
-    word, vec = _word(ptable.align, wire.data_ptr(), ptable.base_nbytes)
-    stream = torch.cuda.current_stream(layout.device) if tables.cuda else None
-    table = tables.table(heads, word, layers, stream)
-    dev_ids = tables.ids(ids, stream)
-    word_dtype = getattr(torch, _WORD_DTYPES[word])
-    copy_tiles_kernel[(ids.size, len(layers) * layout.num_kv)](
-        tables.pool_words(word, word_dtype), wire.view(word_dtype), table, dev_ids, ids.size,
-        **_consts(ptable, word, vec), TO_WIRE=to_wire, num_warps=4)
-
-
-def triton_copy(layout, job: TileCopy, wire, *, to_wire: bool) -> None:
-    """Launch the kernel for ``job`` on the current stream of the pool's device."""
-    if job.nbytes == 0:
-        return
-    from .common import device_guard
-
+    plan = tables.plan(block_ids, layers, heads, unique=not to_wire)
+    cuda = tables.cuda
+    if cuda and torch.cuda.current_device() == layout.device.index:
+        return _run(tables, plan, layout, buf, to_wire, cuda)
     with device_guard(layout.device):
-        copy(layout, job.ids, tuple(job.layers), tuple(job.heads), wire, to_wire=to_wire)
+        return _run(tables, plan, layout, buf, to_wire, cuda)
+
+
+def _run(tables, plan, layout, buf, to_wire: bool, cuda: bool):
+    import torch
+
+    from .common import check_buffer
+
+    if buf is None:
+        buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=layout.device)
+    else:
+        check_buffer(layout, plan.nbytes, buf, "out" if to_wire else "buf")
+        if buf.dim() != 1 or buf.numel() != plan.nbytes:
+            buf = buf.reshape(-1)[:plan.nbytes]
+    n = plan.ids.size
+    if n == 0:
+        return buf
+    ptable = tables.plane_table(plan.heads)
+    wire_ptr = buf.data_ptr()
+    word, vec = _word(ptable.align, wire_ptr, ptable.base_nbytes)
+    if cuda:
+        raw = torch._C._cuda_getCurrentRawStream(layout.device.index)
+        stream = None
+    else:
+        raw, stream = 0, None
+    state = plan.by_word.get((word, vec))
+    if state is None:
+        stream = torch.cuda.current_stream(layout.device) if cuda else None
+        state = _WordState(tables, plan, word, vec, stream)
+        plan.by_word[(word, vec)] = state
+    if cuda and (raw != state.table_entry.raw or raw != state.ids_entry.raw):
+        stream = stream or torch.cuda.current_stream(layout.device)
+        tables._use(state.table_entry, stream)
+        tables._use(state.ids_entry, stream)
+    grid = (n, len(plan.layers) * layout.num_kv, 1)  # a compiled kernel's launcher reads all three
+    args = (tables.pool_words(word, state.dtype), buf.view(state.dtype), state.table, state.ids, n)
+    spec = (to_wire, wire_ptr % 16 == 0)
+    kernel = state.kernels.get(spec)
+    if kernel is not None:
+        try:
+            kernel[grid](*args, *state.const_values, to_wire, stream=raw)
+            return buf
+        except (TypeError, IndexError, AttributeError):  # a Triton whose launcher differs: bind as usual
+            global _DIRECT
+            _DIRECT = False
+            state.kernels.clear()
+    compiled = copy_tiles_kernel[grid](*args, **state.consts, TO_WIRE=to_wire, num_warps=4)
+    if cuda and _DIRECT and compiled is not None and hasattr(compiled, "packed_metadata"):
+        state.kernels[spec] = compiled
+    return buf

@@ -12,6 +12,9 @@ and reported by ``Connection.transport``:
   ``ucp_ep_flush_nbx``; the request completes when the flush does. ``<tl>`` is
   the UCX transport of the RMA lane (``cma``, ``tcp``, ``rc_mlx5``, ``cuda_ipc``
   ...), or ``"<am lane>+am-rma"`` when UCX emulates RMA over active messages.
+  That lane carries host memory; UCX picks lanes per memory type, so GPU memory
+  may move on another (``UcxConnection.device_transport``: ``"ucx:cuda_ipc"``
+  when the endpoint has a CUDA IPC lane, as two processes on one host do).
   UCX's emulation would apply any address a peer names, so there kvxfer carries
   every host-memory write and read in its own messages, which the *target*
   checks against its registered regions (refused: :class:`~kvxfer.errors.InvalidDescriptor`
@@ -70,6 +73,26 @@ class UcxConnection(Connection):
     lanes: int = 1  # endpoints (TCP connections) a request is striped over (AgentConfig.tcp_lanes)
     shared_regions: int = 0  # vm path: the peer's regions in kvxfer.shared_empty memory, mapped here
     shared_addrs: dict = field(default_factory=dict)  # vm path: region id -> its first byte's address here
+
+    @property
+    def device_transport(self) -> str:
+        """What carries GPU memory: ``"ucx:cuda_ipc"`` when the endpoint has a CUDA IPC
+        RMA lane, else :attr:`transport` (UCX stages device memory through that lane)."""
+        return "ucx:cuda_ipc" if "cuda_ipc" in rma_lanes(self.ucx_info) else self.transport
+
+
+def rma_lanes(ucx_info: str) -> list:
+    """Transports of the ``rma_bw`` lanes in ``ucp_ep_print_info`` text, in lane order, e.g.
+    ``"lane[1]:  7:cuda_ipc/cuda.0 md[5] -> md[5]/cuda_ipc/sysdev[0] rma_bw#1"`` -> ``cuda_ipc``."""
+    out = []
+    for line in ucx_info.splitlines():
+        head, sep, rest = line.partition("lane[")
+        if not sep or "rma_bw" not in rest:
+            continue
+        fields = rest.partition(":")[2].split()
+        if fields:
+            out.append(fields[0].split(":", 1)[-1].partition("/")[0])
+    return out
 
 
 def as_descs(descs):

@@ -83,6 +83,21 @@ def test_cost_model_prefers_pack_for_short_runs():
     assert cm.choose(num_descs=1 << 20, nbytes=268 << 20) == "pack"  # 256 B runs
 
 
+def test_gpu_pools_pack_many_cuda_ipc_puts_and_keep_long_runs_zero_copy():
+    """The H200 figures behind device_cost: a 2,048-token Llama-3-8B request moved as 8,192
+    cuda_ipc puts of 32 KiB costs ~56 ms, packed ~6 ms, so a GPU pool packs it; whole
+    layers in long runs stay zero-copy, and host pools keep the host model's choice."""
+    from kvxfer.transport.paths import device_cost
+
+    host = CostModel(per_desc_us=0.75)
+    gpu = device_cost(host, "ucx:cuda_ipc")
+    nbytes = 256 << 20
+    assert host.choose(8192, nbytes) == "zero_copy"  # host memory: 8,192 runs beat two CPU copies
+    assert gpu.choose(8192, nbytes) == "pack"
+    assert gpu.choose(64, nbytes) == "zero_copy"  # 4 MiB runs: few puts
+    assert device_cost(host, "ucx:rc_mlx5").per_desc_us == host.per_desc_us  # no cuda_ipc lane
+
+
 def test_staging_ring_alloc_free_fifo_and_close():
     ring = StagingRing(4 * ALIGN)
     a, b = ring.alloc(ALIGN, 1.0), ring.alloc(2 * ALIGN, 1.0)

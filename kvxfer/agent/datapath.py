@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import (InvalidDescriptor, KVXferError, LayoutMismatch, ProtocolError, TransferCancelled,
                       TransferTimeout)
 from ..transport.descriptors import count_runs, overlap, zero_copy_descs
-from ..transport.paths import pack_chunks
+from ..transport.paths import device_cost, pack_chunks
 from .pool import split_descs
 from .protocol import Msg, encode
 from .state import AgentState, SendOp
@@ -101,7 +101,7 @@ class Shipper:
     def _choose(self, op: SendOp, layers: tuple) -> tuple:
         """``(heads, path, nbytes)`` of one piece: the head overlap and the cost model's pick
         (a pure function of the peer's geometry and the piece's shape: cached)."""
-        key = (op.peer.geometry, len(op.ids), layers, op.post.heads)
+        key = (op.peer.geometry, op.peer.device_transport, len(op.ids), layers, op.post.heads)
         cache = self._choices
         choice = cache.get(key)
         if choice is None:
@@ -120,7 +120,10 @@ class Shipper:
         if self._s.config.path != "auto":
             return heads, self._s.config.path, nbytes
         num_descs = count_runs(self._s.geometry, op.peer.geometry, len(op.ids), layers, heads)
-        return heads, self._s.cost.choose(num_descs, nbytes), nbytes
+        cost = self._s.cost
+        if self._s.layout.device.type == "cuda" and self._s.config.cost_model is None:
+            cost = device_cost(cost, op.peer.device_transport)
+        return heads, cost.choose(num_descs, nbytes), nbytes
 
     def _ship(self, op: SendOp, layers: tuple, choice, after: tuple = ()) -> None:
         try:
@@ -200,7 +203,9 @@ class Shipper:
             try:
                 # queued on the device behind the producer's events; a slice freed early on
                 # failure is only reused by later packs of the same (in-order) device stream
-                packed = self._s.device.pack(self._s.layout, list(ids), list(lay), heads,
+                # ids as the int64 array: pack keys its cached plan by the array's bytes (a list
+                # of numpy ints would be validated element by element on every chunk)
+                packed = self._s.device.pack(self._s.layout, ids, list(lay), heads,
                                            self._s.pool.stage_out_t[off:off + nbytes], after)
                 self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
                 if not wait.event.wait(self._remaining(op)):

@@ -7,7 +7,8 @@
   in chunks of at most half the smaller staging buffer (:func:`pack_chunks`).
 
 :class:`CostModel` compares ``descs * per_desc_us`` with the pack/unpack time
-plus the staging round trip. Both paths move identical bytes to identical places.
+plus the staging round trip; a GPU pool uses :func:`device_cost` unless
+``AgentConfig.cost_model`` is set. Both paths move identical bytes to identical places.
 """
 from __future__ import annotations
 
@@ -42,6 +43,25 @@ class CostModel:
 
     def choose(self, num_descs: int, nbytes: int) -> str:
         return "zero_copy" if self.zero_copy_us(num_descs) <= self.pack_us(nbytes) else "pack"
+
+
+# GPU pools (benchmarks/results/gpu_check_h200.txt, H200, one host): the pack path's
+# Triton kernels move 1,830-2,040 GB/s (half of that is taken here), and UCX's cuda_ipc
+# lane costs ~7 us per put (a 2,048-token Llama-3-8B request, 8,192 puts of 32 KiB:
+# 55.7-68.7 ms zero-copy against 5.6 ms packed in 32 MiB chunks, ~0.7 ms a chunk).
+CUDA_PACK_GBPS = 1000.0
+CUDA_IPC_PER_DESC_US = 6.8
+CUDA_STAGE_RTT_US = 700.0
+
+
+def device_cost(host: CostModel, device_transport: str) -> CostModel:
+    """The cost model of a GPU pool's pieces: ``host``'s per-descriptor cost (at least
+    cuda_ipc's when ``device_transport`` is ``"ucx:cuda_ipc"``), GPU pack rates and the
+    chunk round trip measured on one."""
+    per_desc = host.per_desc_us
+    if device_transport == "ucx:cuda_ipc":
+        per_desc = max(per_desc, CUDA_IPC_PER_DESC_US)
+    return CostModel(per_desc_us=per_desc, pack_gbps=CUDA_PACK_GBPS, stage_rtt_us=CUDA_STAGE_RTT_US)
 
 
 def pack_chunks(num_ids: int, layers: tuple, tile_nbytes: int, max_nbytes: int) -> list:

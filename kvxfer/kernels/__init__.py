@@ -18,7 +18,7 @@ native copy of one contiguous range on a given number of threads).
 from __future__ import annotations
 
 from . import reference
-from .common import check_buffer, check_layout, device_guard, prepare_pack, prepare_unpack, resolve
+from .common import check_layout, device_guard, prepare_pack, prepare_unpack
 from .cpu import STREAM_BYTES, contiguous_copy, num_threads
 
 __all__ = ["pack", "unpack", "BACKENDS", "num_threads", "STREAM_BYTES", "contiguous_copy"]

@@ -59,9 +59,9 @@ def copy_tiles_kernel(
                 tl.store(pool_ptr + eng, tl.load(wire_ptr + wire, mask=mask), mask=mask)
 
 
+_DIRECT = True  # launch cached compiled kernels directly (False once a launcher refused the call)
 # the kernel's parameters after its five runtime arguments, TO_WIRE last: a compiled
 # kernel takes every parameter positionally, in this order
-_DIRECT = True  # launch cached compiled kernels directly (False once a launcher refused the call)
 _CONST_NAMES = ("S0", "S1", "S2", "ROW", "TILE", "BLOCK", "VEC")
 assert tuple(copy_tiles_kernel.arg_names[5:]) == (*_CONST_NAMES, "TO_WIRE")
 
@@ -103,7 +103,7 @@ def _consts(ptable, word: int, vec: int) -> dict:
 
 
 class _WordState:
-    """What a :class:`~kvxfer.kernels.tables.Plan` launches with for one word size."""
+    """What a :class:`~kvxfer.kernels.tables.Plan` launches with for one (word, vector) size."""
 
     __slots__ = ("table_entry", "table", "ids_entry", "ids", "dtype", "consts", "const_values", "kernels")
 

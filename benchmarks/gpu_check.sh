@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issue 11), one command on a fresh lent H200 (no network there), < 8 minutes:
+# GPU check (issue 11), one command on a fresh lent H200 (no network there); 87-109 s there on 2026-12-04:
 #   0. wheels carried in .whl/ (libucx-cu12: benchmarks/gpu_wheels.sh fetches it here) go to /tmp/site,
 #   1. builds kvxfer._C with that machine's python3/torch,
 #   2. the GPU tests (Triton kernels vs the reference on CUDA pools, regions vs driver allocations,

@@ -98,6 +98,28 @@ def test_gpu_pools_pack_many_cuda_ipc_puts_and_keep_long_runs_zero_copy():
     assert device_cost(host, "ucx:rc_mlx5").per_desc_us == host.per_desc_us  # no cuda_ipc lane
 
 
+# ucp_ep_print_info's lanes of two processes on one H200 (UCX 1.22, 2026-12-04)
+H200_LANES = """\
+#                 lane[0]:  2:sysv/memory.0 md[2]           -> md[2]/sysv/sysdev[255] seg 4294967295 am keepalive
+#                 lane[1]:  3:posix/memory.0 md[3]          -> md[3]/posix/sysdev[255] seg 4294967295
+#                 lane[2]:  6:cma/memory.0 md[6]            -> md[6]/cma/sysdev[255] seg 4294967295 rma_bw#1
+#                 lane[3]:  5:cuda_ipc/cuda.0 md[5]         -> md[5]/cuda_ipc/sysdev[0] seg 4294967295 rma_bw#0
+"""
+
+
+def test_the_lane_that_carries_gpu_memory_is_reported():
+    """UCX moved the H200's GPU-to-GPU puts on cuda_ipc while the endpoint's host lane is cma:
+    a connection reports both; without a CUDA IPC lane the device lane is the host one."""
+    from kvxfer.transport.ucx import UcxConnection, rma_lanes
+
+    assert rma_lanes(H200_LANES) == ["cma", "cuda_ipc"]
+    conn = UcxConnection(peer_id=1, transport="ucx:cma", ucx_info=H200_LANES)
+    assert (conn.transport, conn.device_transport) == ("ucx:cma", "ucx:cuda_ipc")
+    host_only = "\n".join(line for line in H200_LANES.splitlines() if "cuda_ipc" not in line)
+    assert UcxConnection(peer_id=2, transport="ucx:cma", ucx_info=host_only).device_transport == "ucx:cma"
+    assert UcxConnection(peer_id=3, transport="vm").device_transport == "vm"
+
+
 def test_staging_ring_alloc_free_fifo_and_close():
     ring = StagingRing(4 * ALIGN)
     a, b = ring.alloc(ALIGN, 1.0), ring.alloc(2 * ALIGN, 1.0)

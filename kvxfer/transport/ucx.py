@@ -73,17 +73,19 @@ class UcxConnection(Connection):
     lanes: int = 1  # endpoints (TCP connections) a request is striped over (AgentConfig.tcp_lanes)
     shared_regions: int = 0  # vm path: the peer's regions in kvxfer.shared_empty memory, mapped here
     shared_addrs: dict = field(default_factory=dict)  # vm path: region id -> its first byte's address here
+    # what carries GPU memory: "ucx:cuda_ipc" when the endpoint has a CUDA IPC RMA lane, else
+    # `transport` (UCX stages device memory through that lane); "" means `transport`
+    device_transport: str = ""
 
-    @property
-    def device_transport(self) -> str:
-        """What carries GPU memory: ``"ucx:cuda_ipc"`` when the endpoint has a CUDA IPC
-        RMA lane, else :attr:`transport` (UCX stages device memory through that lane)."""
-        return "ucx:cuda_ipc" if "cuda_ipc" in rma_lanes(self.ucx_info) else self.transport
+    def __post_init__(self) -> None:
+        if not self.device_transport:
+            self.device_transport = "ucx:cuda_ipc" if "cuda_ipc" in rma_lanes(self.ucx_info) else self.transport
 
 
 def rma_lanes(ucx_info: str) -> list:
     """Transports of the ``rma_bw`` lanes in ``ucp_ep_print_info`` text, in lane order, e.g.
-    ``"lane[1]:  7:cuda_ipc/cuda.0 md[5] -> md[5]/cuda_ipc/sysdev[0] rma_bw#1"`` -> ``cuda_ipc``."""
+    ``"lane[3]:  5:cuda_ipc/cuda.0 md[5] -> md[5]/cuda_ipc/sysdev[0] seg 4294967295 rma_bw#0"``
+    -> ``cuda_ipc`` (UCX 1.22, two processes on one H200)."""
     out = []
     for line in ucx_info.splitlines():
         head, sep, rest = line.partition("lane[")

@@ -59,7 +59,6 @@ def copy_tiles_kernel(
                 tl.store(pool_ptr + eng, tl.load(wire_ptr + wire, mask=mask), mask=mask)
 
 
-_DIRECT = True  # launch cached compiled kernels directly (False once a launcher refused the call)
 # the kernel's parameters after its five runtime arguments, TO_WIRE last: a compiled
 # kernel takes every parameter positionally, in this order
 _CONST_NAMES = ("S0", "S1", "S2", "ROW", "TILE", "BLOCK", "VEC")
@@ -105,7 +104,8 @@ def _consts(ptable, word: int, vec: int) -> dict:
 class _WordState:
     """What a :class:`~kvxfer.kernels.tables.Plan` launches with for one (word, vector) size."""
 
-    __slots__ = ("table_entry", "table", "ids_entry", "ids", "dtype", "consts", "const_values", "kernels")
+    __slots__ = ("table_entry", "table", "ids_entry", "ids", "dtype", "consts", "const_values", "kernels",
+                 "direct")
 
     def __init__(self, tables, plan, word: int, vec: int, stream) -> None:
         import torch
@@ -118,6 +118,7 @@ class _WordState:
         self.consts = _consts(ptable, word, vec)
         self.const_values = tuple(self.consts[name] for name in _CONST_NAMES)  # the launcher's order
         self.kernels: dict = {}  # (TO_WIRE, wire 16-byte aligned) -> compiled kernel
+        self.direct = True  # launch the compiled kernels directly (False once a launcher refused)
 
 
 def run(layout, block_ids, layers, heads, buf, *, to_wire: bool):
@@ -186,10 +187,9 @@ def _run(tables, plan, layout, buf, to_wire: bool, cuda: bool):
             kernel[grid](*args, *state.const_values, to_wire, stream=raw)
             return buf
         except (TypeError, IndexError, AttributeError):  # a Triton whose launcher differs: bind as usual
-            global _DIRECT
-            _DIRECT = False
+            state.direct = False
             state.kernels.clear()
     compiled = copy_tiles_kernel[grid](*args, **state.consts, TO_WIRE=to_wire, num_warps=4)
-    if cuda and _DIRECT and compiled is not None and hasattr(compiled, "packed_metadata"):
+    if cuda and state.direct and compiled is not None and hasattr(compiled, "packed_metadata"):
         state.kernels[spec] = compiled
     return buf

@@ -129,8 +129,8 @@ def test_tables_built_once_per_request(monkeypatch):
         part = kvxfer.pack(layout, ids, layers=[layer], backend="triton")
         assert torch.equal(part, whole[layer * step:(layer + 1) * step])
     assert len(built) == 1 and len(made) == 2  # one tile copy, one table, one ids tensor
-    full = tables.table(layout.head_range, 8, (0, 1, 2, 3), None)
-    assert tables.table(layout.head_range, 8, (2, 3), None).data_ptr() == full[4:].data_ptr()  # a view
+    full = tables.table_entry(layout.head_range, 8, (0, 1, 2, 3), None)[1]
+    assert tables.table_entry(layout.head_range, 8, (2, 3), None)[1].data_ptr() == full[4:].data_ptr()  # a view
     assert torch.equal(kvxfer.pack(layout, ids, layers=[3, 1], backend="triton"),
                        kvxfer.pack(layout, ids, layers=[3, 1], backend="reference"))  # gathered table
     assert torch.equal(kvxfer.pack(layout, ids[::-1], backend="triton"),

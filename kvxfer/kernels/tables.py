@@ -181,15 +181,11 @@ class PoolTables:
         return plan
 
     # ---- device tensors ---------------------------------------------------------------
-    def table(self, heads: tuple, word: int, layers: tuple, stream):
-        """Device int64 ``[len(layers) * kv, 5]`` table in words for the selected layers, in order."""
-        entry, view = self.table_entry(heads, word, layers, stream)
-        self._use(entry, stream)
-        return view
-
     def table_entry(self, heads: tuple, word: int, layers: tuple, stream):
-        """``(entry, tensor)`` of :meth:`table` without marking it used on ``stream``: the
-        tensor is the entry's own or a row slice of it (consecutive layers)."""
+        """``(entry, tensor)``: the device int64 ``[len(layers) * kv, 5]`` table in words for
+        the selected layers, in order (the entry's own tensor or a row slice of it, for
+        consecutive layers), built on ``stream`` if missing; :meth:`_use` marks it used on
+        another stream."""
         kv = self.layout.num_kv
         full = self._tables.get((heads, word))
         if full is None:
@@ -214,12 +210,9 @@ class PoolTables:
             entry = self._upload(key, words // word, stream)
         return entry, entry.tensor
 
-    def ids(self, ids: np.ndarray, stream):
-        """Device int64 ``[n]`` copy of ``ids`` (cached by contents, LRU)."""
-        return self._use(self.ids_entry(ids, stream), stream)
-
     def ids_entry(self, ids: np.ndarray, stream) -> _Entry:
-        """The cache entry of :meth:`ids`, not marked used on ``stream``."""
+        """The cache entry of the device int64 ``[n]`` copy of ``ids`` (cached by contents,
+        LRU), built on ``stream`` if missing; :meth:`_use` marks it used on another stream."""
         key = ids.tobytes()
         entry = self._ids.get(key)
         if entry is None:

@@ -164,11 +164,8 @@ def _run(tables, plan, layout, buf, to_wire: bool, cuda: bool):
     ptable = tables.plane_table(plan.heads)
     wire_ptr = buf.data_ptr()
     word, vec = _word(ptable.align, wire_ptr, ptable.base_nbytes)
-    if cuda:
-        raw = torch._C._cuda_getCurrentRawStream(layout.device.index)
-        stream = None
-    else:
-        raw, stream = 0, None
+    raw = torch._C._cuda_getCurrentRawStream(layout.device.index) if cuda else 0
+    stream = None  # the torch stream object, fetched only when a table is built or moves streams
     state = plan.by_word.get((word, vec))
     if state is None:
         stream = torch.cuda.current_stream(layout.device) if cuda else None

@@ -563,21 +563,21 @@ class KVStore:
         import numpy as np
 
         size = fmt.nbytes
-        if fmt.zero_copy:  # straight from the slots into the blocks
-            regions = np.array(self._pool_regions(fmt), np.int64)
-            runs = [fmt.runs(ids[i]) for i, *_ in hits]
-            descs = [np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64), off + r[:, 2], r[:, 3]],
-                              axis=1) for r, (_, off, *_) in zip(runs, hits)]
-            checks = [fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if self.checksum else None
-        else:
-            descs = [np.array([(self._stage_region, n * size, c.region, off, size)], np.int64)
-                     for n, (_, off, *_) in enumerate(hits)]
-            checks = ([fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)]
-                      if self.checksum else None)
+        checks = None
+        if self.checksum:
+            checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
+                      [fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)])
         if checks is not None and c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
             # same host, slots mapped here: one pass copies each object and hashes what arrived
             verdict = self._read_hashing(c, fmt, hits, ids, checks)
-        else:
+        else:  # one-sided reads, descriptors per run (straight into the blocks) or per object
+            if fmt.zero_copy:
+                regions = np.array(self._pool_regions(fmt), np.int64)
+                descs = [np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64), off + r[:, 2],
+                                   r[:, 3]], axis=1) for r, (_, off, *_) in ((fmt.runs(ids[h[0]]), h) for h in hits)]
+            else:
+                descs = [np.array([(self._stage_region, n * size, c.region, off, size)], np.int64)
+                         for n, (_, off, *_) in enumerate(hits)]
             verdict = [True] * len(hits)
             step = max(1, -(-len(hits) // READ_PIECES))
             pending = None  # (first, future) of the piece being checked

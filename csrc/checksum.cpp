@@ -5,6 +5,9 @@
 // scramble after every 16 stripes, and the last 64 bytes as the final stripe. Whole
 // blocks go through AVX2 where the CPU has it (checked once, at load), other stripes
 // through SSE2 on x86-64; a scalar form serves other CPUs. All give the same bits.
+// Copying while hashing (a same-host put or get), whole blocks that lie in one run are
+// copied by the AVX2 loop itself: each vector is loaded once, stored to the other side
+// and hashed, so the bytes hashed are the bytes written.
 #include "checksum.h"
 
 #include "copy.h"
@@ -130,20 +133,33 @@ void accumulate_sse2(uint64_t* acc, const unsigned char* p, const unsigned char*
 
 // Whole 1 KiB blocks (16 stripes, then a scramble, each), four lanes a vector and the
 // accumulators in registers, where the CPU has AVX2 (the bulk of every large object).
-__attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned char* p, int64_t blocks) {
+// STORE copies each loaded vector to `dst` as it is hashed (the bytes hashed are the
+// bytes written): 0 no copy, 1 ordinary stores, 2 streaming stores (dst 32-byte aligned).
+constexpr int64_t kPrefetchAhead = 4096;
+template <int STORE>
+__attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned char* p, unsigned char* dst,
+                                                 int64_t blocks) {
     const __m256i prime = _mm256_set1_epi32(static_cast<int>(P32_1));
     const __m256i* key = reinterpret_cast<const __m256i*>(SECRET + SECRET_BYTES - STRIPE);
     __m256i a[2];
     for (int j = 0; j < 2; ++j) a[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + j);
+    // Software prefetch a few KiB ahead (non-temporal: read once), within the bytes given:
+    // the hardware prefetcher alone leaves the loads waiting on memory (on an AMD EPYC
+    // host, 32 KiB runs copied and hashed 1.2-1.3x faster with it).
+    const unsigned char* const end = p + blocks * STRIPE * STRIPES_PER_BLOCK;
     for (int64_t b = 0; b < blocks; ++b) {
         const unsigned char* s = SECRET;
-        for (int k = 0; k < STRIPES_PER_BLOCK; ++k, p += STRIPE, s += 8)
+        for (int k = 0; k < STRIPES_PER_BLOCK; ++k, p += STRIPE, dst += STRIPE, s += 8) {
+            if (end - p > kPrefetchAhead) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_NTA);
             for (int j = 0; j < 2; ++j) {
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j);
+                if constexpr (STORE == 1) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + j, v);
+                if constexpr (STORE == 2) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + j, v);
                 const __m256i dk = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s) + j));
                 const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
                 a[j] = _mm256_add_epi64(a[j], _mm256_add_epi64(prod, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
             }
+        }
         for (int j = 0; j < 2; ++j) {  // acc = (acc ^ acc >> 47 ^ key) * PRIME32_1 (64-bit product)
             const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a[j], _mm256_srli_epi64(a[j], 47)),
                                                _mm256_loadu_si256(key + j));
@@ -177,7 +193,7 @@ void scramble(uint64_t* acc) {
 // `blocks` whole 1 KiB blocks at p: 16 stripes, then a scramble, each.
 void accumulate_blocks(uint64_t* acc, const unsigned char* p, int64_t blocks) {
 #if defined(__x86_64__)
-    if (HAS_AVX2) return blocks_avx2(acc, p, blocks);
+    if (HAS_AVX2) return blocks_avx2<0>(acc, p, nullptr, blocks);
 #endif
     for (int64_t b = 0; b < blocks; ++b, p += STRIPE * STRIPES_PER_BLOCK) {
         accumulate(acc, p, SECRET, STRIPES_PER_BLOCK);
@@ -187,9 +203,10 @@ void accumulate_blocks(uint64_t* acc, const unsigned char* p, int64_t blocks) {
 
 // A forward cursor over the runs: hands out the next `want` bytes as one pointer
 // (in place when they lie in one run, else gathered into `buf`). With `other`, it
-// also copies: each run's bytes between it and other[run], a chunk at a time, just
-// before it first hands them out (so they are hashed while in cache), `into` saying
-// which way (true: into the hashed runs); finish() copies what was not handed out.
+// also copies: each run's bytes between it and other[run], `into` saying which way
+// (true: into the hashed runs), either whole blocks in the hashing loop itself
+// (fused_blocks) or a chunk at a time just before it first hands them out (so they
+// are hashed while in cache); finish() copies what was not handed out.
 struct Cursor {
     const int64_t *addr, *len;
     int64_t n, run = 0, off = 0;
@@ -211,6 +228,31 @@ struct Cursor {
         copied += step;
     }
     void next_run() { ++run, off = 0, copied = 0; }
+
+    // With `other`, where nothing is copied ahead of the cursor: copy and hash up to `most`
+    // whole 1 KiB hash blocks that lie in this run in one pass (each vector loaded once,
+    // stored to the destination with streaming stores where it is aligned for them).
+    // Returns the blocks done (0: not here or not on this CPU; the caller goes on as usual).
+    int64_t fused_blocks(uint64_t* acc, int64_t most) {
+#if defined(__x86_64__)
+        if (other == nullptr || !HAS_AVX2) return 0;
+        while (run < n && off == len[run]) next_run();
+        if (run == n || off != copied) return 0;
+        constexpr int64_t kBlock = STRIPE * STRIPES_PER_BLOCK;
+        int64_t blocks = (len[run] - off) / kBlock;
+        blocks = blocks < most ? blocks : most;
+        if (blocks == 0) return 0;
+        const unsigned char* src = into ? at_run(other, off) : at_run(addr, off);
+        unsigned char* dst = into ? at_run(addr, off) : at_run(other, off);
+        if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) blocks_avx2<2>(acc, src, dst, blocks);
+        else blocks_avx2<1>(acc, src, dst, blocks);
+        off += blocks * kBlock, copied = off;
+        return blocks;
+#else
+        (void)acc, (void)most;
+        return 0;
+#endif
+    }
 
     // The bytes that lie contiguously at the cursor (without moving it).
     int64_t contiguous(const unsigned char** at) {
@@ -269,7 +311,7 @@ uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const i
     cur.into = into_hashed;
     const uint64_t h = hash_cursor(cur, hashed, len, n);
     cur.finish();
-    fence(!into_hashed);  // the streaming stores are visible before the caller commits
+    fence(true);  // the streaming stores are visible before the caller commits or reads them
     return h;
 }
 
@@ -287,6 +329,14 @@ uint64_t hash_cursor(Cursor& cur, const int64_t* addr, const int64_t* len, int64
         // as many whole stripes of this block as lie in place, in one call
         const int64_t in_block = STRIPES_PER_BLOCK - k % STRIPES_PER_BLOCK;
         int64_t batch = stripes - k < in_block ? stripes - k : in_block;
+        if (k % STRIPES_PER_BLOCK == 0 && stripes - k >= STRIPES_PER_BLOCK) {
+            // copying: whole blocks copied and hashed in one pass where they lie in one run
+            const int64_t fused = cur.fused_blocks(acc, (stripes - k) / STRIPES_PER_BLOCK);
+            if (fused > 0) {
+                k += fused * STRIPES_PER_BLOCK;
+                continue;
+            }
+        }
         const unsigned char* at = nullptr;
         const int64_t here = cur.contiguous(&at) / STRIPE;
         const unsigned char* s = SECRET + 8 * (k % STRIPES_PER_BLOCK);

@@ -10,10 +10,11 @@ namespace kvxfer {
 uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n);
 
 // The same checksum of the runs `hashed`, copying each run between hashed[i] and
-// other[i] (len[i] bytes) a chunk at a time just before it is hashed, so every byte
-// is read from memory once: into_hashed=false copies hashed -> other (a put: hash the
-// source), true copies other -> hashed (a get: hash what arrived, never the source
-// again). Every byte of every run is copied, hashed or not.
+// other[i] (len[i] bytes) as it is hashed (in the hashing loop, or a chunk at a time
+// just before), so every byte is read from memory once: into_hashed=false copies
+// hashed -> other (a put: hash the source), true copies other -> hashed (a get: hash
+// what arrived, never the source again). Every byte of every run is copied, hashed or
+// not; the bulk with streaming stores, fenced before this returns.
 uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const int64_t* len, int64_t n,
                             bool into_hashed);
 

@@ -102,3 +102,43 @@ def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed
         native.copy_checksum_objects(np.array([0]), np.array([8]), np.array([8]), [1], False)
     with pytest.raises(ValueError):
         native.copy_checksum_objects(np.array([8]), np.array([8]), np.array([8]), [2], False)
+
+
+@pytest.mark.parametrize("into_hashed", [False, True])
+@pytest.mark.parametrize("dst_shift", [0, 8, 32, 100])
+def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift):
+    """Whole 1 KiB hash blocks are copied and hashed in one pass (each vector loaded once,
+    streamed to a destination aligned for it, stored plainly elsewhere); runs that begin
+    mid-block, mid-stripe or shorter than a block mix that pass with the gathering one.
+    Every byte arrives and the checksum is XXH3-64 of the hashed side's bytes."""
+    from kvxfer._native import load
+
+    native = load()
+    for lens in ([32 << 10] * 6, [100, 5000, 70_000, 1024, 64, 4096 * 3 + 7], [1023, 1025, 2048 + 64, 33 << 10]):
+        lens = np.asarray(lens, np.int64)
+        total = int(lens.sum())
+        data = _buf(total + 4096, seed=int(lens[0]))
+        base = (-data.ctypes.data) % 64  # hashed side: runs back to back from a 64-byte boundary
+        starts = base + np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        expected = xxhash.xxh3_64_intdigest(data[base:base + total].tobytes())
+        # the other side: each run at its own place, shifted by dst_shift from a 64-byte boundary
+        other = np.zeros(total + 64 * len(lens) + 4096, np.uint8)
+        at0 = (-other.ctypes.data) % 64 + dst_shift
+        other_starts = np.empty(len(lens), np.int64)
+        at = at0
+        for i in reversed(range(len(lens))):  # reversed: no two runs stay adjacent
+            other_starts[i] = at
+            at += -(-int(lens[i]) // 64) * 64 + 64
+        if into_hashed:
+            src, dst = other, np.zeros_like(data)
+            for i, n in enumerate(lens):
+                src[other_starts[i]:other_starts[i] + n] = data[starts[i]:starts[i] + n]
+            got, = native.copy_checksum_objects(dst.ctypes.data + starts, src.ctypes.data + other_starts, lens,
+                                                [len(lens)], True)
+            assert np.array_equal(dst[base:base + total], data[base:base + total]), list(lens)
+        else:
+            got, = native.copy_checksum_objects(data.ctypes.data + starts, other.ctypes.data + other_starts, lens,
+                                                [len(lens)], False)
+            for i, n in enumerate(lens):
+                assert np.array_equal(other[other_starts[i]:other_starts[i] + n], data[starts[i]:starts[i] + n])
+        assert got == expected, (list(lens), dst_shift)

@@ -265,7 +265,7 @@ def main() -> None:
                 paths[name][0] += r["table_reads"]
                 paths[name][1] += r["requests"]
             lookups["mooncake"] += moon.ask(f"lookup {args.lookups // 10}")["lookup_s"]
-        limit = MemcpyLimit(nbytes, threads=1)
+        limit = MemcpyLimit(nbytes, threads=1, streaming=True)  # the checksummed paths stream their stores
         samples = {k: [] for k in ("memcpy", "kvxfer_put_crc", "kvxfer_get_crc", "kvxfer_put_nocrc",
                                    "kvxfer_get_nocrc", "mooncake_put", "mooncake_get")}
         for it in range(args.iters + 2):  # two warm-up rounds

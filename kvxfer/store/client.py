@@ -433,7 +433,7 @@ class KVStore:
                 if not fused:
                     rows.append(np.stack([regions[runs[:, 0]], runs[:, 1], np.full(len(runs), c.region, np.int64),
                                           off + runs[:, 2], runs[:, 3]], axis=1))
-                sums.append((fmt.run_addrs(runs), runs[:, 3]))
+                sums.append((fmt.addrs(ids[j]), runs[:, 3]))
             descs = np.concatenate(rows) if rows else None
         elif fmt.full:
             descs = np.empty((len(got), 5), np.int64)

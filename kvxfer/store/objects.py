@@ -79,6 +79,7 @@ class ObjectFormat:
         self.fmt = hashlib.blake2b(layout.fingerprint().encode(), digest_size=16).hexdigest()
         self.bases = [a for a, _ in layout.regions()]
         self._runs: dict = {}
+        self._addrs: dict = {}
         self._head_runs: dict = {}
         self._rows: dict = {}
         if self.full:  # gets and puts straight between blocks and slots when runs are long
@@ -97,6 +98,14 @@ class ObjectFormat:
             if not self.full:
                 got = self._to_object(got)
             self._runs[block_id] = got
+        return got
+
+    def addrs(self, block_id: int):
+        """int64 ``[num_runs]``: the address of each run of :meth:`runs` ``(block_id)`` in
+        the pool; computed once per block."""
+        got = self._addrs.get(block_id)
+        if got is None:
+            got = self._addrs[block_id] = self.run_addrs(self.runs(block_id))
         return got
 
     def _to_object(self, runs):
@@ -157,14 +166,14 @@ class ObjectFormat:
                     out.append(([base], [self.nbytes], c))
                 else:
                     out.append((base + rows, np.full(len(rows), n, np.int64), c))
+            elif (lo, hi) == self.heads:
+                out.append((self.addrs(block_id), self.runs(block_id)[:, 3], c))
             else:
                 runs = self._runs_of_heads(block_id, lo, hi)
                 out.append((self.run_addrs(runs), runs[:, 3], c))
         return out
 
     def _runs_of_heads(self, block_id: int, lo: int, hi: int):
-        if (lo, hi) == self.heads:
-            return self.runs(block_id)
         got = self._head_runs.get((block_id, lo, hi))
         if got is None:
             if len(self._head_runs) >= 1 << 16:

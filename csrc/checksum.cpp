@@ -326,12 +326,11 @@ uint64_t hash_cursor(Cursor& cur, const int64_t* addr, const int64_t* len, int64
     uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
     const int64_t stripes = (total - 1) / STRIPE;  // the regular stripes; then the last 64 bytes
     for (int64_t k = 0; k < stripes;) {
-        // as many whole stripes of this block as lie in place, in one call
-        const int64_t in_block = STRIPES_PER_BLOCK - k % STRIPES_PER_BLOCK;
-        int64_t batch = stripes - k < in_block ? stripes - k : in_block;
-        if (k % STRIPES_PER_BLOCK == 0 && stripes - k >= STRIPES_PER_BLOCK) {
-            // copying: whole blocks copied and hashed in one pass where they lie in one run
-            const int64_t fused = cur.fused_blocks(acc, (stripes - k) / STRIPES_PER_BLOCK);
+        // from a block boundary: whole blocks copied and hashed in one pass where they lie
+        // in one run (a copying cursor), else hashed in place where they lie contiguously
+        const int64_t whole = k % STRIPES_PER_BLOCK == 0 ? (stripes - k) / STRIPES_PER_BLOCK : 0;
+        if (whole > 0) {
+            const int64_t fused = cur.fused_blocks(acc, whole);
             if (fused > 0) {
                 k += fused * STRIPES_PER_BLOCK;
                 continue;
@@ -339,16 +338,17 @@ uint64_t hash_cursor(Cursor& cur, const int64_t* addr, const int64_t* len, int64
         }
         const unsigned char* at = nullptr;
         const int64_t here = cur.contiguous(&at) / STRIPE;
-        const unsigned char* s = SECRET + 8 * (k % STRIPES_PER_BLOCK);
-        if (k % STRIPES_PER_BLOCK == 0 && here >= STRIPES_PER_BLOCK && stripes - k >= STRIPES_PER_BLOCK) {
-            // whole blocks in place: one call for all of them
-            int64_t blocks = (stripes - k) / STRIPES_PER_BLOCK;
-            blocks = blocks < here / STRIPES_PER_BLOCK ? blocks : here / STRIPES_PER_BLOCK;
+        if (whole > 0 && here >= STRIPES_PER_BLOCK) {
+            const int64_t blocks = whole < here / STRIPES_PER_BLOCK ? whole : here / STRIPES_PER_BLOCK;
             accumulate_blocks(acc, at, blocks);
             cur.skip(blocks * STRIPES_PER_BLOCK * STRIPE);
             k += blocks * STRIPES_PER_BLOCK;
             continue;
         }
+        // else as many stripes of this block as lie in place, in one call
+        const int64_t in_block = STRIPES_PER_BLOCK - k % STRIPES_PER_BLOCK;
+        int64_t batch = stripes - k < in_block ? stripes - k : in_block;
+        const unsigned char* s = SECRET + 8 * (k % STRIPES_PER_BLOCK);
         if (here > 0) {
             batch = batch < here ? batch : here;
             accumulate(acc, at, s, batch);

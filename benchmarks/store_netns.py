@@ -5,7 +5,9 @@ other (``KVStore.put``/``get`` of ``--batch`` 2 MiB objects from an NHD pool, ch
 UCX's TCP transport). Interleaved per repetition: iperf3 (native TCP, one stream, 128 KiB
 writes), then the store's put and get, then iperf3 again; each repetition's ratio uses the
 mean of the iperf3 runs just before and after it. Every get is checked bitwise against
-what was put. Needs root, iproute2 and iperf3 (Debian: ``apt-get install -y iperf3``).
+what was put. Each repetition also times 500 lookups of a chain twice the batch long (the
+first half present): from the other namespace they go to the node's backend over TCP.
+Needs root, iproute2 and iperf3 (Debian: ``apt-get install -y iperf3``).
 
     PYTHONPATH=$PWD python benchmarks/store_netns.py --json benchmarks/results/store_netns.json
 """
@@ -27,8 +29,9 @@ OBJ = NL * 2 * BS * NH * HD * 2  # 2 MiB
 SECRET = "store-netns-benchmark-secret-0123456789"
 
 
-def client(addr: str, batch: int, iters: int, salt: str, checksum: bool) -> None:
-    """In the client namespace: ``iters`` put+get rounds; one JSON line of seconds."""
+def client(addr: str, batch: int, iters: int, salt: str, checksum: bool, lookups: int = 500) -> None:
+    """In the client namespace: ``iters`` put+get rounds, then ``lookups`` lookups of a
+    ``2 * batch``-key chain (the first ``batch`` present); one JSON line of seconds."""
     import torch
 
     import kvxfer
@@ -60,6 +63,19 @@ def client(addr: str, batch: int, iters: int, salt: str, checksum: bool) -> None
                 out["put_s"].append(t1 - t0)
                 out["get_s"].append(t2 - t1)
         out["transport"] = st._conns[addr].bconn.transport
+        # lookups of a chain whose first `batch` keys are present, as from another host
+        chain = keys + kvxfer.block_keys(range(BS * batch, 2 * BS * batch), BS, salt=b"absent")
+        asked = dict(st.counters)
+        lat = []
+        for _ in range(lookups):
+            t = time.perf_counter()
+            if st.lookup(chain) != batch:
+                raise SystemExit("a lookup did not find the keys just put")
+            lat.append(time.perf_counter() - t)
+        lat.sort()
+        out["lookup_us"] = [lat[len(lat) // 2] * 1e6, lat[int(len(lat) * 0.99)] * 1e6]
+        out["lookup_paths"] = {k: st.counters[k] - asked[k] for k in ("lookup_table_reads", "lookup_requests",
+                                                                       "lookup_backend_messages")}
     if not out["transport"].startswith("ucx:tcp"):
         raise SystemExit(f"the store's bytes went over {out['transport']}, not TCP")
     print(json.dumps(out), flush=True)
@@ -169,7 +185,9 @@ def main() -> None:
             put = nbytes / statistics.median(got["put_s"])
             get = nbytes / statistics.median(got["get_s"])
             reps.append({"iperf3_gbps": tcp / 1e9, "put_gbps": put / 1e9, "get_gbps": get / 1e9,
-                         "put_vs_iperf3": put / tcp, "get_vs_iperf3": get / tcp, "transport": got["transport"]})
+                         "put_vs_iperf3": put / tcp, "get_vs_iperf3": get / tcp, "transport": got["transport"],
+                         "lookup_p50_us": got["lookup_us"][0], "lookup_p99_us": got["lookup_us"][1],
+                         "lookup_paths": got["lookup_paths"]})
             print(json.dumps(reps[-1]), flush=True)
             before = after
         os.killpg(node.pid, signal.SIGTERM)
@@ -177,6 +195,7 @@ def main() -> None:
     result = {"object_bytes": OBJ, "objects_per_call": args.batch, "iters": args.iters, "reps": reps,
               "put_vs_iperf3_median": statistics.median(r["put_vs_iperf3"] for r in reps),
               "get_vs_iperf3_median": statistics.median(r["get_vs_iperf3"] for r in reps),
+              "lookup_p50_us_median": statistics.median(r["lookup_p50_us"] for r in reps),
               "checksums": not args.no_checksum, "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(result, indent=1))
     if args.json:

@@ -8,7 +8,8 @@ a time, alternating, with the memcpy limit of the same bytes sampled between the
   of an NHD pool (each object gathered from 64 tiles of 32 KiB, straight into the node's
   slots), with checksums on (the default) and off; ``lookup`` of a 64-key chain (16 keys
   present), answered from the node's key table in shared memory (the same-host path), and
-  the same lookup by a client on UCX only, which asks the node (the path from another host).
+  the same lookup by a client process on UCX over TCP only (``UCX_TLS=tcp``), whose lookup
+  the node's backend answers from that table (the path from another host).
 - Mooncake Store (``mooncake-transfer-engine-non-cuda``, ``make bench-mooncake`` installs
   it): ``mooncake_master`` with its HTTP metadata server, a process that mounts the
   segment, and the client (no segment of its own) using its zero-copy calls
@@ -43,6 +44,32 @@ CHAIN = 64
 # ---- the client processes: one command a line on stdin, one JSON line back -------------------------
 
 
+def kvxfer_remote_client(addr: str, secret: str, batch: int) -> None:
+    """Lookups as from another host: a client on UCX only (started with ``UCX_TLS=tcp``),
+    whose lookups go to the node's backend over TCP."""
+    import kvxfer
+
+    chain = kvxfer.block_keys(range(BS * CHAIN), BS, salt=b"lookup")
+    with kvxfer.KVStore(nodes=[addr], secret=secret.encode(), staging_bytes=OBJ, timeout=30.0, backend="ucx") as st:
+        deadline = time.monotonic() + 60
+        while st.lookup(chain) != batch:  # the other client puts the chain's first keys
+            if time.monotonic() > deadline:
+                raise SystemExit("the chain never appeared in the pool")
+            time.sleep(0.1)
+        transport = st._conns[addr].bconn.transport
+        for line in sys.stdin:
+            _, arg = line.split()
+            before = dict(st.counters)
+            lat = []
+            for _ in range(int(arg)):
+                t = time.perf_counter()
+                n = st.lookup(chain)
+                lat.append(time.perf_counter() - t)
+            print(json.dumps({"lookup_s": lat, "ok": n == batch, "found": n, "transport": transport,
+                              **{k: st.counters[k] - before[k] for k in ("lookup_table_reads", "lookup_requests",
+                                                                         "lookup_backend_messages")}}), flush=True)
+
+
 def kvxfer_client(addr: str, secret: str, batch: int) -> None:
     import torch
 
@@ -57,8 +84,6 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
     src, dst = pool(1), pool(2)
     stores = {crc: kvxfer.KVStore(nodes=[addr], secret=secret.encode(), staging_bytes=batch * OBJ, timeout=30.0,
                                   checksum=crc) for crc in (True, False)}
-    # the same node through UCX only (no same-host vm path): lookups ask it, as from another host
-    asker = kvxfer.KVStore(nodes=[addr], secret=secret.encode(), staging_bytes=OBJ, timeout=30.0, backend="ucx")
     chain = kvxfer.block_keys(range(BS * CHAIN), BS, salt=b"lookup")
     stores[True].put(chain[:batch], src, range(batch)).wait(timeout=120)
     for line in sys.stdin:
@@ -75,8 +100,8 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
             for t in dst.tensors:
                 t.zero_()
             reply = {"put_s": t1 - t0, "get_s": t2 - t1, "ok": ok}
-        else:  # lookup N (read the node's key table) or lookup-asked N (a request to the node)
-            st = asker if cmd == "lookup-asked" else stores[True]
+        else:  # lookup N: read the node's key table (the same-host path)
+            st = stores[True]
             before = dict(st.counters)
             lat = []
             for _ in range(int(arg)):
@@ -84,10 +109,10 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
                 n = st.lookup(chain)
                 lat.append(time.perf_counter() - t)
             reply = {"lookup_s": lat, "ok": n == batch, "found": n,
-                     "table_reads": st.counters["lookup_table_reads"] - before["lookup_table_reads"],
-                     "requests": st.counters["lookup_requests"] - before["lookup_requests"]}
+                     **{k: st.counters[k] - before[k] for k in ("lookup_table_reads", "lookup_requests",
+                                                                "lookup_backend_messages")}}
         print(json.dumps(reply), flush=True)
-    for st in (*stores.values(), asker):
+    for st in stores.values():
         st.close()
 
 
@@ -208,7 +233,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16, help="objects per put/get call")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--lookups", type=int, default=500)
+    ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--mooncake-local", action="store_true", help="the Mooncake client mounts the segment itself")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -217,6 +242,8 @@ def main() -> None:
         role, *rest = args.child
         if role == "kvxfer":
             kvxfer_client(rest[0], os.environ["KVXFER_SECRET"], args.batch)
+        elif role == "kvxfer-remote":
+            kvxfer_remote_client(rest[0], os.environ["KVXFER_SECRET"], args.batch)
         elif role == "holder":
             mooncake_holder(int(rest[0]))
         else:
@@ -254,16 +281,22 @@ def main() -> None:
                 raise SystemExit(f"the Mooncake segment process exited with {holder.proc.wait()}")
         nodes = start_nodes(1, str(2 * segment), str(OBJ))
         kv = Child([*me, "kvxfer", nodes[0][1]], env)
+        remote = Child([*me, "kvxfer-remote", nodes[0][1]], {**env, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"})
         moon = Child([*me, "mooncake", str(segment if args.mooncake_local else 0)], env)
-        children += [kv, moon]
-        lookups = {"kvxfer": [], "kvxfer_asked": [], "mooncake": []}
-        paths = {"kvxfer": [0, 0], "kvxfer_asked": [0, 0]}  # [key table reads, requests]
+        children += [kv, remote, moon]
+        lookups = {"kvxfer": [], "kvxfer_remote": [], "mooncake": []}
+        paths = {"kvxfer": [0, 0, 0], "kvxfer_remote": [0, 0, 0]}  # [key table reads, socket requests, backend messages]
         for _ in range(10):  # alternating blocks of lookups, before the puts fill the pools
-            for name, cmd in (("kvxfer", "lookup"), ("kvxfer_asked", "lookup-asked")):
-                r = kv.ask(f"{cmd} {args.lookups // 10}")  # (ask checks that it found the 16)
+            for name, child in (("kvxfer", kv), ("kvxfer_remote", remote)):
+                r = child.ask(f"lookup {args.lookups // 10}")  # (ask checks that it found the 16)
                 lookups[name] += r["lookup_s"]
-                paths[name][0] += r["table_reads"]
-                paths[name][1] += r["requests"]
+                paths[name][0] += r["lookup_table_reads"]
+                paths[name][1] += r["lookup_requests"]
+                paths[name][2] += r.get("lookup_backend_messages", 0)
+                if name == "kvxfer_remote":
+                    if not r["transport"].startswith("ucx:tcp"):
+                        raise SystemExit(f"the remote client's lookups went over {r['transport']}, not TCP")
+                    remote_transport = r["transport"]
             lookups["mooncake"] += moon.ask(f"lookup {args.lookups // 10}")["lookup_s"]
         limit = MemcpyLimit(nbytes, threads=1, streaming=True)  # the checksummed paths stream their stores
         samples = {k: [] for k in ("memcpy", "kvxfer_put_crc", "kvxfer_get_crc", "kvxfer_put_nocrc",
@@ -300,9 +333,11 @@ def main() -> None:
         out[f"{name}_lookup_p50_us"] = lat[len(lat) // 2] * 1e6
         out[f"{name}_lookup_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
     out["lookup_p50_vs_mooncake"] = out["kvxfer_lookup_p50_us"] / out["mooncake_lookup_p50_us"]
-    out["lookup_asked_p50_vs_mooncake"] = out["kvxfer_asked_lookup_p50_us"] / out["mooncake_lookup_p50_us"]
-    for name, (reads, requests) in paths.items():
+    out["lookup_remote_p50_vs_mooncake"] = out["kvxfer_remote_lookup_p50_us"] / out["mooncake_lookup_p50_us"]
+    out["kvxfer_remote_transport"] = remote_transport
+    for name, (reads, requests, messages) in paths.items():
         out[f"{name}_lookup_table_reads"], out[f"{name}_lookup_requests"] = reads, requests
+        out[f"{name}_lookup_backend_messages"] = messages
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -171,6 +171,10 @@ PYBIND11_MODULE(_C, m) {
               "Refresh the heartbeat (alive=False: mark the writer stopped).");
         m.def("key_table_age_ns", &kvxfer::key_table_age_ns, py::arg("base"), py::arg("nbuckets"),
               "Nanoseconds since the heartbeat; -1 if the writer stopped or this is no table of nbuckets.");
+        m.def("key_table_hash", [=](py::bytes key) {
+                auto k = key_view(key);
+                return kvxfer::key_table_hash(k.first, k.second);
+            }, py::arg("key"), "A key's 64-bit hash: its bucket (the low bits) and fingerprint.");
         m.def("key_table_find", [=](uintptr_t base, uint64_t nbuckets, const py::sequence& keys) {
                 const size_t n = keys.size();
                 std::vector<const uint8_t*> ptrs(n);
@@ -297,6 +301,26 @@ PYBIND11_MODULE(_C, m) {
             .def("progress", &Engine::progress, py::call_guard<py::gil_scoped_release>())
             .def_property_readonly("event_fd", &Engine::event_fd)
             .def("arm", &Engine::arm, py::call_guard<py::gil_scoped_release>())
+            .def("serve_key_table", &Engine::serve_key_table, py::arg("base"), py::arg("nbuckets"),
+                 "Answer peers' lookups from the key table at base (remote_lookup.cpp).")
+            .def("post_lookup", [](Engine& e, uint64_t conn, const py::sequence& keys) {
+                    const size_t n = keys.size();
+                    std::vector<uint64_t> hashes(n);
+                    for (size_t i = 0; i < n; ++i) {
+                        py::object k = keys[i];
+                        char* p = nullptr;
+                        Py_ssize_t len = 0;
+                        if (!PyBytes_Check(k.ptr()) || PyBytes_AsStringAndSize(k.ptr(), &p, &len) != 0)
+                            throw py::type_error("lookup: keys must be bytes");
+                        hashes[i] = kvxfer::key_table_hash(reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(len));
+                    }
+                    py::gil_scoped_release nogil;
+                    return e.post_lookup(conn, hashes.data(), n);
+                }, py::arg("conn_id"), py::arg("keys"),
+                "Ask the peer about keys (bytes, 1..64 each); a request id for test/wait, then lookup_result.")
+            .def("lookup_result", [](Engine& e, uint64_t id) { return py::bytes(e.lookup_result(id)); },
+                 py::arg("request_id"), "Per key of a completed lookup a byte: 1 present, 0 absent, 2 unknown.")
+            .def_property_readonly("num_lookups", &Engine::num_lookups)
             .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
     }
 }

@@ -48,12 +48,26 @@ void check_key(size_t len) {
 
 Header* header(uintptr_t base) { return reinterpret_cast<Header*>(base); }
 
-// The key's bucket and fingerprint.
-std::pair<Bucket*, uint64_t> locate(uintptr_t base, uint64_t nbuckets, const uint8_t* key, size_t len) {
+uint64_t hash_of(const uint8_t* key, size_t len) {
     const int64_t addr = static_cast<int64_t>(reinterpret_cast<uintptr_t>(key));
     const int64_t n = static_cast<int64_t>(len);
-    const uint64_t h = checksum_runs(&addr, &n, 1);
+    return checksum_runs(&addr, &n, 1);
+}
+
+// The bucket and fingerprint of the key of hash h.
+std::pair<Bucket*, uint64_t> locate_hashed(uintptr_t base, uint64_t nbuckets, uint64_t h) {
     return {reinterpret_cast<Bucket*>(base + sizeof(Header)) + (h & (nbuckets - 1)), h == 0 ? 1 : h};
+}
+
+std::pair<Bucket*, uint64_t> locate(uintptr_t base, uint64_t nbuckets, const uint8_t* key, size_t len) {
+    return locate_hashed(base, nbuckets, hash_of(key, len));
+}
+
+uint8_t probe(const Bucket* b, uint64_t fp) {
+    uint8_t code = b->overflow.load(std::memory_order_acquire) > 0 ? 2 : 0;
+    for (uint32_t w = 0; w < kKeyTableWays; ++w)
+        if (b->fp[w].load(std::memory_order_acquire) == fp) code = 1;
+    return code;
 }
 
 }  // namespace
@@ -122,10 +136,20 @@ void key_table_find(uintptr_t base, uint64_t nbuckets, const uint8_t* const* key
     for (size_t i = 0; i < n; ++i) check_key(lens[i]);
     for (size_t i = 0; i < n; ++i) {
         auto [b, fp] = locate(base, nbuckets, keys[i], lens[i]);
-        uint8_t code = b->overflow.load(std::memory_order_acquire) > 0 ? 2 : 0;
-        for (uint32_t w = 0; w < kKeyTableWays; ++w)
-            if (b->fp[w].load(std::memory_order_acquire) == fp) code = 1;
-        out[i] = code;
+        out[i] = probe(b, fp);
+    }
+}
+
+uint64_t key_table_hash(const uint8_t* key, size_t len) {
+    check_key(len);
+    return hash_of(key, len);
+}
+
+void key_table_find_hashed(uintptr_t base, uint64_t nbuckets, const uint64_t* hashes, size_t n, uint8_t* out) {
+    check_geometry(base, nbuckets);
+    for (size_t i = 0; i < n; ++i) {
+        auto [b, fp] = locate_hashed(base, nbuckets, hashes[i]);
+        out[i] = probe(b, fp);
     }
 }
 

@@ -43,5 +43,9 @@ int64_t key_table_age_ns(uintptr_t base, uint64_t nbuckets);
 // out[i] = 1 present, 0 absent, 2 unknown (its bucket overflowed).
 void key_table_find(uintptr_t base, uint64_t nbuckets, const uint8_t* const* keys, const size_t* lens,
                     size_t n, uint8_t* out);
+// A key's 64-bit hash (XXH3-64: its bucket and fingerprint); throws for a key not 1..64 bytes.
+uint64_t key_table_hash(const uint8_t* key, size_t len);
+// key_table_find by the keys' key_table_hash values (what a peer sends: remote_lookup.cpp).
+void key_table_find_hashed(uintptr_t base, uint64_t nbuckets, const uint64_t* hashes, size_t n, uint8_t* out);
 
 }  // namespace kvxfer

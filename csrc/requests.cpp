@@ -104,6 +104,7 @@ bool Engine::test(uint64_t request_id) {
         }
         throw PeerDisconnected(r.error);
     }
+    if (r.rejected && r.lookup) throw InvalidDescriptor("the peer answers no lookups (or answered one malformed)");
     if (r.rejected)
         throw InvalidDescriptor("the peer refused the transfer: a range outside its registered host memory");
     if (r.status != UCS_OK) {

@@ -52,6 +52,8 @@ void Engine::open_worker() {
     set_am_handler(kGetAmId, on_get);
     set_am_handler(kGetReplyAmId, on_get_reply);
     set_am_handler(kByeAmId, on_bye);
+    set_am_handler(kLookupAmId, on_lookup);
+    set_am_handler(kLookupReplyAmId, on_lookup_reply);
 
     ucp_address_t* addr = nullptr;
     size_t addr_len = 0;

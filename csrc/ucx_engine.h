@@ -71,6 +71,10 @@ struct XferRequest {
     bool done = false;
     ucs_status_t status = UCS_OK;
     std::string error;  // set when a failure was decided outside UCX
+    // a lookup (remote_lookup.cpp): the hashes sent (alive while UCX may read them), the answer
+    bool lookup = false;
+    std::vector<uint64_t> lookup_hashes;
+    std::string lookup_codes;
 };
 
 // Rendezvous data of a checked message being received into this process's
@@ -92,6 +96,10 @@ ucs_status_t on_batch_ack(void*, const void*, size_t, void*, size_t, const ucp_a
 ucs_status_t on_get(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_get_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
 ucs_status_t on_bye(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);  // connect.cpp
+// Lookups answered from a served key table (remote_lookup.cpp).
+ucs_status_t on_lookup(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+ucs_status_t on_lookup_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+void on_lookup_reply_sent(void*, ucs_status_t, void*);
 
 class Engine {
 public:
@@ -128,6 +136,18 @@ public:
     // event_fd()), false when events are still pending (call again).
     bool arm();
 
+    // Lookups over UCX (remote_lookup.cpp). serve_key_table: answer peers' lookups from
+    // the key table at base (key_table.h; the caller keeps it mapped until close()).
+    // post_lookup: ask the peer of conn_id about up to kLookupMaxKeys key hashes
+    // (key_table_hash); complete through test()/wait() like a transfer (a peer that
+    // serves no table refuses: InvalidDescriptor), then lookup_result() gives one byte a
+    // key, as key_table_find. Not for the vm path (map the peer's table instead).
+    void serve_key_table(uintptr_t base, uint64_t nbuckets);
+    uint64_t post_lookup(uint64_t conn_id, const uint64_t* hashes, size_t n);
+    std::string lookup_result(uint64_t request_id);
+    // Lookups this engine answered as a target from its served table.
+    uint64_t num_lookups() const { return num_lookups_; }
+
     void close();
     bool closed() const { return worker_ == nullptr; }
     // Messages this engine refused as a target (ranges outside its regions).
@@ -144,6 +164,9 @@ private:
     friend void on_get_reply_sent(void*, ucs_status_t, void*);
     friend ucs_status_t on_bye(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
     friend void on_landed(void*, ucs_status_t, size_t, void*);
+    friend ucs_status_t on_lookup(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend ucs_status_t on_lookup_reply(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+    friend void on_lookup_reply_sent(void*, ucs_status_t, void*);
 
     void require_open() const;
     // Progress the worker until busy() is false or deadline passes; true when no longer
@@ -199,6 +222,9 @@ private:
     size_t max_am_header_ = 0;       // the worker's largest AM header (rendezvous tables)
     bool closing_ = false;
     uint64_t num_rejected_ = 0;
+    uintptr_t table_base_ = 0;  // the served key table (0: none; lookups are refused)
+    uint64_t table_buckets_ = 0;
+    uint64_t num_lookups_ = 0;
     size_t tcp_lanes_ = 1;
     size_t vm_split_bytes_ = kVmSplitBytes;
     size_t num_endpoints_ = 0;

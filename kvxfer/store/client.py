@@ -38,8 +38,8 @@ from operator import itemgetter
 
 from .._native import load
 from ..secrets import normalize_secret
-from ..errors import (AuthenticationError, KVXferError, LimitExceeded, PeerDisconnected, StoreMiss,
-                      StorePartConflict, TransferTimeout)
+from ..errors import (AuthenticationError, InvalidDescriptor, KVXferError, LimitExceeded, PeerDisconnected,
+                      StoreMiss, StorePartConflict, TransferTimeout)
 from ..handle import HandleCompleter
 from . import index as ix
 from .conn import NodeConn
@@ -47,6 +47,7 @@ from .key_table import ABSENT, UNKNOWN
 from .keys import MAX_KEY_BYTES
 from .objects import ObjectFormat, checksum
 from .placement import Placement
+from ..transport.base import LOOKUP_MAX_KEYS
 from .protocol import MAX_KEYS, NO_CRC, Req
 
 log = logging.getLogger("kvxfer.store")
@@ -113,7 +114,7 @@ class KVStore:
                 raise ValueError("nodes must name at least one HOST:PORT")
         self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "put_conflicts": 0, "gets": 0,
                          "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0,
-                         "lookup_table_reads": 0, "lookup_requests": 0}
+                         "lookup_table_reads": 0, "lookup_requests": 0, "lookup_backend_messages": 0}
         self._backend = make_backend(backend)
         self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
         self._stage_ptr = self._staging.data_ptr()
@@ -205,10 +206,12 @@ class KVStore:
         """How many leading ``keys`` (bytes, 1..64 each) are in the pool now.
 
         A node on this host is answered from its key table in shared memory (no request;
-        :mod:`kvxfer.store.key_table`), unless the table is stale or cannot tell; every
+        :mod:`kvxfer.store.key_table`), unless the table is stale or cannot tell. Every
         other node that owns one of the keys before the first one known absent gets one
-        request, all in flight at once. A node that fails counts its keys as absent (and
-        is marked down)."""
+        message through the backend, which the node's backend answers from the same table
+        in its progress (csrc/remote_lookup.cpp); a node that cannot tell, or answers no
+        such message, gets a request on its socket. Messages and requests are all in
+        flight at once. A node that fails counts its keys as absent (and is marked down)."""
         keys = _check_keys(keys)
         if not keys:
             return 0
@@ -221,6 +224,8 @@ class KVStore:
                 ask.append((addr, pos))
             elif (j := codes.find(ABSENT)) >= 0:
                 first_absent = min(first_absent, pos[j])
+        if ask:
+            ask, first_absent = self._lookup_by_backend(keys, ask, first_absent)
         sent = []  # (address, connection (locked), [(request id, positions)])
         try:
             for addr, pos in ask:
@@ -261,6 +266,60 @@ class KVStore:
             for _, c, _ in sent:
                 c.lock.release()
         return first_absent
+
+    def _lookup_by_backend(self, keys: list, ask: list, first_absent: int):
+        """The backend messages of :meth:`lookup` for the nodes ``ask`` (``[(address,
+        positions)]``); returns the nodes still to ask on their sockets and the first
+        position known absent."""
+        posted, rest = [], []  # posted: (address, connection, positions, [(request, part)])
+        for addr, pos in ask:
+            pos = pos[:bisect.bisect_left(pos, first_absent)]  # later keys cannot count
+            if not pos:
+                continue
+            try:
+                c = self._conn(addr)
+            except KVXferError as exc:
+                self._mark_down(addr, exc)
+                first_absent = min(first_absent, pos[0])
+                continue
+            if not c.remote_lookups:
+                rest.append((addr, pos))
+                continue
+            reqs: list = []
+            try:
+                for start in range(0, len(pos), LOOKUP_MAX_KEYS):
+                    part = pos[start:start + LOOKUP_MAX_KEYS]
+                    # (one node owning a whole chain, the common case: the keys as given)
+                    asked = keys if len(part) == len(keys) else [keys[i] for i in part]
+                    reqs.append((c.post_lookup(asked), part))
+                    self.counters["lookup_backend_messages"] += 1
+            except KVXferError as exc:
+                if c.closed:
+                    self._mark_down(addr, exc)
+                    first_absent = min(first_absent, pos[0])
+                else:  # this connection carries no lookups
+                    c.remote_lookups = False
+                    rest.append((addr, pos))
+                continue
+            posted.append((addr, c, pos, reqs))
+        for addr, c, pos, reqs in posted:
+            try:
+                for req, part in reqs:
+                    codes = c.lookup_result(req, self.timeout)
+                    n = codes.find(ABSENT)
+                    if UNKNOWN in (codes if n < 0 else codes[:n]):  # the node's table cannot tell
+                        rest.append((addr, pos))
+                        break
+                    if n >= 0:
+                        first_absent = min(first_absent, part[n])
+                        break
+            except InvalidDescriptor:  # the node answers no lookups this way
+                c.remote_lookups = False
+                rest.append((addr, pos))
+            except KVXferError as exc:
+                self._mark_down(addr, exc)
+                first_absent = min(first_absent, pos[0])
+        return rest, first_absent
 
     def _read_table(self, address: str, keys: list, pos: list):
         """``address``'s answer for ``keys[pos]`` from its key table, up to its first key
@@ -580,9 +639,12 @@ class KVStore:
                          for n, (_, off, *_) in enumerate(hits)]
             verdict = [True] * len(hits)
             step = max(1, -(-len(hits) // READ_PIECES))
+            # every piece in flight at once (the link stays busy); checked in order as each lands
+            posted = [(first, c.post("read", np.concatenate(descs[first:first + step])))
+                      for first in range(0, len(hits), step)]
             pending = None  # (first, future) of the piece being checked
-            for first in range(0, len(hits), step):
-                c.move("read", np.concatenate(descs[first:first + step]), self.timeout)
+            for first, req in posted:
+                c.wait(req, self.timeout)
                 if pending is not None:
                     self._collect(pending, verdict)
                 if checks is not None:

@@ -22,7 +22,8 @@ import uuid
 
 from ..framing import HEADER, parse_header
 from ..agent.peers import open_authenticated
-from ..errors import KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
+from ..errors import (InvalidDescriptor, KVXferError, LimitExceeded, PeerDisconnected, ProtocolError,
+                      TransferTimeout)
 from .key_table import KeyTable
 from .node import CLIENT_INFO, STORE_INFO
 from .protocol import MAX_REQUEST_BYTES, REPLY, encode
@@ -66,6 +67,9 @@ class NodeConn:
             self.table = KeyTable(int(local), table["buckets"])
             self._quiet = select.poll()  # the socket with nothing to read: no reply due, no EOF
             self._quiet.register(sock, select.POLLIN | select.POLLPRI)
+        # other hosts (and same-host clients without the vm path): lookups go as one backend
+        # message the node's backend answers from its key table; False once refused
+        self.remote_lookups = bconn.transport != "vm"
         self._ids = itertools.count(1)
         self._rbuf = bytearray()
         self.closed = False
@@ -173,14 +177,52 @@ class NodeConn:
     def move(self, op: str, descs, timeout: float) -> None:
         """Post ``descs`` (``[n, 5]``: staging region, offset, node region, offset, length)
         and wait until complete (``write``: visible in the node's slots)."""
+        self.wait(self.post(op, descs), timeout)
+
+    def post(self, op: str, descs) -> int:
+        """Post ``descs`` as :meth:`move` does, without waiting; returns the request for
+        :meth:`wait`. Several may be in flight on one connection."""
         if self.closed:
             raise PeerDisconnected(f"store node {self.address} connection is closed")
         try:
-            req = self._backend.post(self.bconn, op, descs)
+            return self._backend.post(self.bconn, op, descs)
+        except KVXferError:
+            self.close()
+            raise
+
+    def wait(self, req: int, timeout: float) -> None:
+        """Wait until the posted ``req`` is complete. A failure closes the connection,
+        which ends every request still in flight on it."""
+        try:
             self._backend.wait(req, timeout)
         except KVXferError:
             self.close()
             raise
+
+    # ---- lookups the node's backend answers (other hosts) --------------------------------
+    def post_lookup(self, keys: list) -> int:
+        """Send ``keys`` (bytes) to the node's backend, which answers from the node's key
+        table (csrc/remote_lookup.cpp); returns the request for :meth:`lookup_result`."""
+        if self.closed:
+            raise PeerDisconnected(f"store node {self.address} connection is closed")
+        try:
+            return self._backend.post_lookup(self.bconn, keys)
+        except (PeerDisconnected, TransferTimeout):
+            self.close()
+            raise
+
+    def lookup_result(self, req: int, timeout: float) -> bytes:
+        """Wait for lookup ``req``; one byte a key (:data:`~kvxfer.store.key_table.PRESENT`,
+        ``ABSENT`` or ``UNKNOWN``). A refusal (:class:`~kvxfer.errors.InvalidDescriptor`)
+        leaves the connection open; any other failure closes it."""
+        try:
+            self._backend.wait(req, timeout)
+        except InvalidDescriptor:
+            raise
+        except KVXferError:
+            self.close()
+            raise
+        return self._backend.lookup_result(req)
 
     def close(self) -> None:
         if self.closed:

@@ -6,7 +6,9 @@ the key table mirrors the index's committed keys into a small
 in its INFO (only authenticated clients learn of it). A client on the same host
 (the backend's ``"vm"`` path, which maps the node's shared regions) answers
 ``lookup`` for that node by reading the table: no request, no wake-up of the node.
-Clients on other hosts, and any key the table cannot answer, ask the node.
+Clients on other hosts send the keys to the node's backend, which answers from the same
+table inside its progress (one UCX message each way, no Python on the node:
+csrc/remote_lookup.cpp); any key the table cannot answer is asked of the node on its socket.
 
 The table is a hash set of key fingerprints (XXH3-64) in ``nbuckets`` buckets of 7,
 one cache line each (``nbuckets`` the power of two >= the node's slots: 64-128 bytes a

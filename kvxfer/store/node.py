@@ -4,7 +4,8 @@ It owns one registered host buffer of ``num_slots`` fixed-size slots (a
 :func:`kvxfer.shared_empty` pool: same-host clients map it once and copy with
 ``memcpy``; other hosts reach it through UCX), a :class:`~kvxfer.store.index.SlotIndex`,
 the index's committed keys published as a :class:`~kvxfer.store.key_table.KeyTable`
-(registered too: same-host clients answer lookups from it) and a listening socket.
+(registered too: same-host clients answer lookups from it, and the backend answers other
+hosts' lookups from it inside its progress, csrc/remote_lookup.cpp) and a listening socket.
 Clients authenticate with the agents' handshake (:mod:`kvxfer.agent.handshake`, the
 deployment's shared secret); only then does the
 node send its backend metadata (the memory keys). The bytes of objects never cross the
@@ -106,6 +107,8 @@ class StoreNode:
         try:
             self._region = self._backend.register_tensor(self.buffer)
             self._keys_region = self._backend.register_tensor(self._keys_buffer)
+            # clients on other hosts ask the table through the backend (answered in its progress)
+            self._backend.serve_key_table(self.keys.base, self.keys.nbuckets)
             self._lsock = socket.create_server((host, port), backlog=128)
         except BaseException:
             self._backend.close()
@@ -153,6 +156,7 @@ class StoreNode:
                 "clients": sum(1 for c in self._clients.values() if c.reader is not None),
                 "requests": self.num_requests, "bad_requests": self.num_bad_requests,
                 "queued_peak_bytes": self.queued_peak, "key_table_overflows": self.keys.num_overflows,
+                "lookups_answered_by_backend": int(getattr(self._backend, "num_lookups", 0)),
                 "auth_failures": self.num_auth_failures}
 
     # ---- the I/O thread --------------------------------------------------------------

@@ -21,6 +21,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from ..errors import KVXferError
+
+LOOKUP_MAX_KEYS = 4096  # keys per Backend.post_lookup (kLookupMaxKeys, csrc/am_batch.h)
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -111,6 +115,23 @@ class Backend(ABC):
         call again soon.
         """
         return True
+
+    # -- a store node's key table, asked by peers (kvxfer.store) -----------------
+    def serve_key_table(self, base: int, nbuckets: int) -> bool:
+        """Answer peers' :meth:`post_lookup` from the key table at ``base``
+        (:class:`~kvxfer.store.key_table.KeyTable`, kept mapped until :meth:`close`).
+        Returns False where this backend cannot (peers then ask another way)."""
+        return False
+
+    def post_lookup(self, conn: Connection, keys: list) -> int:
+        """Ask ``conn``'s peer, as it serves its key table, about ``keys`` (bytes, 1..64
+        each); return a request id for :meth:`wait`, then :meth:`lookup_result`.
+        Raises :class:`~kvxfer.errors.KVXferError` where this backend or path cannot."""
+        raise KVXferError(f"{type(self).__name__} does not carry lookups")
+
+    def lookup_result(self, request_id: int) -> bytes:
+        """Per key of a completed :meth:`post_lookup` one byte: 1 present, 0 absent, 2 unknown."""
+        raise KVXferError(f"{type(self).__name__} does not carry lookups")
 
     @abstractmethod
     def close(self) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from ..errors import KVXferError
 from ..memory import MemoryRegistry
-from .base import Backend, Capabilities, Connection
+from .base import LOOKUP_MAX_KEYS, Backend, Capabilities, Connection
 
 log = logging.getLogger("kvxfer.transport")
 
@@ -233,6 +233,29 @@ class UcxBackend(Backend):
     def progress(self) -> int:
         """Drive UCX once; returns the number of events processed."""
         return self._engine.progress()
+
+    # -- a store node's key table, asked by peers ---------------------------------------
+    def serve_key_table(self, base: int, nbuckets: int) -> bool:
+        """Answer peers' lookups from the key table at ``base``, inside UCX progress
+        (csrc/remote_lookup.cpp)."""
+        self._engine.serve_key_table(base, nbuckets)
+        return True
+
+    def post_lookup(self, conn: Connection, keys: list) -> int:
+        """One message with the keys' hashes to a peer on UCX (not the vm path: map its table)."""
+        if conn.transport == "vm":
+            raise KVXferError("a same-host peer's key table is read where it is mapped")
+        if not 1 <= len(keys) <= LOOKUP_MAX_KEYS:
+            raise ValueError(f"a lookup asks about 1..{LOOKUP_MAX_KEYS} keys, got {len(keys)}")
+        return self._engine.post_lookup(conn.peer_id, keys)
+
+    def lookup_result(self, request_id: int) -> bytes:
+        return self._engine.lookup_result(request_id)
+
+    @property
+    def num_lookups(self) -> int:
+        """Peers' lookups this process answered from its served key table."""
+        return self._engine.num_lookups
 
     def needs_progress(self, conn: Connection) -> bool:
         """UCX transports (not the ``vm`` path) are served by the target's progress."""

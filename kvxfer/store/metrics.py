@@ -3,7 +3,7 @@
 Read from :meth:`StoreNode.stats` at each scrape (no bookkeeping on the hot path), on the
 node's own ``CollectorRegistry``, labelled ``node`` (its name). Counters (``_total``):
 hits, misses, evictions, bad objects (checksum failures reported by readers), requests,
-bad requests, authentication failures. Gauges: objects, pending reservations, pins,
+bad requests, authentication failures, lookups answered by the backend (other hosts). Gauges: objects, pending reservations, pins,
 bytes used, capacity, slots used and in all, connected clients. The endpoint serves
 counts only (no key, slot or secret); bind it where your scraper can reach it.
 """
@@ -17,6 +17,7 @@ COUNTERS = {
     "requests": "Requests served.",
     "bad_requests": "Requests refused as malformed or oversize.",
     "auth_failures": "Connections that failed the secret's challenge-response.",
+    "lookups_answered_by_backend": "Lookups from other hosts answered from the key table by the node's backend.",
 }
 GAUGES = {
     "objects": "Committed objects.",

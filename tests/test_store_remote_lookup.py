@@ -78,6 +78,11 @@ def test_other_hosts_lookups_are_answered_by_the_nodes_backend(tcp_env):
             assert st.counters["lookup_requests"] == before["lookup_requests"]  # no socket request
             assert st.counters["lookup_backend_messages"] == before["lookup_backend_messages"] + 7
             assert st.stats()["per_node"][addr]["lookups_answered_by_backend"] >= 7
+            # a chain longer than one message holds: two messages, both answers read
+            long_chain = keys[:16] + [b"absent-%d" % i for i in range(5000)]
+            sent = st.counters["lookup_backend_messages"]
+            assert st.lookup(long_chain) == 16 and st.lookup(long_chain[:4097]) == 16
+            assert st.counters["lookup_backend_messages"] == sent + 4
 
             # eight keys of one bucket: the eighth overflows it, and the table cannot tell
             # that bucket's misses; the node's index answers on its socket

@@ -294,6 +294,7 @@ class KVStore:
                     reqs.append((c.post_lookup(asked), part))
                     self.counters["lookup_backend_messages"] += 1
             except KVXferError as exc:
+                self._drain_lookups(c, reqs)
                 if c.closed:
                     self._mark_down(addr, exc)
                     first_absent = min(first_absent, pos[0])
@@ -303,23 +304,38 @@ class KVStore:
                 continue
             posted.append((addr, c, pos, reqs))
         for addr, c, pos, reqs in posted:
+            absent, unknown = len(keys), False  # this node's first absent position; a key it cannot tell
             try:
-                for req, part in reqs:
+                for k, (req, part) in enumerate(reqs):  # every answer is read, none left behind
                     codes = c.lookup_result(req, self.timeout)
                     n = codes.find(ABSENT)
-                    if UNKNOWN in (codes if n < 0 else codes[:n]):  # the node's table cannot tell
-                        rest.append((addr, pos))
-                        break
+                    unknown = unknown or UNKNOWN in (codes if n < 0 else codes[:n])
                     if n >= 0:
-                        first_absent = min(first_absent, part[n])
-                        break
+                        absent = min(absent, part[n])
             except InvalidDescriptor:  # the node answers no lookups this way
+                self._drain_lookups(c, reqs[k + 1:])
                 c.remote_lookups = False
                 rest.append((addr, pos))
+                continue
             except KVXferError as exc:
                 self._mark_down(addr, exc)
                 first_absent = min(first_absent, pos[0])
+                continue
+            if unknown:  # the node's table cannot tell: its socket can
+                rest.append((addr, pos))
+            else:
+                first_absent = min(first_absent, absent)
         return rest, first_absent
+
+    def _drain_lookups(self, c: NodeConn, reqs) -> None:
+        """Wait out lookups ``reqs`` whose answers are not needed (so none is left behind)."""
+        for req, _ in reqs:
+            if c.closed:
+                return
+            try:
+                c.lookup_result(req, self.timeout)
+            except KVXferError:
+                pass
 
     def _read_table(self, address: str, keys: list, pos: list):
         """``address``'s answer for ``keys[pos]`` from its key table, up to its first key

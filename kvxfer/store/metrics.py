@@ -3,9 +3,10 @@
 Read from :meth:`StoreNode.stats` at each scrape (no bookkeeping on the hot path), on the
 node's own ``CollectorRegistry``, labelled ``node`` (its name). Counters (``_total``):
 hits, misses, evictions, bad objects (checksum failures reported by readers), requests,
-bad requests, authentication failures, lookups answered by the backend (other hosts). Gauges: objects, pending reservations, pins,
-bytes used, capacity, slots used and in all, connected clients. The endpoint serves
-counts only (no key, slot or secret); bind it where your scraper can reach it.
+bad requests, authentication failures, lookups answered by the backend (other hosts).
+Gauges: objects, pending reservations, pins, bytes used, capacity, slots used and in all,
+connected clients. The endpoint serves counts only (no key, slot or secret); bind it where
+your scraper can reach it.
 """
 from __future__ import annotations
 

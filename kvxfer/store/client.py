@@ -229,14 +229,8 @@ class KVStore:
         sent = []  # (address, connection (locked), [(request id, positions)])
         try:
             for addr, pos in ask:
-                pos = pos[:bisect.bisect_left(pos, first_absent)]  # later keys cannot count
-                if not pos:
-                    continue
-                try:
-                    c = self._conn(addr)
-                except KVXferError as exc:
-                    self._mark_down(addr, exc)
-                    first_absent = min(first_absent, pos[0])
+                c, pos, first_absent = self._lookup_conn(addr, pos, first_absent)
+                if c is None:
                     continue
                 c.lock.acquire()
                 reqs: list = []
@@ -267,20 +261,28 @@ class KVStore:
                 c.lock.release()
         return first_absent
 
+    def _lookup_conn(self, addr: str, pos: list, first_absent: int):
+        """For a lookup: ``(connection, positions, first_absent)`` with ``addr``'s positions
+        before ``first_absent`` (later keys cannot count). The connection is None when none
+        is left to ask, or when the node cannot be reached (then it is marked down and its
+        first position counts as absent)."""
+        pos = pos[:bisect.bisect_left(pos, first_absent)]
+        if not pos:
+            return None, pos, first_absent
+        try:
+            return self._conn(addr), pos, first_absent
+        except KVXferError as exc:
+            self._mark_down(addr, exc)
+            return None, pos, min(first_absent, pos[0])
+
     def _lookup_by_backend(self, keys: list, ask: list, first_absent: int):
         """The backend messages of :meth:`lookup` for the nodes ``ask`` (``[(address,
         positions)]``); returns the nodes still to ask on their sockets and the first
         position known absent."""
         posted, rest = [], []  # posted: (address, connection, positions, [(request, part)])
         for addr, pos in ask:
-            pos = pos[:bisect.bisect_left(pos, first_absent)]  # later keys cannot count
-            if not pos:
-                continue
-            try:
-                c = self._conn(addr)
-            except KVXferError as exc:
-                self._mark_down(addr, exc)
-                first_absent = min(first_absent, pos[0])
+            c, pos, first_absent = self._lookup_conn(addr, pos, first_absent)
+            if c is None:
                 continue
             if not c.remote_lookups:
                 rest.append((addr, pos))

@@ -125,8 +125,9 @@ class Backend(ABC):
 
     def post_lookup(self, conn: Connection, keys: list) -> int:
         """Ask ``conn``'s peer, as it serves its key table, about ``keys`` (bytes, 1..64
-        each); return a request id for :meth:`wait`, then :meth:`lookup_result`.
-        Raises :class:`~kvxfer.errors.KVXferError` where this backend or path cannot."""
+        each, 1..:data:`LOOKUP_MAX_KEYS` of them, else ``ValueError``); return a request id
+        for :meth:`wait`, then :meth:`lookup_result`. Raises
+        :class:`~kvxfer.errors.KVXferError` where this backend or path cannot."""
         raise KVXferError(f"{type(self).__name__} does not carry lookups")
 
     def lookup_result(self, request_id: int) -> bytes:

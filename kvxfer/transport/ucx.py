@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from ..errors import KVXferError
 from ..memory import MemoryRegistry
-from .base import LOOKUP_MAX_KEYS, Backend, Capabilities, Connection
+from .base import Backend, Capabilities, Connection
 
 log = logging.getLogger("kvxfer.transport")
 
@@ -245,8 +245,6 @@ class UcxBackend(Backend):
         """One message with the keys' hashes to a peer on UCX (not the vm path: map its table)."""
         if conn.transport == "vm":
             raise KVXferError("a same-host peer's key table is read where it is mapped")
-        if not 1 <= len(keys) <= LOOKUP_MAX_KEYS:
-            raise ValueError(f"a lookup asks about 1..{LOOKUP_MAX_KEYS} keys, got {len(keys)}")
         return self._engine.post_lookup(conn.peer_id, keys)
 
     def lookup_result(self, request_id: int) -> bytes:

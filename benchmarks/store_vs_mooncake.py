@@ -19,7 +19,8 @@ a time, alternating, with the memcpy limit of the same bytes sampled between the
   itself instead (its same-host best: no second process in the path).
 
 Every timed get is checked bitwise against what was put (outside the timing). GB/s is
-the median over ``--iters``; lookups are p50/p99 of ``--lookups`` samples.
+the median over ``--iters``; lookups are p50/p99 of ``--lookups`` samples, back to back
+or with ``--lookup-gap-ms`` idle before each (every path alike).
 
     make bench-mooncake          # installs the wheel and runs this with --json
     PYTHONPATH=$PWD python benchmarks/store_vs_mooncake.py --json benchmarks/results/store_vs_mooncake.json
@@ -44,6 +45,22 @@ CHAIN = 64
 # ---- the client processes: one command a line on stdin, one JSON line back -------------------------
 
 
+def time_lookups(st, chain, n: int, batch: int, gap_s: float = 0.0) -> dict:
+    """``n`` timed ``st.lookup(chain)`` (seconds each; ``gap_s`` idle before each), whether
+    the last found ``batch`` keys, and the lookup paths they took (the client's counters)."""
+    before = dict(st.counters)
+    lat = []
+    for _ in range(n):
+        if gap_s:
+            time.sleep(gap_s)
+        t = time.perf_counter()
+        found = st.lookup(chain)
+        lat.append(time.perf_counter() - t)
+    return {"lookup_s": lat, "ok": found == batch, "found": found,
+            **{k: st.counters[k] - before[k] for k in ("lookup_table_reads", "lookup_requests",
+                                                       "lookup_backend_messages")}}
+
+
 def kvxfer_remote_client(addr: str, secret: str, batch: int) -> None:
     """Lookups as from another host: a client on UCX only (started with ``UCX_TLS=tcp``),
     whose lookups go to the node's backend over TCP."""
@@ -58,16 +75,9 @@ def kvxfer_remote_client(addr: str, secret: str, batch: int) -> None:
             time.sleep(0.1)
         transport = st._conns[addr].bconn.transport
         for line in sys.stdin:
-            _, arg = line.split()
-            before = dict(st.counters)
-            lat = []
-            for _ in range(int(arg)):
-                t = time.perf_counter()
-                n = st.lookup(chain)
-                lat.append(time.perf_counter() - t)
-            print(json.dumps({"lookup_s": lat, "ok": n == batch, "found": n, "transport": transport,
-                              **{k: st.counters[k] - before[k] for k in ("lookup_table_reads", "lookup_requests",
-                                                                         "lookup_backend_messages")}}), flush=True)
+            _, arg, gap = line.split()
+            print(json.dumps({**time_lookups(st, chain, int(arg), batch, float(gap)), "transport": transport}),
+                  flush=True)
 
 
 def kvxfer_client(addr: str, secret: str, batch: int) -> None:
@@ -87,7 +97,7 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
     chain = kvxfer.block_keys(range(BS * CHAIN), BS, salt=b"lookup")
     stores[True].put(chain[:batch], src, range(batch)).wait(timeout=120)
     for line in sys.stdin:
-        cmd, arg = line.split()
+        cmd, arg, *gap = line.split()
         if cmd == "putget":
             st = stores[arg.endswith("crc")]
             keys = kvxfer.block_keys(range(BS * batch), BS, salt=arg.encode())
@@ -101,16 +111,7 @@ def kvxfer_client(addr: str, secret: str, batch: int) -> None:
                 t.zero_()
             reply = {"put_s": t1 - t0, "get_s": t2 - t1, "ok": ok}
         else:  # lookup N: read the node's key table (the same-host path)
-            st = stores[True]
-            before = dict(st.counters)
-            lat = []
-            for _ in range(int(arg)):
-                t = time.perf_counter()
-                n = st.lookup(chain)
-                lat.append(time.perf_counter() - t)
-            reply = {"lookup_s": lat, "ok": n == batch, "found": n,
-                     **{k: st.counters[k] - before[k] for k in ("lookup_table_reads", "lookup_requests",
-                                                                "lookup_backend_messages")}}
+            reply = time_lookups(stores[True], chain, int(arg), batch, float(gap[0]))
         print(json.dumps(reply), flush=True)
     for st in stores.values():
         st.close()
@@ -150,7 +151,7 @@ def mooncake_client(batch: int, segment: int) -> None:
     if any(r != 0 for r in s.batch_put_from(chain[:batch], sp, [OBJ] * batch)):
         raise SystemExit("mooncake put of the lookup chain failed")
     for line in sys.stdin:
-        cmd, arg = line.split()
+        cmd, arg, *gap = line.split()
         if cmd == "putget":
             keys = [f"{arg}-{i}" for i in range(batch)]
             t0 = time.perf_counter()
@@ -165,6 +166,8 @@ def mooncake_client(batch: int, segment: int) -> None:
         else:
             lat = []
             for _ in range(int(arg)):
+                if float(gap[0]):
+                    time.sleep(float(gap[0]))
                 t = time.perf_counter()
                 r = s.batch_is_exist(chain)
                 lat.append(time.perf_counter() - t)
@@ -234,6 +237,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="objects per put/get call")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--lookup-gap-ms", type=float, default=0.0,
+                    help="idle time before each lookup (0: back to back; the nodes and the master stay awake)")
     ap.add_argument("--mooncake-local", action="store_true", help="the Mooncake client mounts the segment itself")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -286,9 +291,10 @@ def main() -> None:
         children += [kv, remote, moon]
         lookups = {"kvxfer": [], "kvxfer_remote": [], "mooncake": []}
         paths = {"kvxfer": [0, 0, 0], "kvxfer_remote": [0, 0, 0]}  # [key table reads, socket requests, backend messages]
+        gap = args.lookup_gap_ms / 1e3
         for _ in range(10):  # alternating blocks of lookups, before the puts fill the pools
             for name, child in (("kvxfer", kv), ("kvxfer_remote", remote)):
-                r = child.ask(f"lookup {args.lookups // 10}")  # (ask checks that it found the 16)
+                r = child.ask(f"lookup {args.lookups // 10} {gap}")  # (ask checks that it found the 16)
                 lookups[name] += r["lookup_s"]
                 paths[name][0] += r["lookup_table_reads"]
                 paths[name][1] += r["lookup_requests"]
@@ -297,7 +303,7 @@ def main() -> None:
                     if not r["transport"].startswith("ucx:tcp"):
                         raise SystemExit(f"the remote client's lookups went over {r['transport']}, not TCP")
                     remote_transport = r["transport"]
-            lookups["mooncake"] += moon.ask(f"lookup {args.lookups // 10}")["lookup_s"]
+            lookups["mooncake"] += moon.ask(f"lookup {args.lookups // 10} {gap}")["lookup_s"]
         limit = MemcpyLimit(nbytes, threads=1, streaming=True)  # the checksummed paths stream their stores
         samples = {k: [] for k in ("memcpy", "kvxfer_put_crc", "kvxfer_get_crc", "kvxfer_put_nocrc",
                                    "kvxfer_get_nocrc", "mooncake_put", "mooncake_get")}
@@ -318,7 +324,7 @@ def main() -> None:
         os.killpg(master.pid, signal.SIGTERM)
         master.wait(timeout=30)
     out = {"object_bytes": OBJ, "objects_per_call": args.batch, "iters": args.iters,
-           "mooncake_segment": "client" if args.mooncake_local else "own process",
+           "mooncake_segment": "client" if args.mooncake_local else "own process", "lookup_gap_ms": args.lookup_gap_ms,
            "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
     for name, sec in samples.items():
         out[f"{name}_gbps"] = nbytes / statistics.median(sec) / 1e9

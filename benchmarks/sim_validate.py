@@ -164,7 +164,9 @@ def _stats(metrics: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default="cpu-smollm2")
+    ap.add_argument("--profile", nargs="+", default=["cpu-smollm2"],
+                    help="cost profile(s): each configuration runs the simulated engine once "
+                         "per profile, after the real engine (--scale: the first)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--loadgen", default="--start 300 --max-requests 24 --length-scale 0.03 "
@@ -177,6 +179,12 @@ def main() -> int:
     ap.add_argument("--vclock", action="store_true",
                     help="with --scale: also kvxfer simulate the same slice and config, and "
                          "give the wall/vclock TTFT and TPOT ratios")
+    ap.add_argument("--engines", nargs="+", default=["real", "sim"], choices=("real", "sim"),
+                    help="which engines to run per configuration (real alone: runs to fit a "
+                         "profile from, with --step-log)")
+    ap.add_argument("--step-log", default=None, metavar="DIR",
+                    help="workers log their steps to DIR/LABEL/NAME.jsonl (kvxfer profile "
+                         "--from-steps fits them)")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("--out", default="benchmarks/results/sim_validate.json")
     args = ap.parse_args()
@@ -184,7 +192,7 @@ def main() -> int:
     out_dir = os.path.splitext(args.out)[0]
     os.makedirs(out_dir, exist_ok=True)
     loadgen = ["--trace", args.trace, *args.loadgen.split()]
-    sim = ["--engine", "sim", "--profile", args.profile]
+    sim = ["--engine", "sim", "--profile", args.profile[0]]
     runs = []
     if args.scale:
         p, d = args.scale.split(",")
@@ -200,24 +208,38 @@ def main() -> int:
               f"of a core, max one {max(workers):.1f} s); stats {run['stats']}; load "
               f"{run['load_start']:.2f}->{run['load_end']:.2f}; schedule {run['schedule']}")
         if args.vclock:
-            run["vclock"] = vclock(args.trace, args.profile, f"{p}P{d}D", args.loadgen.split(),
+            run["vclock"] = vclock(args.trace, args.profile[0], f"{p}P{d}D", args.loadgen.split(),
                                    args.serve.split(), out_dir)
             run["wall_over_vclock"] = _ratios(s, run["vclock"]["summary"])
             print(f"wall / vclock: {run['wall_over_vclock']}")
     else:
         for name in args.configs:
-            for engine in ("real", "sim"):
-                extra = sim if engine == "sim" else []
-                runs.append(run_one([*CONFIGS[name], *args.serve.split(), *extra], loadgen,
-                                    args.port, f"{engine}-{name}", out_dir))
-            real, simr = runs[-2]["summary"], runs[-1]["summary"]
-            row = [f"{name}"]
-            for metric in ("ttft_ms", "tpot_ms"):
-                for q in ("median", "p90"):
-                    r, s_ = real[metric][q], simr[metric][q]
-                    row.append(f"{metric[:4]} {q}: real {r:.0f} sim {s_:.0f} ({s_ / r:.2f}x)")
-            print("; ".join(row) + f"; load real {runs[-2]['load_start']:.2f} sim "
-                  f"{runs[-1]['load_start']:.2f}", flush=True)
+            engines = [("real", "real", [])] if "real" in args.engines else []
+            if "sim" in args.engines:
+                engines += [(f"sim-{os.path.splitext(os.path.basename(p))[0]}"
+                             if len(args.profile) > 1 else "sim", "sim",
+                             ["--engine", "sim", "--profile", p]) for p in args.profile]
+            real = None
+            for label, engine, extra in engines:
+                if args.step_log:
+                    extra = [*extra, "--step-log", os.path.join(args.step_log, f"{label}-{name}")]
+                run = run_one([*CONFIGS[name], *args.serve.split(), *extra], loadgen, args.port,
+                              f"{label}-{name}", out_dir)
+                runs.append(run)
+                s = run["summary"]
+                row = [f"{label}-{name}: TTFT p50 {s['ttft_ms']['median']:.0f} p90 "
+                       f"{s['ttft_ms']['p90']:.0f}; TPOT p50 {s['tpot_ms']['median']:.0f} p90 "
+                       f"{s['tpot_ms']['p90']:.0f}; load {run['load_start']:.2f}"]
+                if engine == "real":
+                    real = s
+                else:
+                    run["sim_over_real"] = None if real is None else {
+                        f"{m}_{q}": s[m][q] / real[m][q] for m in ("ttft_ms", "tpot_ms")
+                        for q in ("median", "p90")}
+                    if real is not None:
+                        row.append("sim/real " + ", ".join(
+                            f"{k} {v:.2f}x" for k, v in run["sim_over_real"].items()))
+                print("; ".join(row), flush=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)
     return 0

@@ -160,11 +160,13 @@ def test_sim_step_imports_no_model_code():
 
 
 @pytest.fixture(scope="module")
-def sim_server():
+def sim_server(tmp_path_factory):
     from serving_server import Server
 
+    log_dir = str(tmp_path_factory.mktemp("steps"))
     server = Server("--prefill", "1", "--decode", "1", "--engine", "sim",
-                    "--profile", "h100-llama2-7b-vidur")
+                    "--profile", "h100-llama2-7b-vidur", "--step-log", log_dir)
+    server.step_log_dir = log_dir
     yield server
     server.stop()
 
@@ -195,6 +197,22 @@ def test_sim_server_answers_max_tokens_and_verifies_every_transfer(sim_server):
     assert stat("kv_mismatched") == 0
     health = sim_server.health()
     assert all(w["matmul"] == "sim:h100-llama2-7b-vidur" for w in health["workers"])
+
+
+def test_sim_server_workers_log_their_steps(sim_server):
+    from kvxfer.serving.engine.step_log import read_step_log
+
+    sim_server.complete("a prompt of some words " * 8, max_tokens=4, ignore_eos=True)
+    prof = load_profile("h100-llama2-7b-vidur")
+    for name in ("prefill-0", "decode-0"):
+        header, points = read_step_log(os.path.join(sim_server.step_log_dir, f"{name}.jsonl"))
+        assert header["name"] == name and header["engine"] == "sim"
+        assert header["kv_bytes_per_token"] == prof.kv_bytes_per_token
+        assert points and all(p["seconds"] >= prof.fit.step_seconds(p["chunks"]) * (1 - 1e-6)
+                              for p in points)
+        kinds = {p["kind"] for p in points}
+        # a fully cached prompt leaves one token to prefill: a one-token chunk counts as decode
+        assert "prefill" in kinds if name == "prefill-0" else kinds == {"decode"}
 
 
 def test_sim_server_takes_prompts_past_the_embedded_models_context():

@@ -4,6 +4,9 @@
     kvxfer profile --list               # shipped profiles, one name a line
     kvxfer profile --show NAME|FILE     # a profile's fit and residuals
     kvxfer profile --refit FILE [--hold TERM]   # fit FILE's measured points again, in place
+    kvxfer profile --from-steps LOG [LOG ...] --out FILE.json
+                                        # fit steps real workers logged while serving
+                                        # (kvxfer serve --step-log DIR)
 
 The profile feeds the simulated engine: ``kvxfer serve --engine sim --profile NAME|FILE``.
 """
@@ -21,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", metavar="FILE.json", help="measure this machine and write the profile")
     p.add_argument("--refit", metavar="FILE.json",
                    help="fit the file's measured points again with this version's cost model")
+    p.add_argument("--from-steps", nargs="+", default=None, metavar="LOG",
+                   help="with --out: fit the step logs of real workers (kvxfer serve --step-log "
+                        "DIR writes DIR/NAME.jsonl) instead of timing the grid")
     p.add_argument("--hold", nargs="*", default=[], metavar="TERM",
                    help="--refit: keep these terms at 0 (data that cannot tell them)")
     p.add_argument("--name", default=None, help="the profile's name (default: the file's stem)")
@@ -62,7 +68,75 @@ def run(args: argparse.Namespace) -> int:
         return _refit(args.refit, args.hold)
     if not args.out:
         raise SystemExit("kvxfer profile: give --out FILE.json, --list, --show NAME or --refit FILE")
+    if args.from_steps:
+        return _from_steps(args)
     return _measure(args)
+
+
+def _link(args: argparse.Namespace):
+    from kvxfer.sim.link import Link
+
+    if not args.link:
+        return Link(*SAME_HOST_LINK)
+    try:
+        bw, lat = (float(v) for v in args.link.split(","))
+    except ValueError:
+        raise SystemExit(f"kvxfer profile: --link: expected BYTES_PER_S,LATENCY_S, "
+                         f"got {args.link!r}") from None
+    return Link(bw, lat, "given with --link")
+
+
+def _from_steps(args: argparse.Namespace) -> int:
+    """Fit the steps real workers logged while serving; the logs must agree on the model,
+    its KV bytes and block size, and come from the real engine."""
+    import os
+    import sys
+
+    from kvxfer.serving.engine.step_log import read_step_log
+    from kvxfer.sim.cost_model import StepCostModel
+    from kvxfer.sim.measure import cpu_name
+    from kvxfer.sim.profile import Profile, residuals
+
+    points, headers = [], []
+    for path in args.from_steps:
+        try:
+            header, got = read_step_log(path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvxfer profile: {exc}") from None
+        if header.get("engine") != "real":
+            raise SystemExit(f"kvxfer profile: {path}: not a real engine's step log "
+                             f"(engine {header.get('engine')!r})")
+        headers.append(header)
+        points += got
+    same = {k: {h.get(k) for h in headers} for k in ("model", "block_size", "kv_bytes_per_token",
+                                                      "matmul")}
+    mixed = [k for k, v in same.items() if len(v) != 1]
+    if mixed:
+        raise SystemExit(f"kvxfer profile: the logs differ in {', '.join(mixed)}: "
+                         f"{ {k: sorted(map(str, same[k])) for k in mixed} }")
+    head = headers[0]
+    loads = [h.get("load_average", float("nan")) for h in headers]
+    threads = sorted({h.get("threads") for h in headers}, key=str)
+    name = args.name or os.path.splitext(os.path.basename(args.out))[0]
+    try:
+        fit = StepCostModel.fit([(p["chunks"], p["seconds"]) for p in points])
+        prof = Profile(
+            name=name, hardware=f"{cpu_name()}; {'/'.join(map(str, threads))} torch thread(s) a "
+                                f"worker; {len(headers)} serving workers; load average "
+                                f"{min(loads):.2f}-{max(loads):.2f} at their start",
+            model=head.get("model", ""), dtype=f"fp32 KV, {head.get('matmul')} matmul",
+            block_size=head.get("block_size"), kv_bytes_per_token=head.get("kv_bytes_per_token"),
+            fit=fit, link=_link(args), points=tuple(points), residuals=residuals(fit, points),
+            source="step logs of real workers serving on this machine (kvxfer serve --step-log), "
+                   "fitted by kvxfer profile --from-steps",
+            licence="", command="kvxfer profile " + " ".join(sys.argv[2:]))
+    except ValueError as exc:
+        raise SystemExit(f"kvxfer profile: {exc}") from None
+    prof.save(args.out)
+    res = prof.residuals["all"]
+    print(f"wrote {args.out}: {len(points)} steps from {len(headers)} logs, fit {fit.as_dict()}; "
+          f"relative error median {100 * res['median_abs']:.1f}%, max {100 * res['max_abs']:.1f}%")
+    return 0
 
 
 def _refit(path: str, hold: list[str]) -> int:
@@ -96,20 +170,11 @@ def _measure(args: argparse.Namespace) -> int:
     from kvxfer.serving.engine.runtime import Runtime
     from kvxfer.serving.workers.main import pin_threads, runtime_model_name
     from kvxfer.sim.cost_model import StepCostModel
-    from kvxfer.sim.link import Link
     from kvxfer.sim.measure import blocks_needed, cpu_name, measure
     from kvxfer.sim.profile import Profile, residuals
 
     pin_threads(args.cpus, args.threads)
-    if args.link:
-        try:
-            bw, lat = (float(v) for v in args.link.split(","))
-        except ValueError:
-            raise SystemExit(f"kvxfer profile: --link: expected BYTES_PER_S,LATENCY_S, "
-                             f"got {args.link!r}") from None
-        link = Link(bw, lat, "given with --link")
-    else:
-        link = Link(*SAME_HOST_LINK)
+    link = _link(args)
     block_size = EngineConfig.block_size
     runtime = Runtime.load(EngineConfig(model_path=args.model, num_blocks=blocks_needed(block_size),
                                         num_threads=args.threads, matmul_dtype=args.matmul_dtype))

@@ -136,6 +136,9 @@ def add_engine_args(p) -> None:
     p.add_argument("--sim-kv-scale", type=float, default=None, metavar="S",
                    help="--engine sim: pool blocks hold the real model's block bytes / S "
                         "(default 256)")
+    p.add_argument("--step-log", default=None, metavar="DIR",
+                   help="each worker appends every step it runs (chunks, forward+sampling "
+                        "seconds) to DIR/NAME.jsonl: what kvxfer profile --from-steps fits")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -170,7 +173,8 @@ def config_from_args(args: argparse.Namespace):
         keep_alive_timeout_s=args.keep_alive_timeout, limit_concurrency=args.limit_concurrency,
         adaptive=_adaptive_policy(args) if args.adaptive else None,
         adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None,
-        engine=args.engine, profile=args.profile, sim_kv_scale=args.sim_kv_scale)
+        engine=args.engine, profile=args.profile, sim_kv_scale=args.sim_kv_scale,
+        step_log_dir=args.step_log)
 
 
 def _pair(text: str, flag: str) -> tuple[float, float]:

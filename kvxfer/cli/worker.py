@@ -70,7 +70,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--discovery", args.discovery), ("--agent-listen", args.agent_listen),
                         ("--secret-file", args.secret_file), ("--model", args.model),
                         ("--cpus", args.cpus), ("--store", args.store), ("--profile", args.profile),
-                        ("--sim-kv-scale", args.sim_kv_scale and str(args.sim_kv_scale))):
+                        ("--sim-kv-scale", args.sim_kv_scale and str(args.sim_kv_scale)),
+                        ("--step-log", args.step_log)):
         if value:
             argv += [flag, value]
     return argv

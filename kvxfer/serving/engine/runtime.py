@@ -9,6 +9,7 @@ token; its owner keeps the request lifecycle: the worker loops
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from .block_manager import BlockManager
@@ -64,6 +65,9 @@ class Runtime:
         self.scheduler = Scheduler(config, self.blocks)
 
     nic = None  # the modelled NIC (kvxfer.sim.link.NicQueue) of a simulated engine; None: real
+    # kvxfer.serving.engine.step_log.StepLog (or anything with its record()): each step's
+    # chunks and the seconds of its forward pass and sampling; None: not recorded
+    step_log = None
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Runtime":
@@ -90,7 +94,10 @@ class Runtime:
         chunks, is_prefill = self.scheduler.schedule()
         if not chunks:
             return Step([], False, 0)
+        clock = time.perf_counter
+        began = clock()
         pick = self._forward(chunks)
+        model_s = clock() - began  # forward and sampling: what the simulated engine models
         produced, logprobs = [], []
         cache_full_blocks, num_tokens = self.blocks.cache_full_blocks, 0
         block_size = self.blocks.block_size
@@ -102,9 +109,13 @@ class Runtime:
                 cache_full_blocks(seq)
             if computed == len(seq.token_ids):  # the chunk completes the prefill
                 seq.status = SequenceStatus.DECODING
+                began = clock()
                 token, token_lp = pick(row, seq)
+                model_s += clock() - began
                 produced.append((seq, token))
                 logprobs.append(token_lp)
+        if self.step_log is not None:
+            self.step_log.record([(c.num_tokens, c.start) for c in chunks], model_s)
         return Step(produced, is_prefill, num_tokens, logprobs)
 
     def _forward(self, chunks: list[ScheduledChunk]):

@@ -109,6 +109,8 @@ class WorkerProcess(WorkerRef):
             if config.secret_file:
                 args += ["--store-secret-file", config.secret_file]
         args += sim_args(config)
+        if config.step_log_dir:
+            args += ["--step-log", config.step_log_dir]
         env = dict(os.environ)
         env.update(config.worker_env)
         env[AGENT_SECRET_ENV] = secret.hex()

@@ -84,6 +84,7 @@ class ServeConfig:
     engine: str = "real"  # "sim": every worker runs the simulated engine (kvxfer.sim)
     profile: str | None = None  # --engine sim: the cost profile, a shipped name or a file
     sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
+    step_log_dir: str | None = None  # --step-log: workers log their steps to DIR/NAME.jsonl
 
     def __post_init__(self) -> None:
         if self.store is not None and not self.discovery and not has_secret(self.secret_file):

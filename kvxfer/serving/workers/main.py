@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="NAME|FILE", help="--engine sim: cost profile")
     p.add_argument("--sim-kv-scale", type=float, default=None, metavar="S",
                    help="--engine sim: the pool's blocks hold the real block bytes / S (default 256)")
+    p.add_argument("--step-log", default=None, metavar="DIR",
+                   help="append every step (chunks, forward+sampling seconds) to DIR/NAME.jsonl")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                               schedule=args.schedule, matmul_dtype=args.matmul_dtype,
                               num_threads=args.threads)
         runtime = _runtime(config, args)
+        if args.step_log:
+            runtime.step_log = _step_log(args, runtime)
         released: queue.SimpleQueue = queue.SimpleQueue()
         if args.role != "colocated":
             agent_listen = args.agent_listen or (
@@ -189,6 +193,27 @@ def main(argv: list[str] | None = None) -> int:
         if agent is not None:
             agent.close()
         channel.close()
+        if runtime.step_log is not None:
+            runtime.step_log.close()
+
+
+def _step_log(args, runtime):
+    """``--step-log DIR``: this worker's :class:`~kvxfer.serving.engine.step_log.StepLog`,
+    ``DIR/NAME.jsonl`` (appended to: a restarted worker adds a header and goes on)."""
+    from ..engine.step_log import StepLog
+
+    if os.sep in args.name or args.name in (".", ".."):
+        raise ValueError(f"--step-log: the worker name {args.name!r} is not a file name")
+    os.makedirs(args.step_log, exist_ok=True)
+    profile = getattr(runtime, "profile", None)  # the simulated engine: the modelled model's bytes
+    kv_bytes = (profile.kv_bytes_per_token if profile is not None
+                else runtime.cache.bytes_per_block // runtime.block_size)
+    return StepLog(os.path.join(args.step_log, f"{args.name}.jsonl"),
+                   {"name": args.name, "role": args.role, "engine": args.engine,
+                    "profile": args.profile, "threads": args.threads,
+                    "matmul": runtime.matmul_dtype, "model": runtime_model_name(args.model),
+                    "block_size": runtime.block_size,
+                    "kv_bytes_per_token": kv_bytes})
 
 
 def _open_pool(args, secret: bytes, runtime):

@@ -5,9 +5,12 @@
 For each configuration (1P1D on one core each, 2 colocated on one core each,
 2P1D sharing both cores) it starts ``kvxfer serve`` with the real embedded
 engine, replays the trace slice with ``kvxfer loadgen``, stops it, then does
-the same with ``--engine sim --profile P`` and the same flags. It prints TTFT
-and TPOT p50/p90 of both and the sim/real ratio, with the load average beside
-each run. Run it at high priority; where the kernel groups processes by session
+the same with ``--engine sim --profile P`` and the same flags (2P1D's simulated
+workers share two modelled devices, as its real workers share two cores:
+``--sim-devices 2``). It prints TTFT and TPOT p50/p90 of both and the sim/real
+ratio, with the load average beside each run. ``--engines real --step-log DIR``
+runs only the real engine and keeps its workers' step logs, to fit a profile from
+(``kvxfer profile --from-steps``) on another slice than the one validated. Run it at high priority; where the kernel groups processes by session
 (``/proc/sys/kernel/sched_autogroup_enabled`` = 1), ``nice`` alone does not
 outrank other sessions' jobs: also ``echo -15 > /proc/self/autogroup`` in the
 shell that starts it (the servers stay in its session). ``--scale`` instead runs only the simulated engine with many workers
@@ -27,9 +30,15 @@ import sys
 import time
 import urllib.request
 
+from kvxfer.loadgen.metrics import SLO, summarize_run
+
 CONFIGS = {"1P1D": ["--prefill", "1", "--decode", "1", "--cpus", "0", "1", "--threads", "1"],
            "2colocated": ["--colocated", "2", "--cpus", "0", "1", "--threads", "1"],
            "2P1D": ["--prefill", "2", "--decode", "1", "--cpus", "0-1", "--threads", "1"]}
+# the simulated engine's flags per configuration: 2P1D's three workers share two cores, so
+# its simulated workers share two modelled devices (docs/simulate.md, "Shared devices")
+SIM_FLAGS = {"1P1D": [], "2colocated": [], "2P1D": ["--sim-devices", "2"]}
+VCLOCK_NAMES = {"1P1D": "1P1D", "2colocated": "colocated:2", "2P1D": "2P1D"}  # kvxfer simulate's
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300, num_workers: int = 0) -> None:
@@ -72,7 +81,7 @@ def _metrics(url: str) -> str:
 
 
 def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: str,
-            out_dir: str) -> dict:
+            out_dir: str, slo=None) -> dict:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kvxfer.cli", "serve", "--port", str(port),
            "--log-level", "warning", *serve_args]
@@ -101,7 +110,8 @@ def run_one(serve_args: list[str], loadgen_args: list[str], port: int, label: st
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     with open(path) as f:
-        summary = json.load(f)["summary"]
+        doc = json.load(f)
+    summary = doc["summary"] if slo is None else summarize_run(doc["requests"], slo)
     return {"label": label, "summary": summary, "schedule": schedule_lag(path), "wall_s": wall, "cpu_s": cpu,
             "load_start": load0, "load_end": os.getloadavg()[0], "stats": _stats(metrics)}
 
@@ -122,7 +132,7 @@ def schedule_lag(path: str) -> dict:
 _SLICE = {"--start", "--max-requests", "--time-scale", "--length-scale", "--output-scale",
           "--arrival-jitter-ms", "--seed"}
 _ENGINE = {"--num-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--routing",
-           "--routing-load-gap", "--routing-overlap-weight"}
+           "--routing-load-gap", "--routing-overlap-weight", "--sim-devices"}
 
 
 def _pick(args: list[str], names: set[str]) -> list[str]:
@@ -131,19 +141,17 @@ def _pick(args: list[str], names: set[str]) -> list[str]:
 
 
 def vclock(trace: str, profile: str, config: str, loadgen_args: list[str],
-           serve_args: list[str], out_dir: str) -> dict:
+           serve_args: list[str], out_dir: str, slo=None, label: str | None = None) -> dict:
     """``kvxfer simulate`` of the same slice, profile, config and engine flags: its
-    summary (``kvxfer loadgen``'s, from its records)."""
-    from kvxfer.loadgen.metrics import summarize_run
-
-    path = os.path.join(out_dir, f"vclock-{config}.json")
+    summary (``kvxfer loadgen``'s, from its records; goodput and attainment with ``slo``)."""
+    path = os.path.join(out_dir, f"{label}.json" if label else f"vclock-{config}.json")
     subprocess.run([sys.executable, "-m", "kvxfer.cli", "simulate", "--trace", trace,
                     "--profile", profile, "--config", config, "--json", path,
                     *_pick(loadgen_args, _SLICE), *_pick(serve_args, _ENGINE)],
                    check=True, stdout=subprocess.DEVNULL, timeout=3600)
     with open(path) as f:
         doc = json.load(f)["configs"][0]
-    return {"config": config, "summary": summarize_run(doc["records"]),
+    return {"config": config, "summary": summarize_run(doc["records"], slo),
             "virtual_s": doc.get("virtual_s")}
 
 
@@ -177,8 +185,11 @@ def main() -> int:
     ap.add_argument("--scale", default=None, metavar="P,D",
                     help="only the simulated engine, P prefill and D decode workers")
     ap.add_argument("--vclock", action="store_true",
-                    help="with --scale: also kvxfer simulate the same slice and config, and "
-                         "give the wall/vclock TTFT and TPOT ratios")
+                    help="also kvxfer simulate the same slice and config with each profile "
+                         "(--scale: and give the wall/vclock TTFT and TPOT ratios)")
+    ap.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS",
+                    help="score every run's goodput and SLO attainment, and name each "
+                         "engine's best configuration")
     ap.add_argument("--engines", nargs="+", default=["real", "sim"], choices=("real", "sim"),
                     help="which engines to run per configuration (real alone: runs to fit a "
                          "profile from, with --step-log)")
@@ -189,6 +200,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/sim_validate.json")
     args = ap.parse_args()
 
+    slo = SLO.parse(args.slo) if args.slo else None
     out_dir = os.path.splitext(args.out)[0]
     os.makedirs(out_dir, exist_ok=True)
     loadgen = ["--trace", args.trace, *args.loadgen.split()]
@@ -218,18 +230,22 @@ def main() -> int:
             if "sim" in args.engines:
                 engines += [(f"sim-{os.path.splitext(os.path.basename(p))[0]}"
                              if len(args.profile) > 1 else "sim", "sim",
-                             ["--engine", "sim", "--profile", p]) for p in args.profile]
+                             ["--engine", "sim", "--profile", p, *SIM_FLAGS[name]])
+                            for p in args.profile]
             real = None
             for label, engine, extra in engines:
                 if args.step_log:
                     extra = [*extra, "--step-log", os.path.join(args.step_log, f"{label}-{name}")]
                 run = run_one([*CONFIGS[name], *args.serve.split(), *extra], loadgen, args.port,
-                              f"{label}-{name}", out_dir)
+                              f"{label}-{name}", out_dir, slo)
+                run.update(config=name, engine=engine)
                 runs.append(run)
                 s = run["summary"]
                 row = [f"{label}-{name}: TTFT p50 {s['ttft_ms']['median']:.0f} p90 "
                        f"{s['ttft_ms']['p90']:.0f}; TPOT p50 {s['tpot_ms']['median']:.0f} p90 "
                        f"{s['tpot_ms']['p90']:.0f}; load {run['load_start']:.2f}"]
+                if slo is not None:
+                    row.append(f"goodput {s['goodput']:.3f} req/s, SLO met {100 * s['slo_attainment']:.0f}%")
                 if engine == "real":
                     real = s
                 else:
@@ -240,6 +256,29 @@ def main() -> int:
                         row.append("sim/real " + ", ".join(
                             f"{k} {v:.2f}x" for k, v in run["sim_over_real"].items()))
                 print("; ".join(row), flush=True)
+            if args.vclock and "sim" in args.engines:
+                for prof in args.profile:
+                    label = f"vclock-{os.path.splitext(os.path.basename(prof))[0]}"
+                    vc = vclock(args.trace, prof, VCLOCK_NAMES[name], args.loadgen.split(),
+                                [*args.serve.split(), *SIM_FLAGS[name]], out_dir, slo,
+                                f"{label}-{name}")
+                    vc.update(label=f"{label}-{name}", config=name, engine="vclock")
+                    runs.append(vc)
+                    s = vc["summary"]
+                    print(f"{label}-{name}: TTFT p50 {s['ttft_ms']['median']:.0f} p90 "
+                          f"{s['ttft_ms']['p90']:.0f}; TPOT p50 {s['tpot_ms']['median']:.0f} p90 "
+                          f"{s['tpot_ms']['p90']:.0f}" + ("" if slo is None else
+                          f"; goodput {s['goodput']:.3f} req/s, SLO met "
+                          f"{100 * s['slo_attainment']:.0f}%"), flush=True)
+        if slo is not None:
+            best = {}
+            for run in runs:
+                key = run["label"].rsplit("-", 1)[0] if run.get("engine") != "real" else "real"
+                g = run["summary"]["goodput"]
+                if key not in best or g > best[key][1]:
+                    best[key] = (run["config"], g)
+            print("best by goodput: " + "; ".join(f"{k} {c} ({g:.3f} req/s)"
+                                                  for k, (c, g) in best.items()))
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)
     return 0

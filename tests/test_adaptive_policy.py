@@ -202,7 +202,7 @@ def test_virtual_clock_observes_the_admit_queue_apart_from_the_prefill_queue(mon
     monkeypatch.setattr(vclock, "decide", spy)
     profile = Profile(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
                       kv_bytes_per_token=1024,
-                      fit=StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-4, 0.0)),
+                      fit=StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-4, 0.0, 0.0)),
                       link=Link(1e9, 1e-5), source="s", licence="MIT")
     # 2,048-token prompts (128 blocks) with long answers: a 300-block decode pool holds two
     arrivals = [(0.05 * i, list(range(i, i + 2048)), 200) for i in range(12)]

@@ -22,40 +22,45 @@ def _model(*coefs):
 
 def test_features_reduce_to_distserve_forms():
     # prefill without prefix: a + b*sum(len) + c*sum(len^2)
-    assert features([(100, 0), (20, 0)]) == (1.0, 120.0, 100 * 100 + 20 * 20, 0.0, 0.0, 0.0)
+    assert features([(100, 0), (20, 0)]) == (1.0, 120.0, 100 * 100 + 20 * 20, 0.0, 0.0, 0.0, 0.0)
     # decode: a + d*batch + e*sum(ctx); a one-token chunk at start s has context s + 1
-    assert features([(1, 9), (1, 99)]) == (0.0, 0.0, 0.0, 1.0, 2.0, 110.0)
-    # mixed, with a cached prefix of 32 tokens under a 16-token chunk
-    assert features([(1, 9), (16, 32)]) == (1.0, 16.0, 16 * 48, 0.0, 1.0, 10.0)
+    assert features([(1, 9), (1, 99)]) == (0.0, 0.0, 0.0, 1.0, 2.0, 110.0, 0.0)
+    # mixed, with a cached prefix of 32 tokens under a 16-token chunk: a_mixed's 1 last
+    assert features([(1, 9), (16, 32)]) == (1.0, 16.0, 16 * 48, 0.0, 1.0, 10.0, 1.0)
     with pytest.raises(ValueError):
         features([(0, 0)])
 
 
 def test_fit_recovers_known_coefficients():
-    truth = _model(0.01, 2e-4, 3e-8, 0.02, 5e-4, 4e-6)
+    truth = _model(0.01, 2e-4, 3e-8, 0.02, 5e-4, 4e-6, 0.007)
     steps = [[(n, p)] for n in (16, 64, 256, 512) for p in (0, 128, 1024)]
     steps += [[(1, c - 1)] * b for b in (1, 4, 16) for c in (32, 512, 2048)]
-    steps += [[(1, 255)] * 8 + [(n, 0)] for n in (32, 128)]
+    steps += [[(1, 255)] * b + [(n, 0)] for n in (32, 128) for b in (2, 8)]
     fit = StepCostModel.fit([(s, truth.step_seconds(s)) for s in steps])
     assert fit.coefficients == pytest.approx(truth.coefficients, rel=1e-6)
     held = StepCostModel.fit([(s, truth.step_seconds(s)) for s in steps],
                              terms=[t for t in TERMS if t != "e_decode_context"])
     assert held.as_dict()["e_decode_context"] == 0.0
+    # a fit without a_mixed (profiles fitted before it) reads it as 0; the others are required
+    old = {k: v for k, v in truth.as_dict().items() if k != "a_mixed"}
+    assert StepCostModel.from_dict(old).as_dict() == {**old, "a_mixed": 0.0}
+    with pytest.raises(ValueError, match="a_decode"):
+        StepCostModel.from_dict({k: v for k, v in old.items() if k != "a_decode"})
 
 
 def test_fit_keeps_coefficients_non_negative():
     # time falls with prompt tokens: the tokens term must be dropped, not go negative
-    steps = [([(n, 0)], 1.0 - n * 1e-4) for n in (16, 64, 256, 512, 1024, 2048)]
+    steps = [([(n, 0)], 1.0 - n * 1e-4) for n in (16, 64, 256, 512, 1024, 2048, 4096)]
     fit = StepCostModel.fit(steps)
     assert all(v >= 0 for v in fit.coefficients)
     with pytest.raises(ValueError):
         StepCostModel.fit(steps[:3])
     with pytest.raises(ValueError):
-        _model(0.1, -1, 0, 0, 0, 0)
+        _model(0.1, -1, 0, 0, 0, 0, 0)
 
 
 def _profile(**kw) -> Profile:
-    fit = _model(0.01, 1e-4, 0, 0.005, 1e-3, 1e-6)
+    fit = _model(0.01, 1e-4, 0, 0.005, 1e-3, 1e-6, 0)
     points = [{"kind": "prefill", "chunks": [[64, 0]], "seconds": 0.02},
               {"kind": "decode", "chunks": [[1, 10]] * 2, "seconds": 0.013}]
     args = dict(name="t", hardware="test box", model="m", dtype="fp32", block_size=16,
@@ -231,3 +236,64 @@ def test_sim_server_takes_prompts_past_the_embedded_models_context():
         assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_shared_devices_slow_steps_by_the_busy_share(tmp_path):
+    from kvxfer.sim.devices import QUANTUM_S, SharedDevices, create_device_file
+
+    path = create_device_file(4)
+    try:
+        me, other1, other2 = (SharedDevices(path, i, 2) for i in range(3))
+        now = [0.0]
+
+        def sleep(dt):  # a fake clock: the other workers end their steps at t = 0.3
+            now[0] += dt
+            if now[0] >= 0.3 - 1e-12:
+                other1._mm[other1.slot] = other2._mm[other2.slot] = 0
+
+        other1._mm[1] = other2._mm[2] = 1
+        assert me.busy() == 2
+        # 3 busy on 2 devices: 2/3 speed until 0.3 (0.2 of work done), then alone: 0.2 more
+        me.run(0.4, 0.0, clock=lambda: now[0], sleep=sleep)
+        assert now[0] == pytest.approx(0.5, abs=2 * QUANTUM_S)
+        assert me.busy() == 0 and me.shared_s == pytest.approx(0.1, abs=2 * QUANTUM_S)
+        # alone on the devices: exactly the modelled time
+        now[0] = 1.0
+        me.run(0.25, 1.0, clock=lambda: now[0], sleep=sleep)
+        assert now[0] == pytest.approx(1.25, abs=1e-9)
+        with pytest.raises(ValueError):
+            SharedDevices(path, 4, 2)
+        with pytest.raises(ValueError):
+            SharedDevices(path, 0, 0)
+        other1._mm[1] = 1
+        SharedDevices(path, 1, 2)  # a restarted worker clears its own slot
+        assert me.busy() == 0
+        for d in (me, other1, other2):
+            d.close()
+    finally:
+        os.unlink(path)
+
+
+def test_sim_server_workers_share_the_devices_file_it_makes():
+    import glob
+
+    from serving_server import Server
+
+    server = Server("--prefill", "2", "--decode", "1", "--engine", "sim",
+                    "--profile", "h100-llama2-7b-vidur", "--sim-devices", "2")
+    try:
+        body = server.complete("the quick brown fox " * 8, max_tokens=3, ignore_eos=True)
+        assert body["usage"]["completion_tokens"] == 3
+        shares = set()
+        for w in server.health()["workers"]:
+            with open(f"/proc/{w['pid']}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            assert argv[argv.index("--sim-devices") + 1] == "2"
+            shares.add(argv[argv.index("--sim-share") + 1])
+        paths = {s.rpartition(":")[0] for s in shares}
+        assert len(shares) == 3 and len(paths) == 1  # one file, a slot each
+        (path,) = paths
+        assert os.path.exists(path) and os.path.getsize(path) == 3
+    finally:
+        server.stop()
+    assert not os.path.exists(path) and not glob.glob(f"/dev/shm/kvxfer-sim-devices-{server.proc.pid}-*")

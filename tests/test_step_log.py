@@ -82,10 +82,10 @@ def _profile_cli(*args):
 
 
 def test_profile_from_steps_fits_the_logged_steps(tmp_path):
-    truth = StepCostModel((0.01, 2e-4, 3e-8, 0.02, 5e-4, 4e-6))
+    truth = StepCostModel((0.01, 2e-4, 3e-8, 0.02, 5e-4, 4e-6, 0.007))
     prefill = [[[n, p]] for n in (16, 64, 256, 512) for p in (0, 128, 1024)]
     decode = [[[1, c - 1]] * b for b in (1, 4, 16) for c in (32, 512, 2048)]
-    mixed = [[[1, 255]] * 8 + [[n, 0]] for n in (32, 128)]
+    mixed = [[[1, 255]] * b + [[n, 0]] for n in (32, 128) for b in (2, 8)]
     _write_log(tmp_path / "prefill-0.jsonl", {**HEADER, "name": "prefill-0"}, prefill, truth)
     _write_log(tmp_path / "decode-0.jsonl", {**HEADER, "name": "decode-0"}, decode + mixed, truth)
     out = tmp_path / "p.json"

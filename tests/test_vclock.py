@@ -19,7 +19,7 @@ from kvxfer.sim.link import Link
 from kvxfer.sim.profile import Profile
 from kvxfer.sim.vclock import prompt_hashes, simulate
 
-FIT = StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-3, 1e-6))  # a, b, c (prefill); a, d, e (decode)
+FIT = StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-3, 1e-6, 0.0))  # a, b, c (prefill); a, d, e (decode); a_mixed
 LINK = Link(1e9, 1e-5, "test")
 
 
@@ -206,6 +206,29 @@ def test_transfers_sharing_a_nic_queue_behind_each_other():
     res = simulate(parse_config("1P1D"), slow, [(0.0, p, 2) for p in prompts])
     times = sorted(r["kv_transfer_ms"] for r in res.records)
     assert times[0] == pytest.approx(65.536) and times[1] > times[0] + 40  # waited on the egress
+
+
+def test_workers_sharing_devices_step_at_their_share():
+    # three colocated workers, one 64-token prompt each at t=0: one prefill step apiece
+    prompts = [list(range(10_000 * k, 10_000 * k + 64)) for k in (1, 2, 3)]
+    arrivals = [(0.0, p, 1) for p in prompts]
+    prefill_s = 0.01 + 1e-4 * 64
+    for devices, stretch in ((None, 1.0), (3, 1.0), (2, 1.5), (1, 3.0)):
+        config = parse_config("colocated:3", **({} if devices is None else dict(
+            engine="sim", profile="t", sim_devices=devices)))
+        res = simulate(config, _profile(), arrivals)
+        assert [r["ttft_s"] for r in res.records] == pytest.approx([prefill_s * stretch] * 3)
+    # one device, the second prompt arriving halfway through the first's prefill on the
+    # other worker: the first runs half alone, then both at half speed until it ends at
+    # 1.5x; the second, half done by then, ends alone at 2x
+    config = parse_config("colocated:2", engine="sim", profile="t", sim_devices=1)
+    res = simulate(config, _profile(), [(0.0, prompts[0], 1), (prefill_s / 2, prompts[1], 1)])
+    first, second = sorted(res.records, key=lambda r: r["sent_s"])
+    assert first["ttft_s"] == pytest.approx(1.5 * prefill_s)
+    assert second["ttft_s"] == pytest.approx(1.5 * prefill_s)
+    assert second["sent_s"] + second["ttft_s"] == pytest.approx(2 * prefill_s)
+    with pytest.raises(ConfigError):
+        parse_config("1P1D", engine="sim", profile="t", sim_devices=0)
 
 
 def test_a_request_longer_than_a_pool_is_refused_not_stuck():

@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
     add_config_options(p, "local_prefill_tokens", "local_prefill_queue", "prefill_nice")
     p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
     add_engine_args(p)
+    p.add_argument("--sim-devices", type=int, default=None, metavar="K",
+                   help="--engine sim: the workers share K modelled devices (a step runs at "
+                        "min(1, K/busy workers) speed), as workers sharing K cores do; default: "
+                        "a device each")
     p.add_argument("--retries", type=int, default=0, metavar="N",
                    help="place a request again (up to N times) on another worker of the same "
                         "role when its worker dies or fails before any token was streamed")
@@ -174,7 +178,7 @@ def config_from_args(args: argparse.Namespace):
         adaptive=_adaptive_policy(args) if args.adaptive else None,
         adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None,
         engine=args.engine, profile=args.profile, sim_kv_scale=args.sim_kv_scale,
-        step_log_dir=args.step_log)
+        step_log_dir=args.step_log, sim_devices=args.sim_devices)
 
 
 def _pair(text: str, flag: str) -> tuple[float, float]:

@@ -41,6 +41,9 @@ def add_common(p) -> None:
     p.add_argument("--store", default=None, metavar="NODESxBLOCKS",
                    help="a KV pool the prefill workers use, as kvxfer serve --store: NODES store "
                         "nodes of BLOCKS one-block slots each (e.g. 2x125000; default: none)")
+    p.add_argument("--sim-devices", type=int, default=None, metavar="K",
+                   help="the workers share K devices (a step runs at min(1, K/busy workers) "
+                        "speed), as kvxfer serve --sim-devices; default: a device each")
     p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks,
                    help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -112,6 +115,8 @@ def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bo
 
     engine = dict(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens)
+    if getattr(args, "sim_devices", None) is not None:
+        engine.update(engine="sim", profile=profile.name, sim_devices=args.sim_devices)
     slo_ms = (slo.ttft_ms, slo.tpot_ms) if slo else None
     config = parse_config(name, slo_ms=slo_ms, **engine)
     twin_config = parse_config(f"adaptive:{name}", slo_ms=slo_ms, **engine) if twin else None
@@ -219,5 +224,6 @@ def run(args) -> int:
     if args.json:
         write_json(args.json, best, rows, {"profile": profile.name, "routing": args.routing,
                                            "store": args.store, "slo": args.slo,
+                                           "sim_devices": args.sim_devices,
                                            "num_requests": len(requests)})
     return 0

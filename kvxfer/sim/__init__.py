@@ -4,7 +4,8 @@
 model, fit, residuals, raw points; shipped ones by name) -> ``measure`` (how
 ``kvxfer profile`` times the embedded engine) -> ``link`` (the P/D link: bytes
 over a modelled NIC, FIFO per NIC) -> ``pool`` (the scaled-down, verifiable KV
-pool a simulated worker registers) -> ``runtime`` (the engine core whose step
+pool a simulated worker registers) -> ``devices`` (modelled devices that workers
+share, processor sharing) -> ``runtime`` (the engine core whose step
 sleeps for the modelled time). Everything else a simulated worker runs is the
 real serving stack. See docs/simulate.md.
 """

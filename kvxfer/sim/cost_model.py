@@ -5,13 +5,18 @@ and one-token decode chunks (context ``c``: the tokens the new one attends to,
 itself included). Its time is modelled as::
 
     t = a_prefill + b * sum(n) + c * sum(n * (p + n)) + d * batch + e * sum(ctx)
+        [+ a_mixed when the step holds both]
 
 with ``a_decode`` in place of ``a_prefill`` when the step holds no prompt
 chunk. A prefill step without prefix is DistServe's ``a + b*sum(len) +
 c*sum(len^2)`` and a decode step DistServe's ``a + e*sum(ctx) + d*batch``; a
 mixed (chunked-prefill) step adds the decode chunks' terms to the prefill
-form. One-token chunks count as decode chunks, as the embedded model runs
-them on its batched decode path.
+form, and ``a_mixed``: what an engine pays once for running both kinds of
+rows in one step (the embedded model passes each projection's weights once
+for its prompt rows and once more for its one-token rows; an engine that
+fuses them fits it near 0). One-token chunks count as decode chunks, as the
+embedded model runs them on its batched decode path. A profile fitted before
+``a_mixed`` existed reads it as 0.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 TERMS = ("a_prefill", "b_prefill_tokens", "c_prefill_attention", "a_decode", "d_decode_batch",
-         "e_decode_context")
+         "e_decode_context", "a_mixed")
+OPTIONAL_TERMS = ("a_mixed",)  # 0 where a profile's fit lacks it (fitted before it existed)
 
 
 def features(chunks: Iterable[tuple[int, int]]) -> tuple[float, ...]:
@@ -37,7 +43,7 @@ def features(chunks: Iterable[tuple[int, int]]) -> tuple[float, ...]:
             attention += n * (start + n)
     has_prompt = 1.0 if tokens else 0.0
     return (has_prompt, float(tokens), float(attention), 1.0 - has_prompt, float(batch),
-            float(context))
+            float(context), 1.0 if tokens and batch else 0.0)
 
 
 @dataclass(frozen=True)
@@ -58,17 +64,18 @@ class StepCostModel:
     def step_seconds(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Modelled time of one step over ``(num_tokens, start_pos)`` chunks."""
         k, x = self.coefficients, features(chunks)  # the sum term by term, in TERMS order
-        return k[0] * x[0] + k[1] * x[1] + k[2] * x[2] + k[3] * x[3] + k[4] * x[4] + k[5] * x[5]
+        return (k[0] * x[0] + k[1] * x[1] + k[2] * x[2] + k[3] * x[3] + k[4] * x[4] + k[5] * x[5]
+                + k[6] * x[6])
 
     def as_dict(self) -> dict:
         return dict(zip(TERMS, self.coefficients))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "StepCostModel":
-        missing = [t for t in TERMS if t not in raw]
+        missing = [t for t in TERMS if t not in raw and t not in OPTIONAL_TERMS]
         if missing:
             raise ValueError(f"cost model lacks {', '.join(missing)}")
-        return cls(tuple(raw[t] for t in TERMS))
+        return cls(tuple(raw.get(t, 0.0) for t in TERMS))
 
     @classmethod
     def fit(cls, steps: Sequence[tuple[Sequence[tuple[int, int]], float]],

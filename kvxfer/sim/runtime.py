@@ -7,7 +7,8 @@ fills the prompt blocks of its scaled-down pool (:class:`~kvxfer.sim.pool.SimPoo
 and emits deterministic tokens. Everything around the step (scheduling,
 prefix caching, preemption, the worker loops, kvxfer transfers) is the real
 code. Its :attr:`nic` models the worker's link for transfer timing
-(:mod:`kvxfer.sim.link`).
+(:mod:`kvxfer.sim.link`); its :attr:`devices`, where given, the devices it
+shares with the server's other simulated workers (:mod:`kvxfer.sim.devices`).
 
 Tokens: the next token is a function of the previous token and the position
 only, in ``[TOKEN_BASE, TOKEN_BASE + TOKEN_RANGE)`` (ordinary ids of any
@@ -24,6 +25,7 @@ from ..serving.engine.config import EngineConfig
 from ..serving.engine.runtime import Runtime
 from ..serving.engine.scheduler import ScheduledChunk, Scheduler
 from ..serving.engine.sequence import Sequence
+from .devices import SharedDevices
 from .link import NicQueue
 from .pool import DEFAULT_KV_SCALE, SimPool
 from .profile import Profile
@@ -41,7 +43,7 @@ def next_token(previous: int, position: int, stop_ids=()) -> int:
 
 class SimRuntime(Runtime):
     def __init__(self, config: EngineConfig, profile: Profile,
-                 kv_scale: float = DEFAULT_KV_SCALE) -> None:
+                 kv_scale: float = DEFAULT_KV_SCALE, devices: SharedDevices | None = None) -> None:
         if config.block_size != profile.block_size:
             raise ValueError(f"the profile {profile.name!r} was fitted with block size "
                              f"{profile.block_size}, the engine uses {config.block_size}")
@@ -51,6 +53,7 @@ class SimRuntime(Runtime):
         super().__init__(None, config, cache=self.pool.cache)
         self.matmul_dtype = f"sim:{profile.name}"
         self.nic = NicQueue(profile.link)
+        self.devices = devices  # None: a device of its own
         self.modelled_s = 0.0  # total modelled forward time
         self.overrun_s = 0.0  # time steps ran past their modelled end (host too slow)
 
@@ -68,11 +71,14 @@ class SimRuntime(Runtime):
                 self.pool.fill(seq.token_ids[:seq.num_prompt_tokens], seq.block_table,
                                c.start // self.block_size, (end - 1) // self.block_size)
         self.modelled_s += seconds
-        left = began + seconds - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        if self.devices is not None:
+            self.devices.run(seconds, began)
         else:
-            self.overrun_s -= left
+            left = began + seconds - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            else:
+                self.overrun_s -= left
 
         def pick(row: int, seq: Sequence) -> tuple[int, None]:
             return next_token(seq.token_ids[-1], seq.num_tokens, seq.params.stop_token_ids), None

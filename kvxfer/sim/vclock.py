@@ -8,6 +8,10 @@ scores. What runs is the serving code itself, each worker with its own:
 - :class:`~kvxfer.serving.engine.runtime.Runtime` step (the real :class:`Scheduler` and
   :class:`BlockManager`, prefix cache, chunked prefill, preemption), its forward pass
   replaced by the profile's modelled step time (:class:`VirtualRuntime`);
+- a device of its own, or with ``config.sim_devices`` K (``kvxfer serve --sim-devices``)
+  a share of K devices common to all workers: while B workers are in a step, each
+  step advances at ``min(1, K/B)`` of its modelled speed (:mod:`kvxfer.sim.devices`;
+  every step's end is recomputed when a step starts or ends);
 - :class:`~kvxfer.sim.link.NicQueue` for the P->D transfer (egress on the prefill worker
   frees its blocks at the modelled end; ingress on the decode worker, booked when the
   send is posted, decides when decoding starts: as ``--engine sim`` does);
@@ -116,6 +120,14 @@ class SimWorker(WorkerRef):
         self.seqs: dict[str, Sequence] = {}  # what this worker holds, by request id
         self.busy_s = 0.0
         self.step_end_s = 0.0  # when its current (or last) step ends
+        # shared devices (config.sim_devices): the current step's modelled seconds still to
+        # run, its share of the devices since ``rate_since``, its tokens, and the token of
+        # the end event that stands (earlier ones were rescheduled)
+        self.work_left = 0.0
+        self.rate = 0.0
+        self.rate_since = 0.0
+        self.produced: list = []
+        self.step_token = 0
         self.pool: PrefillPool | None = None  # with a KV pool: its PrefillPool
 
 
@@ -169,6 +181,8 @@ class VirtualCluster:
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               schedule=config.schedule)
         self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+        self.num_devices = config.sim_devices  # None: a device per worker
+        self._on_device: list[SimWorker] = []  # shared devices: the workers in a step
         # the cache events feed the router's prefix index; a policy that does not pick by
         # it (least-loaded) needs them only to count its hits (``routed_hits``)
         self.publishes_events = self.routing.chooses_by_prefix or routed_hits
@@ -426,8 +440,45 @@ class VirtualCluster:
         self.num_steps += 1
         # a pool get the worker waits for delays the step (it ran before it, in its loop)
         start = self.now if worker.pool is None else max(self.now, worker.pool.store.ready_at)
-        worker.step_end_s = start + runtime.last_step_s
-        self.at(worker.step_end_s, self._step_done, worker, step.produced)
+        if self.num_devices is None:
+            worker.step_end_s = start + runtime.last_step_s
+            self.at(worker.step_end_s, self._step_done, worker, step.produced)
+            return
+        worker.work_left, worker.produced = runtime.last_step_s, step.produced
+        worker.step_end_s = start + runtime.last_step_s  # until it shares the devices
+        if start > self.now:
+            self.at(start, self._join_devices, worker)
+        else:
+            self._join_devices(worker)
+
+    # ---- shared devices (config.sim_devices) ----------------------------------------
+    def _join_devices(self, worker: SimWorker) -> None:
+        worker.rate, worker.rate_since = 0.0, self.now
+        self._on_device.append(worker)
+        self._reshare()
+
+    def _reshare(self) -> None:
+        """Every step on the devices: its work done at its old share, its end at the new."""
+        on = self._on_device
+        if not on:
+            return
+        rate = min(1.0, self.num_devices / len(on))
+        for w in on:
+            if w.rate == rate:  # its share and so its end stand
+                continue
+            w.work_left = max(0.0, w.work_left - (self.now - w.rate_since) * w.rate)
+            w.rate, w.rate_since = rate, self.now
+            w.step_end_s = self.now + w.work_left / rate
+            w.step_token += 1
+            self.at(w.step_end_s, self._device_step_done, w, w.step_token)
+
+    def _device_step_done(self, worker: SimWorker, token: int) -> None:
+        if token != worker.step_token:  # rescheduled since
+            return
+        self._on_device.remove(worker)
+        self._reshare()
+        produced, worker.produced = worker.produced, []
+        self._step_done(worker, produced)
 
     def _step_done(self, worker: SimWorker, produced) -> None:
         worker.is_stepping = False

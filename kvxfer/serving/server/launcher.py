@@ -64,6 +64,7 @@ class WorkerProcess(WorkerRef):
         self.restarts = 0  # successful restarts after a death
         self.quick_deaths = 0  # consecutive deaths/failed starts within STABLE_AFTER_S
         self.is_restarting = False
+        self.sim_share: str | None = None  # --sim-devices: "PATH:SLOT" of the shared busy file
 
     def __repr__(self) -> str:
         state = "alive" if self.is_alive else f"dead(exit={self.exit_code})"
@@ -109,6 +110,8 @@ class WorkerProcess(WorkerRef):
             if config.secret_file:
                 args += ["--store-secret-file", config.secret_file]
         args += sim_args(config)
+        if self.sim_share is not None:
+            args += ["--sim-devices", str(config.sim_devices), "--sim-share", self.sim_share]
         if config.step_log_dir:
             args += ["--step-log", config.step_log_dir]
         env = dict(os.environ)
@@ -165,6 +168,13 @@ class Cluster:
         self._secret = secrets.token_bytes(32)  # per server; agents authenticate with it
         self._is_stopping = False
         self.routing = config.routing_policy()  # its prefix index follows the workers' kv_events
+        self.sim_device_file = None  # --sim-devices: the busy file the simulated workers share
+        if config.sim_devices and self.workers:
+            from ...sim.devices import create_device_file
+
+            self.sim_device_file = create_device_file(len(self.workers))
+            for slot, w in enumerate(self.workers):
+                w.sim_share = f"{self.sim_device_file}:{slot}"
 
     def role(self, role: str) -> list[WorkerProcess]:
         return [w for w in self.workers if w.role == role]
@@ -286,6 +296,11 @@ class Cluster:
                 w.channel.close()
             w.is_alive = False
             w.exit_code = w.poll()
+        if self.sim_device_file is not None:
+            try:
+                os.unlink(self.sim_device_file)
+            except FileNotFoundError:
+                pass
 
     def health(self) -> dict:
         workers = [w.health() for w in self.workers]

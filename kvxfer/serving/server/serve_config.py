@@ -85,6 +85,7 @@ class ServeConfig:
     profile: str | None = None  # --engine sim: the cost profile, a shipped name or a file
     sim_kv_scale: float | None = None  # --engine sim: real block bytes / simulated pool block bytes
     step_log_dir: str | None = None  # --step-log: workers log their steps to DIR/NAME.jsonl
+    sim_devices: int | None = None  # --engine sim: the workers share this many modelled devices
 
     def __post_init__(self) -> None:
         if self.store is not None and not self.discovery and not has_secret(self.secret_file):
@@ -139,6 +140,11 @@ class ServeConfig:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if (self.engine == "sim") != (self.profile is not None):
             raise ValueError("--engine sim needs --profile (and --profile needs --engine sim)")
+        if self.sim_devices is not None:
+            if type(self.sim_devices) is not int or self.sim_devices < 1:
+                raise ValueError(f"sim_devices must be an int >= 1, got {self.sim_devices!r}")
+            if self.engine != "sim":
+                raise ValueError("--sim-devices shares modelled devices: it needs --engine sim")
         if self.adaptive is not None:
             if self.discovery or self.num_colocated:
                 raise ValueError("--adaptive moves local prefill/decode workers: not with "

@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="NAME|FILE", help="--engine sim: cost profile")
     p.add_argument("--sim-kv-scale", type=float, default=None, metavar="S",
                    help="--engine sim: the pool's blocks hold the real block bytes / S (default 256)")
+    p.add_argument("--sim-devices", type=int, default=None, metavar="K",
+                   help="--engine sim: share K modelled devices with the workers of --sim-share")
+    p.add_argument("--sim-share", default=None, metavar="PATH:SLOT",
+                   help="--sim-devices: the busy file the server made, and this worker's slot")
     p.add_argument("--step-log", default=None, metavar="DIR",
                    help="append every step (chunks, forward+sampling seconds) to DIR/NAME.jsonl")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
@@ -83,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--listen workers are prefill or decode")
     if (args.engine == "sim") != (args.profile is not None):
         p.error("--engine sim needs --profile NAME|FILE (and --profile needs --engine sim)")
+    if (args.sim_devices is None) != (args.sim_share is None) or (
+            args.sim_devices is not None and args.engine != "sim"):
+        p.error("--sim-devices and --sim-share go together, with --engine sim")
     return args
 
 
@@ -235,8 +242,14 @@ def _runtime(config: EngineConfig, args):
         from ...sim.profile import load_profile
         from ...sim.runtime import SimRuntime
 
+        devices = None
+        if args.sim_devices is not None:
+            from ...sim.devices import SharedDevices
+
+            path, _, slot = args.sim_share.rpartition(":")
+            devices = SharedDevices(path, int(slot), args.sim_devices)
         runtime = SimRuntime(config, load_profile(args.profile),
-                             args.sim_kv_scale or DEFAULT_KV_SCALE)
+                             args.sim_kv_scale or DEFAULT_KV_SCALE, devices)
         logging.info("simulated engine: profile %s (%s, %s); KV pool %d B/block = real %d B / "
                      "%.1f", runtime.profile.name, runtime.profile.model,
                      runtime.profile.hardware, runtime.cache.bytes_per_block,

@@ -8,13 +8,16 @@ engine, replays the trace slice with ``kvxfer loadgen``, stops it, then does
 the same with ``--engine sim --profile P`` and the same flags (2P1D's simulated
 workers share two modelled devices, as its real workers share two cores:
 ``--sim-devices 2``). It prints TTFT and TPOT p50/p90 of both and the sim/real
-ratio, with the load average beside each run. ``--engines real --step-log DIR``
-runs only the real engine and keeps its workers' step logs, to fit a profile from
-(``kvxfer profile --from-steps``) on another slice than the one validated. Run it at high priority; where the kernel groups processes by session
+ratio, with the load average beside each run; with ``--slo`` each run's goodput
+and each engine's best configuration, with ``--vclock`` also ``kvxfer simulate``
+of each configuration and profile. ``--engines real --step-log DIR`` runs only the
+real engine and keeps its workers' step logs, to fit a profile from (``kvxfer
+profile --from-steps``) on another slice than the one validated. Run it at high
+priority; where the kernel groups processes by session
 (``/proc/sys/kernel/sched_autogroup_enabled`` = 1), ``nice`` alone does not
 outrank other sessions' jobs: also ``echo -15 > /proc/self/autogroup`` in the
-shell that starts it (the servers stay in its session). ``--scale`` instead runs only the simulated engine with many workers
-(e.g. ``--scale 16,16``) and reports the router's and workers' CPU use and how far
+shell that starts it (the servers stay in its session). ``--scale`` instead runs
+only the simulated engine with many workers (e.g. ``--scale 16,16``) and reports the router's and workers' CPU use and how far
 the load generator fell behind its schedule; with ``--vclock`` it also runs ``kvxfer
 simulate`` on the same slice, profile, configuration and engine flags and gives the
 wall/virtual-clock TTFT and TPOT ratios.

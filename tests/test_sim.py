@@ -211,7 +211,7 @@ def test_sim_server_workers_log_their_steps(sim_server):
     prof = load_profile("h100-llama2-7b-vidur")
     for name in ("prefill-0", "decode-0"):
         header, points = read_step_log(os.path.join(sim_server.step_log_dir, f"{name}.jsonl"))
-        assert header["name"] == name and header["engine"] == "sim"
+        assert header["name"] == name and header["engine"] == "sim" and header["hardware"]
         assert header["kv_bytes_per_token"] == prof.kv_bytes_per_token
         assert points and all(p["seconds"] >= prof.fit.step_seconds(p["chunks"]) * (1 - 1e-6)
                               for p in points)

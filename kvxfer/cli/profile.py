@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                        description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="print the shipped profiles' names")
     p.add_argument("--show", metavar="NAME|FILE", help="print a profile's fit and residuals")
-    p.add_argument("--out", metavar="FILE.json", help="measure this machine and write the profile")
+    p.add_argument("--out", metavar="FILE.json",
+                   help="write the profile: this machine timed on the grid, or --from-steps")
     p.add_argument("--refit", metavar="FILE.json",
                    help="fit the file's measured points again with this version's cost model")
     p.add_argument("--from-steps", nargs="+", default=None, metavar="LOG",
@@ -94,7 +95,6 @@ def _from_steps(args: argparse.Namespace) -> int:
 
     from kvxfer.serving.engine.step_log import read_step_log
     from kvxfer.sim.cost_model import StepCostModel
-    from kvxfer.sim.measure import cpu_name
     from kvxfer.sim.profile import Profile, residuals
 
     points, headers = [], []
@@ -110,25 +110,26 @@ def _from_steps(args: argparse.Namespace) -> int:
         points += got
     same = {k: {h.get(k) for h in headers} for k in ("model", "block_size", "kv_bytes_per_token",
                                                       "matmul")}
-    mixed = [k for k, v in same.items() if len(v) != 1]
-    if mixed:
-        raise SystemExit(f"kvxfer profile: the logs differ in {', '.join(mixed)}: "
-                         f"{ {k: sorted(map(str, same[k])) for k in mixed} }")
+    differ = {k: sorted(map(str, v)) for k, v in same.items() if len(v) != 1}
+    if differ:
+        raise SystemExit(f"kvxfer profile: the logs differ in {', '.join(differ)}: {differ}")
     head = headers[0]
     loads = [h.get("load_average", float("nan")) for h in headers]
     threads = sorted({h.get("threads") for h in headers}, key=str)
+    machines = sorted({str(h.get("hardware", "unknown CPU")) for h in headers})
     name = args.name or os.path.splitext(os.path.basename(args.out))[0]
     try:
         fit = StepCostModel.fit([(p["chunks"], p["seconds"]) for p in points])
+        hardware = (f"{' / '.join(machines)}; {'/'.join(map(str, threads))} torch thread(s) a "
+                    f"worker; {len(headers)} serving workers; load average "
+                    f"{min(loads):.2f}-{max(loads):.2f} at their start")
         prof = Profile(
-            name=name, hardware=f"{cpu_name()}; {'/'.join(map(str, threads))} torch thread(s) a "
-                                f"worker; {len(headers)} serving workers; load average "
-                                f"{min(loads):.2f}-{max(loads):.2f} at their start",
+            name=name, hardware=hardware,
             model=head.get("model", ""), dtype=f"fp32 KV, {head.get('matmul')} matmul",
             block_size=head.get("block_size"), kv_bytes_per_token=head.get("kv_bytes_per_token"),
             fit=fit, link=_link(args), points=tuple(points), residuals=residuals(fit, points),
-            source="step logs of real workers serving on this machine (kvxfer serve --step-log), "
-                   "fitted by kvxfer profile --from-steps",
+            source="step logs of real workers while serving (kvxfer serve --step-log), fitted "
+                   "by kvxfer profile --from-steps",
             licence="", command="kvxfer profile " + " ".join(sys.argv[2:]))
     except ValueError as exc:
         raise SystemExit(f"kvxfer profile: {exc}") from None

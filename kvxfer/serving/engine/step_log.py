@@ -9,8 +9,9 @@ that ran the model::
 ``seconds`` covers what the simulated engine stands in for: the forward pass
 and the sampling of the step's tokens (not the scheduler, which both engines
 run). ``t`` is seconds since the log opened. The first line is a header
-``{"header": {...}}`` naming the worker, its engine, CPUs, threads and the
-load average at start.
+``{"header": {...}}`` naming the worker, its engine, the machine's CPU, the
+CPUs it may run on, its threads, the model's KV bytes per token and the load
+average at start.
 
 ``kvxfer profile --from-steps FILE ...`` fits a cost profile to such logs:
 step times measured inside serving runs, with the contention of the other

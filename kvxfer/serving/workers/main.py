@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 def _step_log(args, runtime):
     """``--step-log DIR``: this worker's :class:`~kvxfer.serving.engine.step_log.StepLog`,
     ``DIR/NAME.jsonl`` (appended to: a restarted worker adds a header and goes on)."""
+    from ...sim.measure import cpu_name
     from ..engine.step_log import StepLog
 
     if os.sep in args.name or args.name in (".", ".."):
@@ -217,6 +218,7 @@ def _step_log(args, runtime):
                 else runtime.cache.bytes_per_block // runtime.block_size)
     return StepLog(os.path.join(args.step_log, f"{args.name}.jsonl"),
                    {"name": args.name, "role": args.role, "engine": args.engine,
+                    "hardware": cpu_name(),
                     "profile": args.profile, "threads": args.threads,
                     "matmul": runtime.matmul_dtype, "model": runtime_model_name(args.model),
                     "block_size": runtime.block_size,

@@ -155,6 +155,8 @@ def wall_run(name: str, args, engine: list[str], loadgen: list[str], out_dir: st
            "--log-level", "warning", "--engine", "sim", "--profile", args.profile,
            "--routing", args.routing, *flags, *engine]
     label = "wall-" + name.replace(":", "-")
+    if args.step_log:
+        cmd += ["--step-log", os.path.join(args.step_log, label)]
     path = os.path.join(out_dir, f"{label}.json")
     # own process group (killpg) in the caller's session (its autogroup priority applies)
     proc = subprocess.Popen(cmd, process_group=0, stdin=subprocess.DEVNULL)
@@ -351,6 +353,8 @@ def main() -> int:
     ap.add_argument("--sample-period", type=float, default=0.5, metavar="S",
                     help="sample each worker's queue and free blocks every S s (0: off)")
     ap.add_argument("--vclock-only", action="store_true", help="no wall-clock runs")
+    ap.add_argument("--step-log", default=None, metavar="DIR",
+                    help="the wall-clock workers log their steps to DIR/LABEL/NAME.jsonl")
     ap.add_argument("--out", default="benchmarks/results/vclock_validate.json")
     ap.add_argument("--dilate", type=float, default=1.0, metavar="K",
                     help="run a profile K times slower, the arrivals and SLOs K times "

@@ -13,7 +13,7 @@ from kvxfer.serving.engine.sequence import Sequence
 from kvxfer.serving.engine.step_log import StepLog, read_step_log, step_kind
 from kvxfer.sim.cost_model import StepCostModel
 from kvxfer.sim.profile import load_profile
-from kvxfer.sim.runtime import SimRuntime
+from kvxfer.sim.runtime import HOST_OVERLAP_S, SimRuntime
 
 
 def test_runtime_logs_every_step_it_runs(tmp_path):
@@ -40,8 +40,13 @@ def test_runtime_logs_every_step_it_runs(tmp_path):
     assert [p["chunks"] for p in points[:3]] == [[[40, 0], [24, 0]], [[1, 40], [63, 24]],
                                                 [[1, 41], [13, 87]]]
     assert {p["kind"] for p in points} >= {"prefill", "decode"}
-    for p in points:  # the simulated forward sleeps its modelled time: the log sees at least that
-        assert p["seconds"] >= prof.fit.step_seconds(p["chunks"]) * (1 - 1e-6)
+    # the simulated forward sleeps to its modelled end, counted from the previous step's
+    # end where the host's time between them was under HOST_OVERLAP_S (absorbed)
+    for p in points:
+        assert p["seconds"] >= prof.fit.step_seconds(p["chunks"]) * (1 - 1e-6) - HOST_OVERLAP_S
+    assert 0 <= runtime.absorbed_s <= HOST_OVERLAP_S * len(points)
+    assert sum(p["seconds"] for p in points) >= (
+        sum(prof.fit.step_seconds(p["chunks"]) for p in points) - runtime.absorbed_s) * (1 - 1e-6)
     assert log.num_steps == len(points)
 
 

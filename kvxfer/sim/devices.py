@@ -68,10 +68,11 @@ class SharedDevices:
         """How many workers are in a step now (this one included if it is)."""
         return len(self._mm) - self._mm[:].count(0)
 
-    def run(self, seconds: float, began: float, clock=time.perf_counter, sleep=time.sleep) -> None:
+    def run(self, seconds: float, began: float, clock=time.perf_counter, sleep=time.sleep) -> float:
         """Hold the device for a step of ``seconds`` modelled time that began at
-        ``began`` (on ``clock``): returns once the step's share of the devices since
-        ``began`` adds up to ``seconds``."""
+        ``began`` (on ``clock``): returns, once the step's share of the devices since
+        ``began`` adds up to ``seconds``, the time on ``clock`` it did: its modelled end,
+        without the last sleep's overshoot."""
         self._mm[self.slot] = 1
         try:
             done, t = 0.0, began
@@ -84,9 +85,11 @@ class SharedDevices:
                 if left <= 0:
                     break
                 sleep(min(left, QUANTUM_S))
-            self.shared_s += max(0.0, t - began - seconds)
+            end = t + left  # left <= 0: the work ran out that long before t
+            self.shared_s += max(0.0, end - began - seconds)
         finally:
             self._mm[self.slot] = 0
+        return end
 
     def close(self) -> None:
         if not self._mm.closed:

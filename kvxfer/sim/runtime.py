@@ -31,6 +31,11 @@ from .pool import DEFAULT_KV_SCALE, SimPool
 from .profile import Profile
 
 TOKEN_BASE, TOKEN_RANGE = 256, 16000
+# Host time between two steps that the device absorbs: a step that starts within this of
+# the previous one's modelled end starts at that end, as a device that runs steps back to
+# back while the host prepares the next (an engine overlapping its scheduling with the
+# device). Longer gaps are idle time, not absorbed.
+HOST_OVERLAP_S = 0.002
 
 
 def next_token(previous: int, position: int, stop_ids=()) -> int:
@@ -56,13 +61,18 @@ class SimRuntime(Runtime):
         self.devices = devices  # None: a device of its own
         self.modelled_s = 0.0  # total modelled forward time
         self.overrun_s = 0.0  # time steps ran past their modelled end (host too slow)
+        self.absorbed_s = 0.0  # host time between steps absorbed (HOST_OVERLAP_S)
+        self._step_end = float("-inf")  # the previous step's modelled end (perf_counter)
 
     def transfer_bytes(self, num_blocks: int) -> int:
         """The real model's bytes for ``num_blocks`` blocks: what the modelled link carries."""
         return num_blocks * self.profile.block_bytes
 
     def _forward(self, chunks: list[ScheduledChunk]):
-        began = time.perf_counter()
+        began = start = time.perf_counter()
+        if 0.0 <= began - self._step_end <= HOST_OVERLAP_S:  # back to back
+            start = self._step_end
+            self.absorbed_s += began - start
         seconds = self.profile.fit.step_seconds((c.num_tokens, c.start) for c in chunks)
         for c in chunks:
             seq = c.seq
@@ -72,9 +82,10 @@ class SimRuntime(Runtime):
                                c.start // self.block_size, (end - 1) // self.block_size)
         self.modelled_s += seconds
         if self.devices is not None:
-            self.devices.run(seconds, began)
+            self._step_end = self.devices.run(seconds, start)
         else:
-            left = began + seconds - time.perf_counter()
+            self._step_end = start + seconds
+            left = self._step_end - time.perf_counter()
             if left > 0:
                 time.sleep(left)
             else:

@@ -1,8 +1,10 @@
 """A record of every step an engine ran while serving: its chunks and its time.
 
-A worker started with ``--step-log PATH`` (``kvxfer serve --step-log DIR``)
-appends one JSON line per :meth:`kvxfer.serving.engine.runtime.Runtime.step`
-that ran the model::
+A worker started with ``--step-log DIR`` (``kvxfer serve`` or ``kvxfer worker``)
+appends to ``DIR/NAME.jsonl`` one JSON line per
+:meth:`kvxfer.serving.engine.runtime.Runtime.step` that ran the model (about
+60 bytes plus 10 a chunk; the file grows with every step: a profiling run's
+tool, not a production setting)::
 
     {"chunks": [[num_tokens, start_pos], ...], "seconds": 0.0123, "t": 1.5}
 

@@ -158,6 +158,15 @@ def vclock(trace: str, profile: str, config: str, loadgen_args: list[str],
             "virtual_s": doc.get("virtual_s")}
 
 
+def _line(label: str, s: dict, slo) -> str:
+    """One run's TTFT/TPOT p50/p90 (and goodput with ``slo``) for the printed table."""
+    line = (f"{label}: TTFT p50 {s['ttft_ms']['median']:.0f} p90 {s['ttft_ms']['p90']:.0f}; "
+            f"TPOT p50 {s['tpot_ms']['median']:.0f} p90 {s['tpot_ms']['p90']:.0f}")
+    if slo is not None:
+        line += f"; goodput {s['goodput']:.3f} req/s, SLO met {100 * s['slo_attainment']:.0f}%"
+    return line
+
+
 def _ratios(wall: dict, vc: dict) -> dict:
     return {f"{m}_{q}": wall[m][q] / vc[m][q] for m in ("ttft_ms", "tpot_ms")
             for q in ("median", "p90")}
@@ -244,11 +253,7 @@ def main() -> int:
                 run.update(config=name, engine=engine)
                 runs.append(run)
                 s = run["summary"]
-                row = [f"{label}-{name}: TTFT p50 {s['ttft_ms']['median']:.0f} p90 "
-                       f"{s['ttft_ms']['p90']:.0f}; TPOT p50 {s['tpot_ms']['median']:.0f} p90 "
-                       f"{s['tpot_ms']['p90']:.0f}; load {run['load_start']:.2f}"]
-                if slo is not None:
-                    row.append(f"goodput {s['goodput']:.3f} req/s, SLO met {100 * s['slo_attainment']:.0f}%")
+                row = [f"{_line(f'{label}-{name}', s, slo)}; load {run['load_start']:.2f}"]
                 if engine == "real":
                     real = s
                 else:
@@ -267,12 +272,7 @@ def main() -> int:
                                 f"{label}-{name}")
                     vc.update(label=f"{label}-{name}", config=name, engine="vclock")
                     runs.append(vc)
-                    s = vc["summary"]
-                    print(f"{label}-{name}: TTFT p50 {s['ttft_ms']['median']:.0f} p90 "
-                          f"{s['ttft_ms']['p90']:.0f}; TPOT p50 {s['tpot_ms']['median']:.0f} p90 "
-                          f"{s['tpot_ms']['p90']:.0f}" + ("" if slo is None else
-                          f"; goodput {s['goodput']:.3f} req/s, SLO met "
-                          f"{100 * s['slo_attainment']:.0f}%"), flush=True)
+                    print(_line(f"{label}-{name}", vc["summary"], slo), flush=True)
         if slo is not None:
             best = {}
             for run in runs:

@@ -257,7 +257,7 @@ def test_shared_devices_slow_steps_by_the_busy_share(tmp_path):
         # 3 busy on 2 devices: 2/3 speed until 0.3 (0.2 of work done), then alone: 0.2 more
         end = me.run(0.4, 0.0, clock=lambda: now[0], sleep=sleep)
         assert now[0] == pytest.approx(0.5, abs=2 * QUANTUM_S) and end == pytest.approx(0.5, abs=2 * QUANTUM_S)
-        assert me.busy() == 0 and me.shared_s == pytest.approx(0.1, abs=2 * QUANTUM_S)
+        assert me.busy() == 0
         # alone on the devices: exactly the modelled time
         now[0] = 1.0
         assert me.run(0.25, 1.0, clock=lambda: now[0], sleep=sleep) == pytest.approx(1.25, abs=1e-9)

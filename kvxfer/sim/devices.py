@@ -62,7 +62,6 @@ class SharedDevices:
             os.close(fd)
         self.path, self.slot, self.num_devices = path, slot, num_devices
         self._mm[slot] = 0  # a restarted worker's slot: not busy
-        self.shared_s = 0.0  # wall time its steps spent beyond their modelled time
 
     def busy(self) -> int:
         """How many workers are in a step now (this one included if it is)."""
@@ -86,7 +85,6 @@ class SharedDevices:
                     break
                 sleep(min(left, QUANTUM_S))
             end = t + left  # left <= 0: the work ran out that long before t
-            self.shared_s += max(0.0, end - began - seconds)
         finally:
             self._mm[self.slot] = 0
         return end

@@ -1,12 +1,15 @@
 """KV-aware routing against least-loaded at 16 simulated GPUs on the conversation trace.
 
     python benchmarks/vclock_routing.py --out benchmarks/results/vclock_routing.json
+    python benchmarks/vclock_routing.py --profile a100-llama3-8b-vidur --max-requests 1000 \
+        --blocks 28000 --time-scales 0.75,0.5,0.375,0.25 \
+        --out benchmarks/results/vclock_routing_llama3.json
 
 For each ``--blocks`` (KV blocks a GPU) and ``--time-scales`` (arrival rate) it replays
 the first ``--max-requests`` requests of the Mooncake conversation trace on
 ``colocated:16`` with ``--routing least-loaded`` and ``--routing kv`` (``kvxfer
-simulate``'s :func:`~kvxfer.cli.simulate.run_config`, profile ``h100-llama2-7b-vidur``,
-SLO 2.5 s / 0.15 s as ``benchmarks/vclock_scale.py``) and reports goodput and the local
+simulate``'s :func:`~kvxfer.cli.simulate.run_config`, ``--profile``, by default
+``h100-llama2-7b-vidur``, SLO 2.5 s / 0.15 s as ``benchmarks/vclock_scale.py``) and reports goodput and the local
 prefix-hit ratio two ways: the workers' block managers' (``prefix_hit_ratio``; a
 preempted request allocating again counts again) and the router's (``routed_hit_ratio``:
 the chosen worker's cached prefix once a request). Beside them, the ceilings of the
@@ -64,7 +67,10 @@ def main() -> int:
                     help="0.375: vclock_scale.py's rate at 16 GPUs; 0.25: 1.5x that")
     ap.add_argument("--blocks", default="6000,24000",
                     help="KV blocks a GPU: 6000 is Llama-2-7B's (8 MiB blocks) on an 80 GB "
-                         "H100; 24000 a model with 4x smaller KV (GQA, e.g. 8 KV heads of 32)")
+                         "H100; 24000 a model with 4x smaller KV (GQA, e.g. 8 KV heads of 32); "
+                         "28000 is Llama-3-8B's (2 MiB blocks) on an 80 GiB A100 (--profile "
+                         "a100-llama3-8b-vidur): 0.9 x 80 GiB - 15 GiB of weights - ~2 GiB "
+                         "of activations = 55 GiB")
     ap.add_argument("--profile", default="h100-llama2-7b-vidur")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -2,10 +2,13 @@
 
     python benchmarks/vidur_profile.py --vidur /work/.mirror/microsoft+vidur/repo \
         --gpu h100 --out kvxfer/sim/profiles/h100-llama2-7b-vidur.json
+    python benchmarks/vidur_profile.py --vidur /work/.mirror/microsoft+vidur/repo \
+        --gpu a100 --model llama3-8b --out kvxfer/sim/profiles/a100-llama3-8b-vidur.json
 
 Reads, from the Vidur repository (a git directory, at its HEAD):
 
-- ``data/profiling/compute/<gpu>/meta-llama/Llama-2-7b-hf/mlp.csv``: rows with
+- ``data/profiling/compute/<gpu>/meta-llama/<model>/mlp.csv`` (``Llama-2-7b-hf`` on
+  both GPUs; ``Meta-Llama-3-8B`` on the A100 only, the snapshot has no H100 file): rows with
   ``num_tensor_parallel_workers == 1``; per row, the step's non-attention time =
   32 layers x (the ``.median`` of ``input_layernorm``, ``attn_pre_proj``,
   ``attn_rope``, ``attn_post_proj``, ``post_attention_layernorm``,
@@ -36,8 +39,15 @@ from kvxfer.sim.profile import Profile, residuals
 
 OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
        "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
-NUM_LAYERS = 32  # Llama-2-7B
-KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * 32 * 128 * 2  # K and V, 32 kv heads x 128, fp16
+NUM_LAYERS = 32  # both models
+# --model: (Vidur's directory, the profile's name part, KV heads); head dim 128, fp16.
+MODELS = {"llama2-7b": ("Llama-2-7b-hf", "llama2-7b", 32),
+          "llama3-8b": ("Meta-Llama-3-8B", "llama3-8b", 8)}
+
+
+def kv_bytes_per_token(kv_heads: int) -> int:
+    """K and V of every layer for one token: 2 x layers x KV heads x 128 x 2 bytes (fp16)."""
+    return 2 * NUM_LAYERS * kv_heads * 128 * 2
 
 
 def _csv(repo: str, path: str) -> list[dict]:
@@ -55,10 +65,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vidur", required=True, help="the microsoft/vidur git directory")
     ap.add_argument("--gpu", default="h100", choices=("a100", "h100"))
+    ap.add_argument("--model", default="llama2-7b", choices=tuple(MODELS),
+                    help="llama2-7b: 32 KV heads (512 KiB a token); llama3-8b: 8 KV heads "
+                         "(GQA, 128 KiB a token)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    model_dir, model_name, kv_heads = MODELS[args.model]
 
-    mlp_path = f"data/profiling/compute/{args.gpu}/meta-llama/Llama-2-7b-hf/mlp.csv"
+    mlp_path = f"data/profiling/compute/{args.gpu}/meta-llama/{model_dir}/mlp.csv"
     net_path = f"data/profiling/network/{args.gpu}_dgx/send_recv.csv"
     points, seen = [], set()
     for row in _csv(args.vidur, mlp_path):
@@ -87,10 +101,10 @@ def main() -> int:
                 f"microsoft/vidur@{commit[:12]} {net_path}: {len(net)} rows with "
                 f"devices_per_node == 1 ({int(size.min())}-{int(size.max())} B), "
                 f"latency + size/bandwidth fitted to time_stats.send_recv.median")
-    name = f"{args.gpu}-llama2-7b-vidur"
+    name = f"{args.gpu}-{model_name}-vidur"
     prof = Profile(name=name, hardware=f"NVIDIA {args.gpu.upper()} (Vidur's profiling runs), "
-                                       f"tensor parallel 1", model="Llama-2-7b-hf", dtype="fp16",
-                   block_size=16, kv_bytes_per_token=KV_BYTES_PER_TOKEN, fit=fit, link=link,
+                                       f"tensor parallel 1", model=model_dir, dtype="fp16",
+                   block_size=16, kv_bytes_per_token=kv_bytes_per_token(kv_heads), fit=fit, link=link,
                    points=tuple(points), residuals=residuals(fit, points),
                    source=(f"microsoft/vidur@{commit} {mlp_path}: non-attention ops only "
                            f"(32 x median of {', '.join(OPS)}, + emb), tensor parallel 1; "
@@ -99,7 +113,9 @@ def main() -> int:
                            f"curvature only)"),
                    licence="MIT (Copyright (c) Microsoft Corporation), from microsoft/vidur",
                    command=f"python benchmarks/vidur_profile.py --vidur VIDUR_GIT_DIR "
-                           f"--gpu {args.gpu} --out {args.out}")
+                           f"--gpu {args.gpu}"
+                           + (f" --model {args.model}" if args.model != "llama2-7b" else "")
+                           + f" --out {args.out}")
     prof.save(args.out)
     print(f"wrote {args.out}: {len(points)} points; fit {fit.as_dict()}; link "
           f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {link.latency_s * 1e6:.1f} us; "

@@ -112,6 +112,10 @@ def test_shipped_profiles_load_and_name_their_source():
         assert prof.name == name and prof.points and prof.source
         if "vidur" in name:
             assert "MIT" in prof.licence and "microsoft/vidur@" in prof.source
+            # K and V, 32 layers, head dim 128, fp16: Llama-2-7B has 32 KV heads, Llama-3-8B 8
+            kv_heads = {"Llama-2-7b-hf": 32, "Meta-Llama-3-8B": 8}[prof.model]
+            assert prof.kv_bytes_per_token == 2 * 32 * kv_heads * 128 * 2
+            assert prof.model in prof.source
 
 
 def test_profile_list_prints_one_name_a_line():

@@ -25,8 +25,9 @@ replayed by both. Diagnostics besides the ratios: the virtual clock again with e
 request arriving when loadgen actually sent it (``vclock_at_sent``), the same runs scored
 under ``--also-slo``, and each worker's queue and free blocks sampled during the wall-clock
 replay (``--sample-period``). ``--dilate K`` runs the same cluster on a clock K times slower
-(profile and link K times slower, arrivals and SLOs K times stretched; the virtual clock's
-results scale exactly), so the wall-clock stack's own host time weighs K times less.
+(profile and link K times slower, arrivals, SLOs and the rebalancer's interval and dwell
+K times stretched; the virtual clock's results scale exactly), so the wall-clock stack's own
+host time weighs K times less.
 
 Same requests on both sides: loadgen sends text prompts, one common word per
 :class:`~kvxfer.loadgen.prompts.PromptBuilder` word, which the router tokenizes; the
@@ -57,15 +58,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvxfer.loadgen.metrics import SLO, summarize_run  # noqa: E402
 from kvxfer.loadgen.prompts import PromptBuilder  # noqa: E402
 from kvxfer.loadgen.trace import read_trace  # noqa: E402
+from kvxfer.serving.server.adaptive_policy import AdaptivePolicy  # noqa: E402
 from kvxfer.sim import configs as sim_configs  # noqa: E402
 from sim_validate import cpu_seconds, wait_healthy, worker_pids  # noqa: E402  (benchmarks/)
 
 DEFAULT_CONFIGS = ("colocated:8", "2P6D", "conditional:2P6D", "adaptive:2P6D")
+# the rebalancer's default interval and dwell, stretched by --dilate
+ADAPTIVE_INTERVAL_S = AdaptivePolicy().interval_s
+ADAPTIVE_DWELL_S = AdaptivePolicy().min_dwell_s
 _LIVE: list[subprocess.Popen] = []  # servers to kill on exit
 
 
-def serve_flags(name: str, slo: str) -> list[str]:
-    """``kvxfer serve`` flags of a virtual-clock configuration name."""
+def serve_flags(name: str, slo: str, dilate: float = 1.0) -> list[str]:
+    """``kvxfer serve`` flags of a virtual-clock configuration name (an adaptive one's
+    rebalancer interval and dwell ``dilate`` times the defaults)."""
     sim_configs.parse_config(name)  # ConfigError for a name outside the grammar
     kind, _, rest = name.strip().partition(":")
     kind = kind.lower()
@@ -78,6 +84,9 @@ def serve_flags(name: str, slo: str) -> list[str]:
                   "--local-prefill-queue", str(sim_configs.LOCAL_PREFILL_QUEUE)]
     elif kind == "adaptive":
         flags += ["--adaptive", "--adaptive-slo", slo]
+        if dilate != 1:
+            flags += ["--adaptive-interval", f"{ADAPTIVE_INTERVAL_S * dilate:g}",
+                      "--adaptive-dwell", f"{ADAPTIVE_DWELL_S * dilate:g}"]
     return flags
 
 
@@ -149,7 +158,7 @@ class _Sampler(threading.Thread):
 def wall_run(name: str, args, engine: list[str], loadgen: list[str], out_dir: str) -> dict:
     """``kvxfer serve --engine sim`` + ``kvxfer loadgen`` for configuration ``name``."""
     url = f"http://127.0.0.1:{args.port}"
-    flags = serve_flags(name, args.slo)
+    flags = serve_flags(name, args.slo, args.dilate)
     num_workers = sum(int(x) for x in flags[1:4:2]) if flags[0] != "--colocated" else int(flags[1])
     cmd = [sys.executable, "-m", "kvxfer.cli", "serve", "--port", str(args.port),
            "--log-level", "warning", "--engine", "sim", "--profile", args.profile,
@@ -268,7 +277,9 @@ def vclock_run(name: str, args, requests, slo: SLO) -> dict:
 
     ns = types.SimpleNamespace(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               routing=args.routing)
+                               routing=args.routing,
+                               adaptive_interval=ADAPTIVE_INTERVAL_S * args.dilate,
+                               adaptive_dwell=ADAPTIVE_DWELL_S * args.dilate)
     load0 = os.getloadavg()
     began = time.monotonic()
     row = run_config(name, ns, load_profile(args.profile), slo, requests)
@@ -357,9 +368,9 @@ def main() -> int:
                     help="the wall-clock workers log their steps to DIR/LABEL/NAME.jsonl")
     ap.add_argument("--out", default="benchmarks/results/vclock_validate.json")
     ap.add_argument("--dilate", type=float, default=1.0, metavar="K",
-                    help="run a profile K times slower, the arrivals and SLOs K times "
-                         "stretched (the same cluster, K times less host time per modelled "
-                         "second); not for adaptive configs (the rebalancer's periods stay)")
+                    help="run a profile K times slower, the arrivals, SLOs and rebalancer "
+                         "periods K times stretched (the same cluster, K times less host time "
+                         "per modelled second)")
     args = ap.parse_args()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
@@ -367,8 +378,6 @@ def main() -> int:
     out_dir = os.path.splitext(args.out)[0]
     os.makedirs(out_dir, exist_ok=True)
     if args.dilate != 1:
-        if any(c.lower().startswith("adaptive") for c in args.configs):
-            raise SystemExit("--dilate: the rebalancer's interval and dwell are not stretched")
         args.profile = dilated_profile(args.profile, args.dilate,
                                        os.path.join(out_dir, f"profile-x{args.dilate:g}.json"))
         args.time_scale *= args.dilate

@@ -13,6 +13,7 @@ import pytest
 from kvxfer.cli.plan import search, split_grid
 from kvxfer.loadgen.prompts import PromptBuilder
 from kvxfer.loadgen.trace import TraceRequest
+from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
 from kvxfer.sim.configs import ConfigError, configs_for, parse_config
 from kvxfer.sim.cost_model import StepCostModel
 from kvxfer.sim.link import Link
@@ -273,6 +274,15 @@ def test_adaptive_moves_a_worker_when_the_mix_shifts():
     assert static.counters.get("role_changes", 0) == 0
     p50 = sorted(r["ttft_s"] for r in res.records)[100]
     assert p50 < sorted(r["ttft_s"] for r in static.records)[100]
+    # the rebalancer's own policy: looking every 1,000 s it never looks within the run
+    slow = AdaptivePolicy(interval_s=1000.0)
+    late = simulate(parse_config("adaptive:1P3D", num_blocks=4096, adaptive=slow), _profile(),
+                    arrivals)
+    assert late.counters.get("role_changes", 0) == 0
+    assert parse_config("adaptive:1P3D", adaptive=slow).adaptive is slow
+    assert parse_config("adaptive:1P3D").adaptive == AdaptivePolicy()
+    with pytest.raises(TypeError):
+        parse_config("adaptive:1P3D", adaptive={"interval_s": 1000.0})
 
 
 def _moving_mix():
@@ -453,6 +463,9 @@ def test_simulate_cli_writes_the_json_schema(trace, tmp_path):
     missing = _kvxfer("simulate", "--trace", tmp_path / "nope.jsonl", "--profile", "cpu-smollm2",
                       "--config", "1P1D")
     assert missing.returncode != 0 and "cannot read trace" in missing.stderr
+    still = _kvxfer("simulate", "--trace", trace, "--profile", "cpu-smollm2", "--config",
+                    "adaptive:1P2D", "--adaptive-interval", "0")
+    assert still.returncode != 0 and "interval_s must be > 0" in still.stderr
 
 
 def test_plan_cli_prunes_and_agrees_with_the_exhaustive_sweep(trace, tmp_path):

@@ -41,6 +41,12 @@ def add_common(p) -> None:
     p.add_argument("--store", default=None, metavar="NODESxBLOCKS",
                    help="a KV pool the prefill workers use, as kvxfer serve --store: NODES store "
                         "nodes of BLOCKS one-block slots each (e.g. 2x125000; default: none)")
+    p.add_argument("--adaptive-interval", type=float, default=1.0, metavar="S",
+                   help="adaptive configs: seconds between the rebalancer's looks, as kvxfer "
+                        "serve --adaptive-interval")
+    p.add_argument("--adaptive-dwell", type=float, default=10.0, metavar="S",
+                   help="adaptive configs: no role change sooner than S after the previous "
+                        "one, as kvxfer serve --adaptive-dwell")
     p.add_argument("--sim-devices", type=int, default=None, metavar="K",
                    help="the workers share K devices (a step runs at min(1, K/busy workers) "
                         "speed), as kvxfer serve --sim-devices; default: a device each")
@@ -91,6 +97,15 @@ def routing_knobs(args) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
+def adaptive_policy(args):
+    """The rebalancer's policy of adaptive configurations: default thresholds, with
+    ``--adaptive-interval`` and ``--adaptive-dwell`` where given."""
+    from ..serving.server.adaptive_policy import AdaptivePolicy
+
+    return AdaptivePolicy(interval_s=getattr(args, "adaptive_interval", 1.0),
+                          min_dwell_s=getattr(args, "adaptive_dwell", 10.0))
+
+
 def store_spec(args):
     """The ``--store`` pool (:class:`kvxfer.sim.store.StoreSpec`), or None."""
     from ..sim.store import StoreSpec
@@ -118,8 +133,10 @@ def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bo
     if getattr(args, "sim_devices", None) is not None:
         engine.update(engine="sim", profile=profile.name, sim_devices=args.sim_devices)
     slo_ms = (slo.ttft_ms, slo.tpot_ms) if slo else None
-    config = parse_config(name, slo_ms=slo_ms, **engine)
-    twin_config = parse_config(f"adaptive:{name}", slo_ms=slo_ms, **engine) if twin else None
+    policy = adaptive_policy(args)
+    config = parse_config(name, slo_ms=slo_ms, adaptive=policy, **engine)
+    twin_config = (parse_config(f"adaptive:{name}", slo_ms=slo_ms, adaptive=policy, **engine)
+                   if twin else None)
     result = simulate(config, profile, requests, routing=args.routing, prompt_hashes=hashes,
                       twin=twin_config, routed_hits=routed_hits, store=store_spec(args),
                       **routing_knobs(args))
@@ -197,6 +214,7 @@ def load_inputs(args):
     try:
         slo = SLO.parse(args.slo) if args.slo else None
         store_spec(args)  # checked before the trace is read
+        adaptive_policy(args)
         profile = load_profile(args.profile)
         requests = arrivals(args)
     except (ProfileError, ValueError) as exc:

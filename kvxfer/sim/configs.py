@@ -32,12 +32,15 @@ class ConfigError(KVXferError, ValueError):
 
 
 def parse_config(name: str, *, slo_ms: tuple[float, float] | None = None,
-                 **engine: int) -> ServeConfig:
+                 adaptive: AdaptivePolicy | None = None, **engine: int) -> ServeConfig:
     """The :class:`ServeConfig` a configuration ``name`` stands for, with ``engine`` fields
-    (``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``) and the SLO an adaptive
-    configuration watches; :class:`ConfigError` for a name outside the grammar."""
+    (``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``), the SLO an adaptive
+    configuration watches and its rebalancer's policy (``adaptive``; default thresholds
+    when None); :class:`ConfigError` for a name outside the grammar."""
     if not isinstance(name, str):
         raise TypeError(f"a configuration name is a str, got {type(name).__name__}")
+    if adaptive is not None and not isinstance(adaptive, AdaptivePolicy):
+        raise TypeError(f"adaptive is an AdaptivePolicy, got {type(adaptive).__name__}")
     kind, _, rest = name.strip().partition(":")
     kind = kind.lower()
     try:
@@ -58,7 +61,8 @@ def parse_config(name: str, *, slo_ms: tuple[float, float] | None = None,
                                local_prefill_queue=LOCAL_PREFILL_QUEUE, **engine)
         if kind == "adaptive":
             return ServeConfig(num_prefill=num_prefill, num_decode=num_decode,
-                               adaptive=AdaptivePolicy(), adaptive_slo_ms=slo_ms, **engine)
+                               adaptive=adaptive or AdaptivePolicy(), adaptive_slo_ms=slo_ms,
+                               **engine)
         return ServeConfig(num_prefill=num_prefill, num_decode=num_decode, **engine)
     except ConfigError:
         raise

@@ -4,8 +4,8 @@
     nice -n -15 python benchmarks/vclock_validate.py --out benchmarks/results/vclock_validate.json
     nice -n -15 python benchmarks/vclock_validate.py --time-scale 0.2 --also-slo 1000,50 500,20 \
         --port 18610 --out benchmarks/results/vclock_validate_light.json
-    nice -n -15 python benchmarks/vclock_validate.py --dilate 4 --configs colocated:8 2P6D \
-        conditional:2P6D --port 18620 --out benchmarks/results/vclock_validate_x4.json
+    nice -n -15 python benchmarks/vclock_validate.py --dilate 8 --port 18640 \
+        --out benchmarks/results/vclock_validate_x8.json
 
 For each configuration (``colocated:8``, ``2P6D``, ``conditional:2P6D``, ``adaptive:2P6D``
 by default) it starts ``kvxfer serve --engine sim --profile P`` with the flags the

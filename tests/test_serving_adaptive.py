@@ -125,6 +125,12 @@ def test_shifting_mix_moves_workers_and_answers_equal_colocated(reference, tmp_p
         assert 'kvxfer_workers{role="decode"} 2' in metrics
         free = re.findall(r'kvxfer_worker_stat\{stat="free_blocks",worker="[\w-]+"\} (\d+)', metrics)
         assert free == ["256"] * 3  # every block of every pool back (serving_server: 256 each)
+        # each worker's gauges are its present role's: none left over from the role it had
+        roles = _roles(server)
+        for name, role in roles.items():
+            stats = set(re.findall(rf'kvxfer_worker_stat\{{stat="(\w+)",worker="{name}"\}}', metrics))
+            assert ("awaiting_kv" in stats) == (role == "decode"), (name, role, stats)
+            assert ("sending" in stats) == (role == "prefill"), (name, role, stats)
         assert server.health()["status"] == "ok"
     finally:
         server.stop()

@@ -9,7 +9,7 @@ import pytest
 
 from kvxfer.errors import ProtocolError
 from kvxfer.serving.channel import ipc
-from kvxfer.serving.server.prom import Registry
+from kvxfer.serving.server.prom import Registry, WorkerSeries
 from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
 from kvxfer.serving.engine.config import parse_cpu_group
 from kvxfer.serving.server.serve_config import ServeConfig
@@ -68,6 +68,36 @@ def test_prometheus_text():
     again = Registry()
     again.counter("bytes_total", "bytes", ("worker",)).inc(1, worker="b")
     assert 'bytes_total{worker="b"} 1' in again.render() and 'worker="a"' not in again.render()
+    g = again.gauge("stat", "a worker's stat", ("worker", "stat"))
+    g.set(2, worker="b", stat="awaiting_kv")
+    g.set(7, worker="b", stat="free_blocks")
+    g.remove(worker="b", stat="awaiting_kv")
+    g.remove(worker="b", stat="never_set")  # nothing there: nothing to do
+    assert 'stat{stat="free_blocks",worker="b"} 7' in again.render()
+    assert "awaiting_kv" not in again.render()
+    with pytest.raises(ValueError):
+        g.remove(worker="b")
+
+
+def test_worker_series_hold_what_the_present_workers_report():
+    reg = Registry()
+    series = WorkerSeries(reg)
+    series.seen("decode-0", True, 2)
+    series.report("decode-0", {"awaiting_kv": 2, "free_blocks": 100}, {"transport": "ucx:tcp"})
+    series.seen("w-gone", True, 0)
+    series.report("w-gone", {"sending": 1}, {"backend": "ucx"})
+    text = reg.render()
+    assert 'kvxfer_worker_stat{stat="awaiting_kv",worker="decode-0"} 2' in text
+    assert 'kvxfer_agent_info{key="transport",value="ucx:tcp",worker="decode-0"} 1' in text
+    # decode-0 switched to prefill (no awaiting_kv now) over another transport; w-gone left
+    series.report("decode-0", {"sending": 0, "free_blocks": 100}, {"transport": "vm"})
+    series.keep(["decode-0"])
+    text = reg.render()
+    assert "awaiting_kv" not in text and 'value="ucx:tcp"' not in text
+    assert 'kvxfer_worker_stat{stat="sending",worker="decode-0"} 0' in text
+    assert 'kvxfer_agent_info{key="transport",value="vm",worker="decode-0"} 1' in text
+    assert 'kvxfer_worker_up{worker="decode-0"} 1' in text
+    assert "w-gone" not in text
 
 
 def test_cpu_groups_and_worker_specs():

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from . import api
 from .guard import HTTPGuard, install_error_handlers
 from .dispatch import Dispatcher, NoWorkerAvailable, RequestState
-from .prom import Registry
+from .prom import Registry, WorkerSeries
 from .serve_config import ServeConfig
 from .sse import DONE, event
 
@@ -82,10 +82,7 @@ class Router:
         self.max_position = 0 if config.engine == "sim" else self.codec.max_position
         self.logprobs = api.LogprobFormatter(self.codec.tokenizer)
         self.dispatcher.cluster.model_name = self.model_name  # discovery: pair only this model
-        self.m_workers_up = self.registry.gauge("kvxfer_worker_up", "1 if the worker process is alive.", ("worker",))
-        self.m_queue = self.registry.gauge("kvxfer_worker_inflight", "Requests held by each worker (queue depth).", ("worker",))
-        self.m_worker = self.registry.gauge("kvxfer_worker_stat", "Counters reported by each worker and its agent.", ("worker", "stat"))
-        self.m_agent_info = self.registry.gauge("kvxfer_agent_info", "Agent facts: backend, transport selected per peer.", ("worker", "key", "value"))
+        self.m_workers = WorkerSeries(self.registry)
         self.m_role_workers = self.registry.gauge("kvxfer_workers", "Live workers per role.", ("role",))
         self.rebalancer = None
         if config.adaptive is not None:
@@ -237,18 +234,15 @@ class Router:
         roles = dict.fromkeys(("prefill", "decode") if self.config.is_disaggregated
                               else ("colocated",), 0)
         for w in self.dispatcher.cluster.workers:
-            self.m_workers_up.set(1 if w.is_alive else 0, worker=w.name)
-            self.m_queue.set(w.load, worker=w.name)
+            self.m_workers.seen(w.name, w.is_alive, w.load)
             if w.is_alive and w.role in roles:
                 roles[w.role] += 1
         for role, n in roles.items():
             self.m_role_workers.set(n, role=role)
         stats = await self.dispatcher.collect_stats()
         for name, msg in stats.items():
-            for key, value in msg.get("counters", {}).items():
-                self.m_worker.set(value, worker=name, stat=key)
-            for key, value in msg.get("info", {}).items():
-                self.m_agent_info.set(1, worker=name, key=key, value=str(value))
+            self.m_workers.report(name, msg.get("counters", {}), msg.get("info", {}))
+        self.m_workers.keep(w.name for w in self.dispatcher.cluster.workers)
         return self.registry.render()
 
 

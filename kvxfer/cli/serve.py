@@ -95,10 +95,7 @@ def add_parser(sub) -> None:
     a.add_argument("--adaptive", action="store_true",
                    help="move workers between the prefill and decode roles as the mix shifts "
                         "(needs >= 3 workers)")
-    a.add_argument("--adaptive-interval", type=float, default=1.0, metavar="S",
-                   help="seconds between observations")
-    a.add_argument("--adaptive-dwell", type=float, default=10.0, metavar="S",
-                   help="minimum seconds between two role changes")
+    add_adaptive_timing(a)
     a.add_argument("--adaptive-sustain", type=int, default=3, metavar="K",
                    help="observations in a row that must want the same move")
     a.add_argument("--adaptive-prefill-queue", default="1,4", metavar="LOW,HIGH",
@@ -128,6 +125,19 @@ def add_parser(sub) -> None:
                         "HOST:PORT,... (store nodes; secret: $KVXFER_SECRET or --secret-file)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
+
+
+def add_adaptive_timing(p) -> None:
+    """``--adaptive-interval`` and ``--adaptive-dwell``, the rebalancer's periods (defaults:
+    :class:`~kvxfer.serving.server.adaptive_policy.AdaptivePolicy`'s), for ``kvxfer serve``
+    and the virtual clock's ``simulate`` and ``plan``."""
+    from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
+
+    default = AdaptivePolicy()
+    p.add_argument("--adaptive-interval", type=float, default=default.interval_s, metavar="S",
+                   help="adaptive: seconds between the rebalancer's observations")
+    p.add_argument("--adaptive-dwell", type=float, default=default.min_dwell_s, metavar="S",
+                   help="adaptive: minimum seconds between two role changes")
 
 
 def add_engine_args(p) -> None:

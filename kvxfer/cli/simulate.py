@@ -18,6 +18,7 @@ DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
 def add_common(p) -> None:
     """The trace, profile, engine and SLO options ``simulate`` and ``plan`` share."""
     from ..serving.engine.config import EngineConfig
+    from .serve import add_adaptive_timing
 
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake jsonl trace")
     p.add_argument("--profile", required=True, help="cost profile: a shipped name or a JSON file")
@@ -41,12 +42,7 @@ def add_common(p) -> None:
     p.add_argument("--store", default=None, metavar="NODESxBLOCKS",
                    help="a KV pool the prefill workers use, as kvxfer serve --store: NODES store "
                         "nodes of BLOCKS one-block slots each (e.g. 2x125000; default: none)")
-    p.add_argument("--adaptive-interval", type=float, default=1.0, metavar="S",
-                   help="adaptive configs: seconds between the rebalancer's looks, as kvxfer "
-                        "serve --adaptive-interval")
-    p.add_argument("--adaptive-dwell", type=float, default=10.0, metavar="S",
-                   help="adaptive configs: no role change sooner than S after the previous "
-                        "one, as kvxfer serve --adaptive-dwell")
+    add_adaptive_timing(p)  # as kvxfer serve's
     p.add_argument("--sim-devices", type=int, default=None, metavar="K",
                    help="the workers share K devices (a step runs at min(1, K/busy workers) "
                         "speed), as kvxfer serve --sim-devices; default: a device each")
@@ -99,11 +95,12 @@ def routing_knobs(args) -> dict:
 
 def adaptive_policy(args):
     """The rebalancer's policy of adaptive configurations: default thresholds, with
-    ``--adaptive-interval`` and ``--adaptive-dwell`` where given."""
+    ``--adaptive-interval`` and ``--adaptive-dwell`` where ``args`` has them."""
     from ..serving.server.adaptive_policy import AdaptivePolicy
 
-    return AdaptivePolicy(interval_s=getattr(args, "adaptive_interval", 1.0),
-                          min_dwell_s=getattr(args, "adaptive_dwell", 10.0))
+    default = AdaptivePolicy()
+    return AdaptivePolicy(interval_s=getattr(args, "adaptive_interval", default.interval_s),
+                          min_dwell_s=getattr(args, "adaptive_dwell", default.min_dwell_s))
 
 
 def store_spec(args):

@@ -10,7 +10,8 @@
 2. ``throughput``: put and get of 2 MiB objects (one block of a 32-layer, 8-kv-head,
    head-dim-128, bf16 model, 16 tokens a block) between an NHD pool and one node on this
    host, GB/s over ``--batch`` objects a call, with and without checksums, against the
-   memcpy limit of the same bytes measured in the same run on the same resources: with
+   memcpy limit of the same bytes measured in the same run on the same resources (the
+   caches flushed before every timed copy, put and get, so all read memory; --warm: not): with
    checksums, one thread copies and hashes in one pass with streaming stores (limit: 1
    thread, streaming stores allowed); without, the vm copy pool's threads copy (limit:
    that many threads, streaming stores allowed).
@@ -151,7 +152,10 @@ def throughput(args) -> dict:
     threads = {"crc": 1, "nocrc": vm_threads()}
     out = {"object_bytes": obj, "objects_per_call": nblk, "iters": args.iters, "limit_threads": threads}
     try:
-        limits = {tag: MemcpyLimit(nbytes, threads=t, streaming=True) for tag, t in threads.items()}
+        cold = not args.warm
+        limits = {tag: MemcpyLimit(nbytes, threads=t, streaming=True, cold=cold) for tag, t in threads.items()}
+        flush = limits["crc"].flusher.flush if cold else (lambda: None)
+        out["caches"] = "flushed before every timed copy, put and get" if cold else "as the run leaves them"
         stores = {tag: kvxfer.KVStore(nodes=[procs[0][1]], secret=SECRET, staging_bytes=nbytes, timeout=30.0,
                                       checksum=tag == "crc") for tag in ("crc", "nocrc")}
         samples = {k: [] for k in ("memcpy", "memcpy_nocrc", "put_crc", "get_crc", "put_nocrc", "get_nocrc")}
@@ -161,9 +165,12 @@ def throughput(args) -> dict:
                 mem = {tag: lim.sample() for tag, lim in limits.items()}
                 for tag, st in stores.items():
                     keys = kvxfer.block_keys([it] * (bs * nblk), bs, salt=b"tp-" + tag.encode())
+                    flush()
                     t = time.perf_counter()
                     st.put(keys, layout, range(nblk)).wait(timeout=120)
                     t1 = time.perf_counter()
+                    flush()
+                    t1f = time.perf_counter()
                     st.get(keys, back, range(nblk)).wait(timeout=120)
                     t2 = time.perf_counter()
                     if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -173,7 +180,7 @@ def throughput(args) -> dict:
                         x.zero_()
                     if it >= 2:
                         samples[f"put_{tag}"].append(t1 - t)
-                        samples[f"get_{tag}"].append(t2 - t1)
+                        samples[f"get_{tag}"].append(t2 - t1f)
                 if it >= 2:
                     samples["memcpy"].append(mem["crc"])
                     samples["memcpy_nocrc"].append(mem["nocrc"])
@@ -228,6 +235,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="2 MiB objects per put/get call")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--lookups", type=int, default=2000)
+    p.add_argument("--warm", action="store_true", help="throughput: do not flush the caches before each timed copy, put and get (a back-to-back copy reads a source the last one left in cache)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     result = {"loadavg": os.getloadavg(), "cpus": os.cpu_count()}

@@ -107,8 +107,13 @@ PYBIND11_MODULE(_C, m) {
                     int64_t at = 0;
                     for (py::ssize_t i = 0; i < counts.size(); ++i) {
                         const int64_t k = counts.data()[i];
-                        out[i] = kvxfer::copy_checksum_runs(hashed.data() + at, other.data() + at, len.data() + at, k,
-                                                            into_hashed);
+                        // the next object's first source run, prefetched as this one ends
+                        const int64_t* src = into_hashed ? other.data() : hashed.data();
+                        const bool more = at + k < n;
+                        out[i] = kvxfer::copy_checksum_runs(
+                            hashed.data() + at, other.data() + at, len.data() + at, k, into_hashed,
+                            more ? reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(src[at + k])) : nullptr,
+                            more ? len.data()[at + k] : 0);
                         at += k;
                     }
                 }

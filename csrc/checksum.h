@@ -14,8 +14,10 @@ uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n);
 // just before), so every byte is read from memory once: into_hashed=false copies
 // hashed -> other (a put: hash the source), true copies other -> hashed (a get: hash
 // what arrived, never the source again). Every byte of every run is copied, hashed or
-// not; the bulk with streaming stores, fenced before this returns.
+// not; the bulk with streaming stores, fenced before this returns. `follow` (optional,
+// `follow_len` bytes): what the caller reads next (the next object's first source run),
+// prefetched as the last run ends.
 uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const int64_t* len, int64_t n,
-                            bool into_hashed);
+                            bool into_hashed, const unsigned char* follow = nullptr, int64_t follow_len = 0);
 
 }  // namespace kvxfer

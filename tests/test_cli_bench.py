@@ -41,6 +41,18 @@ def test_memcpy_limit_copies_every_byte(nbytes, threads, streaming):
         copy_limit.MemcpyLimit(0)
 
 
+def test_cold_memcpy_limit_flushes_a_buffer_past_the_last_level_cache():
+    llc = copy_limit.last_level_cache_bytes()
+    assert llc > 0
+    limit = copy_limit.MemcpyLimit(5 << 20, streaming=True, cold=True)
+    assert min(max(4 * llc, 256 << 20), 2 << 30) == limit.flusher.nbytes
+    assert limit.check()
+    before = limit.flusher._buf[::64].copy()
+    assert len(limit.seconds(2, warmup=0)) == 2
+    assert (limit.flusher._buf[::64] == before).all()  # the flush reads, it leaves no dirty lines
+    assert copy_limit.MemcpyLimit(5 << 20).flusher is None
+
+
 def test_tcp_limit_is_native_and_returns_steady_state_samples():
     with tcp_limit.SocketLimit(timeout=30) as sock:
         samples = sock.seconds(1 << 16, 3, warmup=1)

@@ -14,7 +14,8 @@ explicitly beats the environment. The deployment's secret (``KVXFER_SECRET``) is
 the same way, by :func:`kvxfer.secrets.load_secret`, which only entry points call.
 Nothing below the entry point reads a ``KVXFER_*`` variable. What else is read is
 another tool's process-wide knob, not an agent's: UCX reads its own ``UCX_*``
-variables (an explicit one beats ``AgentConfig.ucx``, UCX's rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set, the
+variables (an explicit one beats ``AgentConfig.ucx``, UCX's rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set (or ``UCX_TLS``
+leaves out UCX's shared-memory transports), the
 pack kernels check Triton's ``TRITON_INTERPRET``, and :mod:`kvxfer.report.envinfo`
 records the environment a benchmark ran in.::
 

@@ -203,3 +203,40 @@ def test_only_entry_points_read_the_environment():
     callers = {str(p.relative_to(root)) for p in root.rglob("*.py")
                if "load_secret(" in p.read_text() and p.name != "secrets.py"}
     assert callers and all(c.startswith(entry) for c in callers), callers
+
+
+@pytest.mark.parametrize("tls,uses", [(None, True), ("", True), ("all", True), ("tcp", False), ("tcp,self", False),
+                                      ("sm,tcp", True), ("shm", True), ("posix,tcp", True), ("rc,cma", False),
+                                      ("^tcp", True), ("^sm", False), ("^posix,sysv,xpmem", False),
+                                      ("^posix", True)])
+def test_ucx_tls_decides_whether_kvxfer_sets_mm_error_handling(tls, uses):
+    from kvxfer._native import uses_shared_memory
+
+    assert uses_shared_memory(tls) is uses
+
+
+def test_a_store_node_on_tcp_only_prints_its_address_first():
+    """With UCX_TLS=tcp kvxfer leaves UCX_MM_ERROR_HANDLING unset, so UCX has no unused
+    variable to warn about on stdout ahead of the node's first line (which scripts read)."""
+    import os
+    import selectors
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("UCX_MM_ERROR_HANDLING", "UCX_WARN_UNUSED_ENV_VARS")}
+    env.update(UCX_TLS="tcp", KVXFER_SECRET=SECRET.decode())
+    proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "store", "--listen", "127.0.0.1:0", "--capacity",
+                             "4M", "--slot-size", "64K", "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline, first = time.monotonic() + 120, ""
+        while not first and time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(1.0):
+                first = proc.stdout.readline()
+        assert first.startswith("kvxfer store listening on 127.0.0.1:"), first
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -51,6 +51,7 @@ def test_cold_memcpy_limit_flushes_a_buffer_past_the_last_level_cache():
     assert len(limit.seconds(2, warmup=0)) == 2
     assert (limit.flusher._buf[::64] == before).all()  # the flush reads, it leaves no dirty lines
     assert copy_limit.MemcpyLimit(5 << 20).flusher is None
+    assert copy_limit.MemcpyLimit(1 << 20, cold=True).flusher is limit.flusher  # one buffer a process
 
 
 def test_tcp_limit_is_native_and_returns_steady_state_samples():

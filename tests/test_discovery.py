@@ -17,7 +17,6 @@ import etcd_server
 from kvxfer.discovery import Member, StaticDiscovery, open_discovery
 from kvxfer.errors import AuthenticationError
 from kvxfer.serving.channel.netchannel import NetWorkerChannel, connect_worker
-from serving_server import free_port
 
 SECRET = b"discovery-test-secret-0123456789"
 
@@ -42,17 +41,8 @@ def etcd(tmp_path_factory):
     reason = etcd_server.unavailable()
     if reason:
         pytest.skip(reason)
-    port = free_port()
-    proc = subprocess.Popen(etcd_server.etcd_command("127.0.0.1", port,
-                                                     str(tmp_path_factory.mktemp("etcd"))),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        etcd_server.wait_ready("127.0.0.1", port)
-        yield f"etcd://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    with etcd_server.local_etcd(str(tmp_path_factory.mktemp("etcd"))) as url:
+        yield url
 
 
 def _until(predicate, timeout: float, what: str):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 
 import pytest
@@ -98,15 +97,8 @@ def etcd(tmp_path_factory):
     reason = etcd_server.unavailable()
     if reason:
         pytest.skip(reason)
-    port = free_port()
-    proc = subprocess.Popen(etcd_server.etcd_command("127.0.0.1", port, str(tmp_path_factory.mktemp("etcd"))),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        etcd_server.wait_ready("127.0.0.1", port)
-        yield f"etcd://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    with etcd_server.local_etcd(str(tmp_path_factory.mktemp("etcd"))) as url:
+        yield url
 
 
 def test_nodes_found_through_etcd_and_withdrawn_on_sigterm(etcd):

@@ -19,7 +19,7 @@ import json
 import sys
 from collections import defaultdict
 
-_SAME = ("configs", "port", "out", "slice", "profile", "routing", "vclock_only")  # may differ between files
+_MAY_DIFFER = ("configs", "port", "out", "slice", "profile", "routing", "vclock_only")  # between files
 
 
 def summarize(paths: list) -> list:
@@ -29,7 +29,7 @@ def summarize(paths: list) -> list:
     for path in paths:
         with open(path) as f:
             d = json.load(f)
-        args = {k: v for k, v in d["args"].items() if k not in _SAME}
+        args = {k: v for k, v in d["args"].items() if k not in _MAY_DIFFER}
         if setup is None:
             setup = (path, args)
         elif args != setup[1]:

@@ -236,3 +236,24 @@ def test_worker_channel_tells_a_wrong_secret_nothing():
             assert read_frame(sock, PRE_AUTH_MAX_BYTES) is None  # closed, nothing more
     finally:
         chan.close()
+
+
+def test_local_etcd_starts_again_when_its_peer_port_is_taken(tmp_path, monkeypatch):
+    """The test etcd's peer URL is its client port + 1: taken between the pick and etcd's
+    bind, etcd exits, and the helper starts it on other ports instead of waiting 60 s."""
+    import socket
+
+    reason = etcd_server.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1] - 1  # a client port whose peer port is held
+        picks = iter([taken])
+        real = etcd_server.free_port_pair
+        monkeypatch.setattr(etcd_server, "free_port_pair", lambda ip="127.0.0.1": next(picks, None) or real(ip))
+        with etcd_server.local_etcd(str(tmp_path)) as url:
+            assert url != f"etcd://127.0.0.1:{taken}"
+            assert open_discovery(url + "/again").members() == []
+        assert (tmp_path / "etcd-0.log").read_bytes()  # the first etcd's own words on why it stopped

@@ -83,15 +83,13 @@ class CacheFlusher:
 
     _shared: "CacheFlusher | None" = None
 
-    def __init__(self, nbytes: int | None = None) -> None:
-        if nbytes is None:
-            nbytes = min(max(4 * last_level_cache_bytes(), 256 << 20), 2 << 30)
-        self.nbytes = int(nbytes)
+    def __init__(self) -> None:
+        self.nbytes = min(max(4 * last_level_cache_bytes(), 256 << 20), 2 << 30)
         self._buf = page_aligned(self.nbytes)
 
     @classmethod
     def shared(cls) -> "CacheFlusher":
-        """One flusher of the default size for the process (its buffer can be 2 GiB)."""
+        """One flusher for the process (its buffer can be 2 GiB)."""
         if cls._shared is None:
             cls._shared = cls()
         return cls._shared

@@ -87,7 +87,7 @@ PYBIND11_MODULE(_C, m) {
             "XXH3-64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
         m.def(
             "copy_checksum_objects",
-            [](I64 hashed, I64 other, I64 len, I64 counts, bool into_hashed) {
+            [](I64 hashed, I64 other, I64 len, I64 counts, bool into_hashed, int64_t split_bytes) {
                 const py::ssize_t n = len.size();
                 if (hashed.ndim() != 1 || other.ndim() != 1 || len.ndim() != 1 || counts.ndim() != 1 ||
                     hashed.size() != n || other.size() != n)
@@ -104,25 +104,17 @@ PYBIND11_MODULE(_C, m) {
                 std::vector<uint64_t> out(counts.size());
                 {
                     py::gil_scoped_release release;
-                    int64_t at = 0;
-                    for (py::ssize_t i = 0; i < counts.size(); ++i) {
-                        const int64_t k = counts.data()[i];
-                        // the next object's first source run, prefetched as this one ends
-                        const int64_t* src = into_hashed ? other.data() : hashed.data();
-                        const bool more = at + k < n;
-                        out[i] = kvxfer::copy_checksum_runs(
-                            hashed.data() + at, other.data() + at, len.data() + at, k, into_hashed,
-                            more ? reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(src[at + k])) : nullptr,
-                            more ? len.data()[at + k] : 0);
-                        at += k;
-                    }
+                    kvxfer::copy_checksum_objects(hashed.data(), other.data(), len.data(), counts.data(),
+                                                  counts.size(), into_hashed, split_bytes, out.data());
                 }
                 return out;
             },
             py::arg("hashed"), py::arg("other"), py::arg("len"), py::arg("counts"), py::arg("into_hashed"),
+            py::arg("split_bytes") = static_cast<int64_t>(kvxfer::kVmSplitBytes),
             "Per object (counts[i] consecutive runs each): checksum_runs of its hashed runs, copying each run to "
             "(or, into_hashed, from) other[i] as it is hashed, so each byte is read once (host memory the caller "
-            "owns and has bounds-checked); GIL released.");
+            "owns and has bounds-checked); objects of split_bytes or more in all (0: never) spread over the "
+            "same-host copy pool's threads; GIL released.");
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

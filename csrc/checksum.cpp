@@ -11,8 +11,10 @@
 #include "checksum.h"
 
 #include "copy.h"
+#include "vm_copy.h"
 
 #include <cstring>
+#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -344,6 +346,28 @@ uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const i
     cur.finish();
     fence(true);  // the streaming stores are visible before the caller commits or reads them
     return h;
+}
+
+void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const int64_t* len, const int64_t* counts,
+                           int64_t objects, bool into_hashed, int64_t split_bytes, uint64_t* out) {
+    std::vector<int64_t> first(objects + 1, 0);  // object i's runs: [first[i], first[i + 1])
+    for (int64_t i = 0; i < objects; ++i) first[i + 1] = first[i] + counts[i];
+    int64_t total = 0;
+    for (int64_t r = 0; r < first[objects]; ++r) total += len[r];
+    const int64_t* src = into_hashed ? other : hashed;
+    auto one = [&](size_t i) {
+        const int64_t at = first[i], k = counts[i];
+        // the next object's first source run, prefetched as this one ends (on one thread
+        // the next object is what comes next; on the pool, most often)
+        const bool more = at + k < first[objects];
+        out[i] = copy_checksum_runs(hashed + at, other + at, len + at, k, into_hashed,
+                                    more ? reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(src[at + k]))
+                                         : nullptr,
+                                    more ? len[at + k] : 0);
+    };
+    // whole objects in turn: each is one checksum, so one thread's work
+    if (split_bytes > 0 && total >= split_bytes && run_on_copy_pool(static_cast<size_t>(objects), one)) return;
+    for (int64_t i = 0; i < objects; ++i) one(static_cast<size_t>(i));
 }
 
 namespace {

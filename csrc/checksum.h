@@ -20,4 +20,13 @@ uint64_t checksum_runs(const int64_t* addr, const int64_t* len, int64_t n);
 uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const int64_t* len, int64_t n,
                             bool into_hashed, const unsigned char* follow = nullptr, int64_t follow_len = 0);
 
+// copy_checksum_runs of `objects` objects, object i being counts[i] consecutive runs of
+// hashed/other/len; out[i] its checksum. Where the objects hold at least split_bytes in
+// all (0: never), the calling thread and the process's copy pool (vm_copy.h) take whole
+// objects in turn: one thread copying and hashing is bound by its own work, not by memory
+// (AMD EPYC host, 2026-12-05, caches flushed: 256 MiB gathered from 32 KiB runs copied
+// and hashed 1.4x faster on two threads than on one as a put, 1.8x as a get).
+void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const int64_t* len, const int64_t* counts,
+                           int64_t objects, bool into_hashed, int64_t split_bytes, uint64_t* out);
+
 }  // namespace kvxfer

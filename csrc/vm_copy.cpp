@@ -267,6 +267,12 @@ void set_vm_copy_threads(size_t threads) {
                                     "every agent of a process, so they must agree on copy_threads");
 }
 
+bool run_on_copy_pool(size_t parts, const std::function<void(size_t)>& fn) {
+    if (parts < 2) return false;
+    CopyPool& pool = CopyPool::instance();
+    return pool.helpers() > 0 && pool.run(parts, fn);
+}
+
 void vm_transfer(pid_t pid, const std::vector<Op>& ops, bool is_write, size_t split_bytes) {
     size_t total = 0;
     for (const Op& op : ops) total += op.length;

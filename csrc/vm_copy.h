@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,10 @@ constexpr size_t kVmSplitBytes = size_t{4} << 20;
 size_t vm_resolve_threads(size_t requested, size_t cores);
 size_t vm_copy_threads();  // the process pool's copying threads, the caller included
 void set_vm_copy_threads(size_t threads);  // throws std::invalid_argument on a conflicting setting
+// Runs fn(0..parts-1) on the calling thread and the pool's helpers, parts taken in turn
+// (fn must not throw). False, with nothing run, when the pool has no helpers or another
+// caller holds it: the caller then runs the parts itself.
+bool run_on_copy_pool(size_t parts, const std::function<void(size_t)>& fn);
 
 // Copies every op (local laddr <-> remote raddr; an op with shm set is a memcpy
 // with the peer's shared memory mapped at shm, see shared_mem.h). Throws PeerDisconnected

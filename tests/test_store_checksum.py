@@ -142,3 +142,39 @@ def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift
             for i, n in enumerate(lens):
                 assert np.array_equal(other[other_starts[i]:other_starts[i] + n], data[starts[i]:starts[i] + n])
         assert got == expected, (list(lens), dst_shift)
+
+
+@pytest.mark.parametrize("into_hashed", [False, True])
+def test_objects_spread_over_the_copy_pool_give_each_its_own_checksum(into_hashed):
+    """From split_bytes on, copy_checksum_objects hands whole objects to the same-host copy
+    pool's threads in turn: every object still arrives whole and gets the checksum of its
+    own bytes, in its own place in the result, as on one thread (split_bytes=0)."""
+    from kvxfer._native import load
+
+    native = load()
+    counts = [3, 1, 5, 2, 4, 1, 3, 2, 6, 1, 2, 3]  # runs per object, of uneven lengths
+    lens = np.random.default_rng(7).integers(1, 40_000, sum(counts)).astype(np.int64)
+    total = int(lens.sum())
+    data = _buf(total, seed=11)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    # on the other side the runs lie in reverse order, back to back
+    other_starts = (total - starts - lens).astype(np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    expected = [xxhash.xxh3_64_intdigest(data[starts[first[i]]:starts[first[i]] + lens[first[i]:first[i + 1]].sum()]
+                                         .tobytes()) for i in range(len(counts))]
+    results = {}
+    for split in (0, 1, total):  # one thread; the pool from one byte on; the pool at exactly the total
+        other = np.zeros(total, np.uint8)
+        if into_hashed:  # the other side holds the bytes, each run at its place there
+            for s, o, n in zip(starts, other_starts, lens):
+                other[o:o + n] = data[s:s + n]
+            dst = np.zeros(total, np.uint8)
+            results[split] = native.copy_checksum_objects(dst.ctypes.data + starts, other.ctypes.data + other_starts,
+                                                          lens, counts, True, split)
+            assert np.array_equal(dst, data), split
+        else:
+            results[split] = native.copy_checksum_objects(data.ctypes.data + starts, other.ctypes.data + other_starts,
+                                                          lens, counts, False, split)
+            for s, o, n in zip(starts, other_starts, lens):
+                assert np.array_equal(other[o:o + n], data[s:s + n]), split
+        assert results[split] == expected, split

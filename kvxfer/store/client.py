@@ -616,8 +616,9 @@ class KVStore:
 
     def _copy_hashing(self, c: NodeConn, local, offsets, lengths, counts, *, into: bool) -> list:
         """Copy objects between this process's memory and the node's slots mapped here,
-        hashing the local side as it goes (native, one read of each byte); return each
-        object's checksum. ``local`` / ``offsets`` / ``lengths``: int64 ``[num_runs]``, each
+        hashing the local side as it goes (native, one read of each byte; a batch of the
+        vm path's split size or more spread over its copy threads, whole objects each);
+        return each object's checksum. ``local`` / ``offsets`` / ``lengths``: int64 ``[num_runs]``, each
         run's address here, offset in the node's region and length; ``counts``: runs per
         object, in order. ``into``: slots -> local, else local -> slots. The offsets are
         checked against the region; the mapping stays while ``c.mapped_lock`` is held."""

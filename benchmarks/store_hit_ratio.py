@@ -149,7 +149,9 @@ def throughput(args) -> dict:
     back = kvxfer.KVLayout.from_tensors([torch.zeros_like(t) for t in pool], "2 N B H D")  # gets land here
     obj = nl * 2 * bs * nh * hd * 2
     nbytes = nblk * obj
-    procs = start_nodes(1, str(4 * nbytes), str(obj))
+    # room for 16 calls: a client keeps spare slots for its next put (as many as its last
+    # one wrote) only up to 1/16 of a node's slots
+    procs = start_nodes(1, str(16 * nbytes), str(obj))
     threads = transport_threads("vm", nbytes)
     out = {"object_bytes": obj, "objects_per_call": nblk, "iters": args.iters, "limit_threads": threads}
     try:

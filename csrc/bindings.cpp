@@ -85,6 +85,9 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("addr"), py::arg("len"),
             "XXH3-64 of the concatenated runs [addr[i], addr[i] + len[i]) (host memory the caller owns); GIL released.");
+        m.def("warm_copy_pool", &kvxfer::warm_copy_pool, py::arg("us"), py::call_guard<py::gil_scoped_release>(),
+              "Wake the same-host copy pool's parked helpers to wait spinning for up to us microseconds "
+              "(a caller about to post a job).");
         m.def(
             "copy_checksum_objects",
             [](I64 hashed, I64 other, I64 len, I64 counts, bool into_hashed, int64_t split_bytes) {

@@ -1,6 +1,8 @@
 #include "vm_copy.h"
 
 #include <limits.h>
+#include <pthread.h>
+#include <sched.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -8,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
@@ -168,10 +172,24 @@ public:
 
     size_t helpers() const { return getpid() == owner_ ? threads_.size() : 0; }
 
+    // Wakes parked helpers to wait for the next job spinning, for up to `us` microseconds:
+    // a helper woken only when the job is posted may start it late (a guest vCPU that
+    // went idle takes a while to come back), and the caller then copies most of it alone.
+    void warm(int64_t us) {
+        if (helpers() == 0 || us <= 0) return;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            spin_until_ = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+            ++warmth_;
+        }
+        cv_.notify_all();
+    }
+
     // Runs fn(0..parts-1), part 0 on the caller; false (nothing ran) if the pool is busy.
     bool run(size_t parts, const std::function<void(size_t)>& fn) {
         std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
         if (!busy.owns_lock()) return false;
+        steer_helpers();
         {
             std::lock_guard<std::mutex> g(mu_);
             fn_ = &fn;
@@ -209,14 +227,45 @@ private:
                 break;  // fewer helpers than asked for; still correct
             }
         }
-        for (auto& t : threads_) t.detach();
+        for (auto& t : threads_) {
+            handles_.push_back(t.native_handle());
+            t.detach();
+        }
+    }
+
+    // Keeps the helpers off the CPU the caller runs on (while it has others). Woken on a
+    // job, a parked helper may otherwise be queued behind the caller on its CPU, the
+    // scheduler waking it where the caller runs, not on an idle vCPU of a guest (on a
+    // 2-core VM, 2026-12-05: in most 16-object store puts one thread copied nearly
+    // everything, the other starting after the caller or up to 2 ms late). Set again
+    // only when the caller shows up on another CPU.
+    void steer_helpers() {
+        const int cpu = sched_getcpu();
+        if (cpu < 0 || cpu == steered_from_) return;
+        cpu_set_t allowed;
+        if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || !CPU_ISSET(cpu, &allowed) ||
+            CPU_COUNT(&allowed) < 2)
+            return;
+        CPU_CLR(cpu, &allowed);
+        for (pthread_t h : handles_) pthread_setaffinity_np(h, sizeof(allowed), &allowed);
+        steered_from_ = cpu;
     }
 
     void loop() {
-        uint64_t seen = 0;
+        uint64_t seen = 0, warmed = 0;
         std::unique_lock<std::mutex> g(mu_);
         for (;;) {
-            cv_.wait(g, [&] { return generation_ != seen; });
+            cv_.wait(g, [&] { return generation_ != seen || warmth_ != warmed; });
+            if (generation_ == seen) {  // warmed: spin until a job comes or the time is up
+                warmed = warmth_;
+                const auto until = spin_until_;
+                g.unlock();
+                while (generation_.load(std::memory_order_acquire) == seen &&
+                       std::chrono::steady_clock::now() < until)
+                    std::this_thread::yield();
+                g.lock();
+                if (generation_ == seen) continue;
+            }
             seen = generation_;
             while (fn_ && next_part_ < parts_) {
                 const size_t part = next_part_++;
@@ -231,12 +280,16 @@ private:
 
     pid_t owner_;  // a forked child has none of the helpers
     std::vector<std::thread> threads_;
+    std::vector<pthread_t> handles_;
+    int steered_from_ = -1;  // the caller's CPU the helpers were last kept off (job_mu_ held)
     std::mutex job_mu_;
     std::mutex mu_;
     std::condition_variable cv_, done_cv_;
     const std::function<void(size_t)>* fn_ = nullptr;
     size_t parts_ = 0, next_part_ = 0, pending_ = 0;
-    uint64_t generation_ = 0;
+    std::atomic<uint64_t> generation_{0};  // read unlocked by a spinning helper
+    uint64_t warmth_ = 0;
+    std::chrono::steady_clock::time_point spin_until_{};
 };
 
 }  // namespace
@@ -266,6 +319,8 @@ void set_vm_copy_threads(size_t threads) {
                                     ", fixed by an earlier agent or by its first use: the pool is shared by "
                                     "every agent of a process, so they must agree on copy_threads");
 }
+
+void warm_copy_pool(int64_t us) { CopyPool::instance().warm(us); }
 
 bool run_on_copy_pool(size_t parts, const std::function<void(size_t)>& fn) {
     if (parts < 2) return false;

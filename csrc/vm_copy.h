@@ -64,6 +64,9 @@ void set_vm_copy_threads(size_t threads);  // throws std::invalid_argument on a 
 // (fn must not throw). False, with nothing run, when the pool has no helpers or another
 // caller holds it: the caller then runs the parts itself.
 bool run_on_copy_pool(size_t parts, const std::function<void(size_t)>& fn);
+// Wakes the pool's parked helpers to wait spinning for up to `us` microseconds, so that a
+// job posted within that time starts on every thread at once (a caller about to post one).
+void warm_copy_pool(int64_t us);
 
 // Copies every op (local laddr <-> remote raddr; an op with shm set is a memcpy
 // with the peer's shared memory mapped at shm, see shared_mem.h). Throws PeerDisconnected

@@ -199,3 +199,70 @@ def test_many_parts_cost_a_reserve_or_commit_little():
         _, _, p = part(idx, b"a", h, h + 1, owner=2, of=MAX_HEADS)
         assert idx.commit(b"a", p.token, 2, 2)
     assert idx.contains(b"a") and len(idx.peek(b"a").crc) == MAX_HEADS
+
+
+def test_a_spare_slot_becomes_the_object_committed_into_it():
+    """A spare is a slot reserved under no key: committing it names the key, the size,
+    format and checksum; it is then an ordinary object (readable, LRU, evictable)."""
+    idx = ix.SlotIndex(4, 100)
+    code, spare = idx.reserve_spare(1, 0.0, LEASE)
+    assert code == ix.RESERVED and idx.slots_used == 1 and idx.stats()["spares"] == 1
+    assert not idx.contains(b"a") and len(idx) == 0  # nothing readable yet
+    assert idx.commit_spare(b"a", spare.token, 60, "f", 77, 1, 1.0) == ix.COMMITTED
+    got, pin = idx.get(b"a", "f", 2, 1.0, LEASE)
+    assert got.slot == spare.slot and got.nbytes == 60 and got.crc == 77 and pin > 0
+    assert idx.stats()["spares"] == 0 and idx.stats()["pending"] == 0 and idx.bytes_used == 60
+    assert idx.get(b"a", "other-format", 2, 1.0, LEASE) == (None, 0)
+    # used up: the token names no spare any more
+    assert idx.commit_spare(b"b", spare.token, 60, "f", 77, 1, 1.0) == ix.NO_SPARE
+    with pytest.raises(ValueError):
+        idx.commit_spare(b"b", spare.token, 101, "f", 77, 1, 1.0)
+
+
+def test_a_spare_stays_its_clients_when_the_key_is_present_or_busy():
+    idx = ix.SlotIndex(8, 100)
+    put(idx, b"old")
+    _, pending = idx.reserve(b"busy", 10, "f", 2, 0.0, LEASE)
+    _, spare = idx.reserve_spare(1, 0.0, LEASE)
+    before = list(idx._objects)
+    assert idx.commit_spare(b"new", spare.token, 10, "f", 1, 1, 0.0) == ix.COMMITTED
+    _, spare = idx.reserve_spare(1, 0.0, LEASE)
+    assert idx.commit_spare(b"old", spare.token, 10, "f", 1, 1, 0.0) == ix.PRESENT  # refreshed, spare kept
+    assert list(idx._objects)[-1] == b"old" and before[0] == b"old"
+    assert idx.commit_spare(b"busy", spare.token, 10, "f", 1, 1, 0.0) == ix.BUSY  # client 2 writes it
+    assert idx.commit_spare(b"old", 0, 10, "f", 1, 1, 0.0) == ix.PRESENT  # token 0: a presence check
+    assert idx.commit_spare(b"gone", 0, 10, "f", 1, 1, 0.0) == ix.NO_SPARE
+    assert idx.commit_spare(b"k", spare.token, 10, "f", 1, 2, 0.0) == ix.NO_SPARE  # not client 2's spare
+    assert idx.commit_spare(b"k", spare.token, 10, "f", 1, 1, 0.0) == ix.COMMITTED  # still client 1's
+    assert idx.commit(b"busy", pending.token, 5, 2)  # the other client's reservation was untouched
+    # a reservation that lapsed gives way to a spare's commit
+    _, late = idx.reserve(b"late", 10, "f", 2, 0.0, LEASE)
+    _, spare = idx.reserve_spare(1, LEASE + 1, LEASE)
+    assert idx.commit_spare(b"late", spare.token, 10, "f", 9, 1, LEASE + 1) == ix.COMMITTED
+    assert not idx.commit(b"late", late.token, 5, 2) and idx.peek(b"late").crc == 9
+
+
+def test_spares_lapse_leave_with_their_client_and_count_as_reservations():
+    idx = ix.SlotIndex(8, 100, max_pending=2)
+    _, a = idx.reserve_spare(1, 0.0, LEASE)
+    idx.reserve(b"x", 10, "f", 1, 0.0, LEASE)
+    assert idx.reserve_spare(1, 0.0, LEASE) == (ix.LIMIT, None)  # one spare + one reservation
+    assert idx.reserve_spare(2, 0.0, LEASE)[0] == ix.RESERVED
+    # a lapsed spare is no spare: committing into it changes nothing
+    assert idx.commit_spare(b"k", a.token, 10, "f", 1, 1, LEASE + 1) == ix.NO_SPARE
+    assert not idx.contains(b"k") and idx.stats()["spares"] == 1 and idx.slots_used == 2
+    assert idx.expire(LEASE + 1) == 2  # client 1's reservation and client 2's spare
+    assert idx.slots_used == 0 and idx.stats()["spares"] == 0
+    assert idx.reserve_spare(1, LEASE + 1, LEASE)[0] == idx.reserve_spare(1, LEASE + 1, LEASE)[0] == ix.RESERVED
+    idx.forget_owner(1)
+    assert idx.slots_used == 0 and idx.stats()["spares"] == 0
+
+
+def test_spares_evict_above_the_watermark_and_stop_when_full():
+    idx = ix.SlotIndex(4, 100, high_watermark=0.5)
+    put(idx, b"a"), put(idx, b"b")
+    assert idx.reserve_spare(1, 0.0, LEASE)[0] == ix.RESERVED
+    assert not idx.contains(b"a") and idx.contains(b"b") and idx.evictions == 1
+    idx.get(b"b", "f", 2, 0.0, LEASE)  # pinned: never evicted
+    assert idx.reserve_spare(1, 0.0, LEASE)[0] == idx.reserve_spare(1, 0.0, LEASE)[0] == ix.RESERVED
+    assert idx.reserve_spare(1, 0.0, LEASE) == (ix.FULL, None) and idx.contains(b"b")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -238,3 +239,58 @@ def test_a_chain_longer_than_one_request():
             assert got == [n]
     finally:
         node.close()
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    """Wait for ``cond()`` (a client asks for spares after its put's handle is done)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_spare_slots_carry_the_next_put_and_stay_their_clients():
+    """After a put on the node's host the client keeps spare slots for its next put (as many
+    as it wrote, at most 1/16 of the node's slots); that put writes into them and commits
+    with one request. Another client naming those spares, or a forged token, commits
+    nothing and leaves them their owner's; bad SPARE and COMMIT_SPARE requests fail alone."""
+    with StoreNode("127.0.0.1:0", 64 * SLOT, secret=SECRET, slot_bytes=SLOT) as node:
+        src, back = make_layout("2 N B H D", 8, seed=31), make_layout("2 N B H D", 8)
+        keys = kvxfer.block_keys(range(32), 4, salt=b"spares")
+        backend = kvxfer.transport.make_backend("auto")
+        c = NodeConn.open(node.address, SECRET, backend, 10.0)
+        try:
+            with _store(node) as st:
+                st.put(keys[:4], src, range(4)).wait(timeout=60)
+                _until(lambda: node.stats()["spares"] == 4)  # kept for the next put: as many as it wrote
+                spares = {o.token: o.slot for o in node.index._spares.values()}
+                # another client: the spares are not its to commit; forged tokens name nothing
+                fmt = ObjectFormat(src)
+                for token in [*spares, 123456789]:
+                    r = c.request(Req.COMMIT_SPARE, {"keys": [keys[7]], "tokens": [token], "crcs": [0],
+                                                     "nbytes": fmt.nbytes, "fmt": fmt.fmt}, 10.0)
+                    assert r["r"] == [kvxfer.store.index.NO_SPARE]
+                with pytest.raises(NodeError, match="too_large"):
+                    c.request(Req.COMMIT_SPARE, {"keys": [keys[7]], "tokens": [1], "crcs": [0], "nbytes": SLOT + 1,
+                                                 "fmt": "f"}, 10.0)
+                for count in (0, MAX_KEYS + 1, True, "4"):
+                    with pytest.raises(NodeError, match="bad_request"):
+                        c.request(Req.SPARE, {"count": count}, 10.0)
+                assert len(c.request(Req.SPARE, {"count": 2}, 10.0)["s"]) == 2
+                assert not node.index.contains(keys[7]) and node.stats()["spares"] == 6
+                # the next put goes into the spares the first one left (and keeps as many again)
+                st.put(keys[4:8], src, range(4, 8)).wait(timeout=60)
+                assert sorted(node.index.peek(k).slot for k in keys[4:8]) == sorted(spares.values())
+                _until(lambda: node.stats()["spares"] == 6)
+                assert st.stats()["client"]["put_objects"] == 8
+                # a put of present keys writes nothing: it refreshes them, and the spares stay
+                st.put(keys[:2], src, range(2)).wait(timeout=60)
+                assert st.stats()["client"]["put_present"] == 2 and node.stats()["spares"] == 6
+                st.get(keys[:8], back, range(8)).wait(timeout=60)
+                for b in range(8):
+                    assert torch.equal(block_bits(back, b), block_bits(src, b))
+                assert c.request(Req.LOOKUP, {"keys": keys[:8]}, 10.0)["present"] == "1" * 8
+            _until(lambda: node.stats()["spares"] == 2)  # the store's went with its connection; c's stay
+        finally:
+            c.close()
+            backend.close()

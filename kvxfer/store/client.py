@@ -19,7 +19,11 @@ later, when the client tries it again.
 Data moves one-sided between a registered staging buffer of this client and the node's
 slots (no byte of KV through a socket): a put packs each block into staging
 (:mod:`kvxfer.store.objects`), writes it into the slot the node reserved, then commits
-with its checksum (or writes straight from the blocks when their runs are long); a TP
+with its checksum (or writes straight from the blocks when their runs are long). A node
+on this host also keeps a few **spare** slots reserved for this client (asked for after
+each put, off its critical path): a put of whole objects there skips the keys its key
+table shows present, writes the others into spares and commits them under their keys,
+one round trip instead of two (a put with too few spares asks for the rest first); a TP
 rank's put reserves, writes and commits its part of each object (its heads, with the
 part's checksum), and the node publishes the object once the group's parts cover every
 head; a get reads pinned slots into staging, checks every object's checksum (every
@@ -43,7 +47,7 @@ from ..errors import (AuthenticationError, InvalidDescriptor, KVXferError, Limit
 from ..handle import HandleCompleter
 from . import index as ix
 from .conn import NodeConn
-from .key_table import ABSENT, UNKNOWN
+from .key_table import ABSENT, PRESENT, UNKNOWN
 from .keys import MAX_KEY_BYTES
 from .objects import ObjectFormat, checksum
 from .placement import Placement
@@ -59,6 +63,10 @@ MAX_QUEUED_OPS = 1024
 # so objects of up to 16 parts (TP degree 16) always fit
 MAX_GET_KEYS = 1024
 READ_PIECES = 4  # a get's reads per node batch, pipelined with the checksums of the previous one
+# spare slots a connection to a node on this host keeps for the next put (asked for after a
+# put, as many as it wrote, up to this, a 2,048-token prompt's blocks at 16 tokens a block,
+# and to 1/16 of the node's slots, so that a small node is not held by spares)
+SPARES_HELD = 128
 
 
 def _checksums(sums) -> list:
@@ -460,52 +468,70 @@ class KVStore:
             for addr in place.owners(k):
                 targets.setdefault(addr, []).append(i)
         conflicts: list = []
-        for addr, pos in targets.items():
-            try:
-                c = self._conn(addr)
-            except KVXferError as exc:
-                self._mark_down(addr, exc)
-                self.counters["put_skipped"] += len(pos)
-                continue
-            for batch in self._batches(pos, fmt.part_nbytes):
+        used: list = []  # connections whose spares this put drew on
+        try:
+            for addr, pos in targets.items():
                 try:
-                    with c.lock:
-                        conflicts += self._put_batch(c, [keys[i] for i in batch], [ids[i] for i in batch], fmt)
-                except (PeerDisconnected, TransferTimeout) as exc:
+                    c = self._conn(addr)
+                except KVXferError as exc:
                     self._mark_down(addr, exc)
-                    raise
-        done.add_bytes(self._moved)
-        if conflicts:
-            self.counters["put_conflicts"] += len(conflicts)
-            done.fail(StorePartConflict(f"{len(conflicts)} of {len(keys)} keys are being put in parts that "
-                                        f"overlap heads {fmt.part} of {fmt.heads}", keys=conflicts))
-            return
-        done.succeed()
+                    self.counters["put_skipped"] += len(pos)
+                    continue
+                for batch in self._batches(pos, fmt.part_nbytes):
+                    try:
+                        with c.lock:
+                            conflicts += self._put_batch(c, [keys[i] for i in batch], [ids[i] for i in batch], fmt)
+                    except (PeerDisconnected, TransferTimeout) as exc:
+                        self._mark_down(addr, exc)
+                        raise
+                if c.spares_wanted:
+                    used.append(c)
+            done.add_bytes(self._moved)
+            if conflicts:
+                self.counters["put_conflicts"] += len(conflicts)
+                done.fail(StorePartConflict(f"{len(conflicts)} of {len(keys)} keys are being put in parts that "
+                                            f"overlap heads {fmt.part} of {fmt.heads}", keys=conflicts))
+                return
+            done.succeed()
+        finally:
+            self._refill_spares(used)
 
     def _put_batch(self, c: NodeConn, keys, ids, fmt) -> list:
         """Put one batch on one node; return the keys refused with CONFLICT."""
         import numpy as np
 
         size, psize = fmt.nbytes, fmt.part_nbytes
-        if fmt.full:
+        # whole objects to a node on this host: into spare slots, one round trip (COMMIT_SPARE)
+        spared = fmt.full and c.table is not None and size <= c.slot_bytes
+        conflicts: list = []
+        if spared:
+            got, present = self._spares_for(c, keys)
+            if not got:
+                if present:
+                    self._commit_spares(c, keys, got, present, [], size, fmt)
+                return conflicts
+        elif fmt.full:
             r = c.request(Req.RESERVE, {"keys": keys, "nbytes": size, "fmt": fmt.fmt}, self.timeout)["r"]
         else:
             r = c.request(Req.RESERVE_PART, {"keys": keys, "nbytes": size, "fmt": fmt.fmt,
                                              "heads": [*fmt.part, fmt.heads[1]]}, self.timeout)["r"]
-        got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == ix.RESERVED]
-        conflicts = [keys[j] for j, (code, _, _) in enumerate(r) if code == ix.CONFLICT]
-        self.counters["put_present"] += sum(1 for code, _, _ in r if code == ix.PRESENT)
-        self.counters["put_skipped"] += sum(1 for code, _, _ in r
-                                            if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT))
-        if not got:
-            return conflicts
+        if not spared:
+            got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == ix.RESERVED]
+            conflicts = [keys[j] for j, (code, _, _) in enumerate(r) if code == ix.CONFLICT]
+            self.counters["put_present"] += sum(1 for code, _, _ in r if code == ix.PRESENT)
+            self.counters["put_skipped"] += sum(1 for code, _, _ in r
+                                                if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT))
+            if not got:
+                return conflicts
         # same host with the slots mapped here: one native pass copies and hashes (below)
         fused = self.checksum and fmt.full and c.slots_local != 0
+        if fused:
+            _warm_copy_pool(len(got) * size)
         # per object: its descriptors and the runs its checksum reads (the same bytes)
         if fmt.put_zero_copy:  # straight from the blocks into the slots
             regions = np.array(self._pool_regions(fmt), np.int64)
             rows, sums = [], []
-            for j, off, _ in got:
+            for j, off, *_ in got:
                 runs = fmt.runs(ids[j])
                 if not fused:
                     rows.append(np.stack([regions[runs[:, 0]], runs[:, 1], np.full(len(runs), c.region, np.int64),
@@ -515,7 +541,7 @@ class KVStore:
         elif fmt.full:
             descs = np.empty((len(got), 5), np.int64)
             sums = []
-            for n, (j, off, _) in enumerate(got):
+            for n, (j, off, *_) in enumerate(got):
                 fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
                 descs[n] = (self._stage_region, n * size, c.region, off, size)
                 sums.append(([self._stage_ptr + n * size], [size]))
@@ -523,14 +549,14 @@ class KVStore:
             rows, sums = [], []
             within = np.arange(fmt.num_rows, dtype=np.int64) * fmt.part_row
             dst = fmt.rows(*fmt.part)
-            for n, (j, off, _) in enumerate(got):
+            for n, (j, off, *_) in enumerate(got):
                 fmt.pack_one(ids[j], self._staging[n * psize:(n + 1) * psize])
                 rows.append(np.stack([np.full(fmt.num_rows, self._stage_region, np.int64), n * psize + within,
                                       np.full(fmt.num_rows, c.region, np.int64), off + dst,
                                       np.full(fmt.num_rows, fmt.part_row, np.int64)], axis=1))
                 sums.append(([self._stage_ptr + n * psize], [psize]))
             descs = np.concatenate(rows)
-        for j, off, _ in got:
+        for j, off, *_ in got:
             if not 0 <= off <= c.region_bytes - size:
                 raise KVXferError(f"store node {c.address} reserved a slot outside its region")
         # elsewhere the checksums read the source while the copy does (both native, GIL released)
@@ -538,10 +564,10 @@ class KVStore:
         try:
             if fused:  # same host, slots mapped here: one pass copies and hashes each object
                 if fmt.put_zero_copy:  # each run from its block to its place in the slot
-                    runs = [fmt.runs(ids[j]) for j, _, _ in got]
-                    offsets = np.concatenate([off + r[:, 2] for r, (_, off, _) in zip(runs, got)])
+                    runs = [fmt.runs(ids[j]) for j, *_ in got]
+                    offsets = np.concatenate([off + r[:, 2] for r, (_, off, *_) in zip(runs, got)])
                 else:  # each object packed in staging, whole
-                    offsets = np.array([off for _, off, _ in got], np.int64)
+                    offsets = np.array([off for _, off, *_ in got], np.int64)
                 crcs = self._copy_hashing(c, np.concatenate([np.asarray(a, np.int64) for a, _ in sums]), offsets,
                                           np.concatenate([np.asarray(n, np.int64) for _, n in sums]),
                                           [len(n) for _, n in sums], into=False)
@@ -551,16 +577,89 @@ class KVStore:
         except KVXferError:
             if hashing is not None:
                 hashing.result()
-            if not c.closed:
+            if spared:  # the spares stay this connection's (what they hold is overwritten later)
+                if not c.closed:
+                    c.spares += [(off, tok, use_by) for _, off, tok, use_by in got]
+            elif not c.closed:
                 c.request(Req.ABORT, {"keys": [keys[j] for j, _, _ in got],
                                       "tokens": [t for _, _, t in got]}, self.timeout)
             raise
+        self._moved += len(got) * psize
+        if spared:
+            self._commit_spares(c, keys, got, present, crcs, size, fmt)
+            return conflicts
         ok = c.request(Req.COMMIT, {"keys": [keys[j] for j, _, _ in got], "tokens": [t for _, _, t in got],
                                     "crcs": crcs}, self.timeout)["ok"]
         self.counters["put_objects"] += sum(1 for x in ok if x)
-        self._moved += len(got) * psize
         self.counters["put_skipped"] += sum(1 for x in ok if not x)
         return conflicts
+
+    def _spares_for(self, c: NodeConn, keys):
+        """For a put of whole objects on a node on this host: ``(got, present)``.
+        ``present``: the positions the node's key table shows present (none when it
+        cannot be read now); ``got``: ``[(position, offset, token, use_by)]``, a spare slot
+        for each other key, from those the connection holds, then from a SPARE request for
+        the rest (a key the node has no slot for is skipped, as a full node's are)."""
+        with c.mapped_lock:
+            codes = c.table.find(keys) if c.table_usable() else b""
+        present = [j for j, code in enumerate(codes) if code == PRESENT]
+        want = [j for j in range(len(keys)) if not codes or codes[j] != PRESENT]
+        now = time.monotonic()
+        c.spares = [sp for sp in c.spares if sp[2] > now]  # past use_by: left to lapse on the node
+        if len(c.spares) < len(want):
+            self._ask_spares(c, len(want) - len(c.spares))
+        take, c.spares = c.spares[:len(want)], c.spares[len(want):]
+        got = [(j, off, tok, use_by) for j, (off, tok, use_by) in zip(want, take)]
+        self.counters["put_skipped"] += len(want) - len(got)
+        c.spares_wanted = min(SPARES_HELD, len(want), c.num_slots // 16)
+        return got, present
+
+    def _ask_spares(self, c: NodeConn, count: int) -> None:
+        """Ask the node for ``count`` more spare slots (it may give fewer); each is used
+        within half its lease (so never after the node took it back)."""
+        sent = time.monotonic()
+        r = c.request(Req.SPARE, {"count": count}, self.timeout)
+        use_by = sent + float(r.get("lease_s", 0)) / 2
+        for off, tok in r["s"]:
+            if not 0 <= off <= c.region_bytes - c.slot_bytes:
+                raise KVXferError(f"store node {c.address} named a spare slot outside its region")
+            c.spares.append((off, tok, use_by))
+
+    def _commit_spares(self, c: NodeConn, keys, got, present, crcs, size: int, fmt) -> None:
+        """COMMIT_SPARE the objects written into spares (``got``, their ``crcs``) and the
+        keys seen ``present`` (token 0: refreshed); spares whose key was present or busy
+        go back to the connection."""
+        order = [j for j, *_ in got] + present
+        r = c.request(Req.COMMIT_SPARE, {"keys": [keys[j] for j in order],
+                                         "tokens": [g[2] for g in got] + [0] * len(present),
+                                         "crcs": list(crcs) + [0] * len(present), "nbytes": size, "fmt": fmt.fmt},
+                      self.timeout)["r"]
+        if len(r) != len(order):
+            raise KVXferError(f"store node {c.address} answered {len(r)} of {len(order)} commits")
+        for n, code in enumerate(r):
+            if code == ix.COMMITTED:
+                self.counters["put_objects"] += 1
+            elif code == ix.PRESENT:
+                self.counters["put_present"] += 1
+            else:
+                self.counters["put_skipped"] += 1
+            if n < len(got) and code in (ix.PRESENT, ix.BUSY):
+                c.spares.append(got[n][1:])
+
+    def _refill_spares(self, conns) -> None:
+        """After a put: top the spares of ``conns`` up to what each last put wrote (off the
+        put's critical path: its handle is done). A node that fails here is marked down."""
+        for c in conns:
+            with c.lock:
+                n = c.spares_wanted - len(c.spares)
+                if n <= 0 or c.closed:
+                    continue
+                try:
+                    self._ask_spares(c, n)
+                except (PeerDisconnected, TransferTimeout) as exc:
+                    self._mark_down(c.address, exc)
+                except KVXferError as exc:
+                    log.info("store node %s gave no spare slots: %s", c.address, exc)
 
     def _do_get(self, keys, ids, fmt, done) -> None:
         self.counters["gets"] += 1
@@ -641,6 +740,8 @@ class KVStore:
         import numpy as np
 
         size = fmt.nbytes
+        if self.checksum and c.slots_local != 0:
+            _warm_copy_pool(len(hits) * size)
         checks = None
         if self.checksum:
             checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
@@ -792,6 +893,20 @@ class KVStore:
         nodes = self.nodes()
         up = sum(1 for v in nodes.values() if v == "up")
         return f"<KVStore {up}/{len(nodes)} nodes up replicas={self.replicas}{' closed' if self._closed else ''}>"
+
+
+# how long the copy pool's helpers wait spinning for a copy that is about to come (the
+# Python between here and the copy takes 0.05-0.3 ms)
+_WARM_US = 500
+
+
+def _warm_copy_pool(nbytes: int) -> None:
+    """A copy of ``nbytes`` is about to run through :meth:`KVStore._copy_hashing`: where it is
+    large enough to go to the same-host copy pool, wake its helpers now, so that they
+    start with the calling thread rather than tens of microseconds later."""
+    c = load()
+    if nbytes >= c.VM_SPLIT_BYTES:
+        c.warm_copy_pool(_WARM_US)
 
 
 def _check_address(a) -> str:

@@ -49,7 +49,12 @@ class NodeConn:
         self.slot_bytes = int(info["slot_bytes"])
         regions = bconn.remote_regions
         self.region = info["slots_region"]
-        self.region_bytes = int(info["slot_bytes"]) * int(info["num_slots"])
+        self.num_slots = int(info["num_slots"])
+        self.region_bytes = self.slot_bytes * self.num_slots
+        # spare slots the node holds for this client (same host; used and kept by the
+        # client's worker under `lock`): [(offset, token, use_by)], and how many to keep
+        self.spares: list = []
+        self.spares_wanted = 0
         table = info["key_table"]
         if len(regions) != 2 or self.region not in regions or table["region"] not in regions \
                 or table["region"] == self.region:

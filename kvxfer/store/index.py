@@ -28,6 +28,12 @@ lease ran out), so the slot it reads is not reused meanwhile. An object dropped 
 pinned (a reader found its checksum wrong) leaves the index at once and frees its
 slot when the last pin goes.
 
+A client may also hold **spare** slots (:meth:`SlotIndex.reserve_spare`): reserved for it
+under no key, they lapse like reservations and count against the same per-client limit.
+Such a client writes an object into a spare it holds and commits it under its key in one
+step (:meth:`SlotIndex.commit_spare`), which saves a put its reserve round trip; a spare
+whose key turned out present or busy stays the client's.
+
 ``mirror``: an object with ``add(key)`` and ``remove(key)`` told of every key that
 becomes readable and every one that stops being readable (a node's
 :class:`~kvxfer.store.key_table.KeyTable`).
@@ -42,10 +48,12 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT"]
+__all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT", "COMMITTED",
+           "NO_SPARE"]
 
-# reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply)
-PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT = range(6)
+# reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply), and
+# commit_spare()'s own two (with PRESENT and BUSY, the wire codes of a COMMIT_SPARE reply)
+PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT, COMMITTED, NO_SPARE = range(8)
 
 
 @dataclass(eq=False)
@@ -105,6 +113,7 @@ class SlotIndex:
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: low slots first
         self._objects: OrderedDict[bytes, Obj] = OrderedDict()  # committed, LRU first
         self._pending: dict[bytes, Obj] = {}
+        self._spares: dict[int, Obj] = {}  # token -> a slot reserved for a client under no key
         self._pins: dict[int, _Pin] = {}
         self._tokens = itertools.count(1)
         self._pending_by: dict[int, int] = {}
@@ -131,6 +140,7 @@ class SlotIndex:
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
                 "bad_objects": self.bad, "objects": len(self._objects), "pending": len(self._pending),
+                "spares": len(self._spares),
                 "pins": len(self._pins), "bytes_used": self.bytes_used,
                 "slots_used": self.slots_used, "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes, "capacity_bytes": self.num_slots * self.slot_bytes}
@@ -242,6 +252,49 @@ class SlotIndex:
         self._unreserve(obj)
         return True
 
+    def reserve_spare(self, owner: int, now: float, lease_s: float):
+        """``(RESERVED, obj)``: a slot held for ``owner`` under no key until ``now +
+        lease_s`` (``obj.slot``; :meth:`commit_spare` names ``obj.token``); else ``(FULL |
+        LIMIT, None)``. It counts against ``max_pending`` like a reservation."""
+        if self._pending_by.get(owner, 0) >= self.max_pending:
+            return LIMIT, None
+        if not self._free and not self._evict_one():
+            return FULL, None
+        obj = Obj(b"", self._free.pop(), self.slot_bytes, "", owner, next(self._tokens), now + lease_s)
+        self._spares[obj.token] = obj
+        self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
+        self._trim()
+        return RESERVED, obj
+
+    def commit_spare(self, key: bytes, token: int, nbytes: int, fmt: str, crc, owner: int, now: float) -> int:
+        """Make what ``owner`` wrote into its spare ``token`` the readable object ``key``.
+
+        COMMITTED: done (the spare is used up); PRESENT: ``key`` is committed already (its
+        recency is refreshed; the spare, if any, stays ``owner``'s); NO_SPARE: ``token``
+        is no live spare of ``owner`` (lapsed, used, or never its: nothing changes);
+        BUSY: another reservation of ``key`` is live (the spare stays)."""
+        if not 0 < nbytes <= self.slot_bytes:
+            raise ValueError(f"object of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        if key in self._objects:
+            self._objects.move_to_end(key)
+            return PRESENT
+        spare = self._spares.get(token)
+        if spare is None or spare.owner != owner:
+            return NO_SPARE
+        if spare.deadline <= now:
+            self._drop_spare(spare)
+            return NO_SPARE
+        obj = self._pending.get(key)
+        if obj is not None:
+            if obj.deadline > now:
+                return BUSY
+            self._unreserve(obj)
+        del self._spares[token]
+        spare.key, spare.nbytes, spare.fmt, spare.crc = key, nbytes, fmt, crc
+        self._pending[key] = spare
+        self._publish(spare)
+        return COMMITTED
+
     # ---- get -------------------------------------------------------------------------
     def get(self, key: bytes, fmt: str, owner: int, now: float, lease_s: float):
         """``(obj, pin_id)`` for a committed object of this ``fmt`` (pinned until
@@ -275,21 +328,26 @@ class SlotIndex:
 
     # ---- housekeeping ----------------------------------------------------------------
     def expire(self, now: float) -> int:
-        """Drop lapsed reservations and pins; return how many."""
+        """Drop lapsed reservations, spares and pins; return how many."""
         gone = [o for o in self._pending.values() if o.deadline <= now]
         for obj in gone:
             self._unreserve(obj)
+        spares = [o for o in self._spares.values() if o.deadline <= now]
+        for obj in spares:
+            self._drop_spare(obj)
         pins = [(i, p) for i, p in self._pins.items() if p.deadline <= now]
         for pin_id, pin in pins:
             self._unpin(pin_id, pin)
-        return len(gone) + len(pins)
+        return len(gone) + len(spares) + len(pins)
 
     def forget_owner(self, owner: int) -> None:
         """A client left: end its reservations (the multi-part objects where it holds an
         uncommitted part: whole; its committed parts stay until their object completes
-        or lapses) and its pins."""
+        or lapses), its spares and its pins."""
         for obj in [o for o in self._pending.values() if self._holds_open(o, owner)]:
             self._unreserve(obj)
+        for obj in [o for o in self._spares.values() if o.owner == owner]:
+            self._drop_spare(obj)
         for pin_id, pin in [(i, p) for i, p in self._pins.items() if p.owner == owner]:
             self._unpin(pin_id, pin)
         self._pending_by.pop(owner, None)
@@ -334,9 +392,20 @@ class SlotIndex:
         obj.slot = self._free.pop()
         self._pending[obj.key] = obj
         self._pending_by[obj.owner] = self._pending_by.get(obj.owner, 0) + 1
+        self._trim()
+        return obj
+
+    def _trim(self) -> None:
+        """Evict LRU objects while the slots in use exceed the high watermark."""
         while self.slots_used > self.watermark and self._evict_one():
             pass
-        return obj
+
+    def _drop_spare(self, obj: Obj) -> None:
+        del self._spares[obj.token]
+        left = self._pending_by.get(obj.owner)
+        if left is not None:
+            self._pending_by[obj.owner] = left - 1
+        self._free.append(obj.slot)
 
     @staticmethod
     def _part(obj: Obj, token: int, owner: int) -> Part | None:

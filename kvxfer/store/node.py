@@ -320,6 +320,21 @@ class StoreNode:
                     token = part.token if part is not None else 0
                 out.append([code, obj.slot * idx.slot_bytes, token] if obj is not None else [code, 0, 0])
             return {"id": rid, "r": out}
+        if kind == Req.SPARE:
+            out = []
+            for _ in range(f["count"]):
+                _, obj = idx.reserve_spare(owner, now, self.lease_s)
+                if obj is None:
+                    break
+                out.append([obj.slot * idx.slot_bytes, obj.token])
+            return {"id": rid, "s": out, "lease_s": self.lease_s}
+        if kind == Req.COMMIT_SPARE:
+            if f["nbytes"] > idx.slot_bytes:
+                self.num_bad_requests += 1
+                return {"id": rid, "error": "too_large",
+                        "reason": f"objects of {f['nbytes']} B exceed this node's {idx.slot_bytes}-byte slots"}
+            return {"id": rid, "r": [idx.commit_spare(k, t, f["nbytes"], f["fmt"], crc, owner, now)
+                                     for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}
         if kind == Req.COMMIT:
             return {"id": rid, "ok": [idx.commit(k, t, crc, owner)
                                       for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}

@@ -17,7 +17,16 @@ ABORT                 ``keys``, ``tokens``                                      
 GET                   ``keys``, ``fmt``                                            ``r``: ``[[offset, nbytes, crc, pin], ...]`` (pin 0: miss)
 RELEASE               ``pins``, ``bad`` (the pins whose bytes failed the checksum)  none
 STATS                 (none)                                                       the node's counters
+SPARE                 ``count``                                                    ``s``: ``[[offset, token], ...]``, ``lease_s``
+COMMIT_SPARE          ``keys``, ``tokens``, ``crcs``, ``nbytes``, ``fmt``          ``r``: ``[code, ...]``
 ====================  ===========================================================  =====================================
+
+SPARE reserves up to ``count`` slots for the client under no key (fewer when the node is
+full or the client at its reservation limit), each held for ``lease_s`` seconds; a
+COMMIT_SPARE makes the bytes the client wrote into its spare ``tokens[i]`` the object
+``keys[i]`` (codes ``COMMITTED``, ``PRESENT``, ``BUSY``, ``NO_SPARE`` of
+:mod:`kvxfer.store.index`; a token 0 asks only whether the key is present, and refreshes it
+if so). A client that holds spares puts with one round trip instead of two.
 
 RESERVE_PART reserves heads ``[lo, hi)`` of ``of`` of each key's object (``nbytes``: the
 whole object) for one rank of a TP group; its codes are RESERVE's plus ``CONFLICT``
@@ -58,6 +67,8 @@ class Req(enum.IntEnum):
     RELEASE = 69
     STATS = 70
     RESERVE_PART = 71
+    SPARE = 72
+    COMMIT_SPARE = 73
 
 
 REPLY = 80
@@ -71,6 +82,8 @@ _SCHEMAS = {
     Req.GET: {"keys": "keys", "fmt": "fmt"},
     Req.RELEASE: {"pins": "ints", "bad": "ints"},
     Req.STATS: {},
+    Req.SPARE: {"count": "count"},
+    Req.COMMIT_SPARE: {"keys": "keys", "tokens": "ints", "crcs": "crcs", "nbytes": "size", "fmt": "fmt"},
 }
 
 
@@ -140,6 +153,10 @@ def _check(name: str, kind: str, value):
     if kind == "size":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise bad("must be a positive int")
+        return value
+    if kind == "count":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_KEYS:
+            raise bad(f"must be an int in 1..{MAX_KEYS}")
         return value
     if kind == "heads":
         if (not isinstance(value, list) or len(value) != 3

@@ -266,3 +266,14 @@ def test_spares_evict_above_the_watermark_and_stop_when_full():
     idx.get(b"b", "f", 2, 0.0, LEASE)  # pinned: never evicted
     assert idx.reserve_spare(1, 0.0, LEASE)[0] == idx.reserve_spare(1, 0.0, LEASE)[0] == ix.RESERVED
     assert idx.reserve_spare(1, 0.0, LEASE) == (ix.FULL, None) and idx.contains(b"b")
+
+
+def test_a_spare_asked_for_ahead_of_need_takes_only_a_free_slot():
+    idx = ix.SlotIndex(4, 100, high_watermark=0.5)
+    put(idx, b"a"), put(idx, b"b")
+    assert idx.reserve_spare(1, 0.0, LEASE, evict=False)[0] == ix.RESERVED  # past the watermark: no eviction
+    assert idx.reserve_spare(1, 0.0, LEASE, evict=False)[0] == ix.RESERVED
+    assert idx.contains(b"a") and idx.contains(b"b") and idx.evictions == 0 and idx.slots_used == 4
+    assert idx.reserve_spare(1, 0.0, LEASE, evict=False) == (ix.FULL, None) and idx.evictions == 0
+    assert idx.reserve(b"c", 10, "f", 2, 0.0, LEASE)[0] == ix.RESERVED  # a reservation evicts back to it
+    assert idx.evictions == 2 and not idx.contains(b"a") and not idx.contains(b"b")

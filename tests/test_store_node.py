@@ -273,10 +273,10 @@ def test_spare_slots_carry_the_next_put_and_stay_their_clients():
                 with pytest.raises(NodeError, match="too_large"):
                     c.request(Req.COMMIT_SPARE, {"keys": [keys[7]], "tokens": [1], "crcs": [0], "nbytes": SLOT + 1,
                                                  "fmt": "f"}, 10.0)
-                for count in (0, MAX_KEYS + 1, True, "4"):
+                for count, evict in ((0, True), (MAX_KEYS + 1, True), (True, True), ("4", True), (2, 1)):
                     with pytest.raises(NodeError, match="bad_request"):
-                        c.request(Req.SPARE, {"count": count}, 10.0)
-                assert len(c.request(Req.SPARE, {"count": 2}, 10.0)["s"]) == 2
+                        c.request(Req.SPARE, {"count": count, "evict": evict}, 10.0)
+                assert len(c.request(Req.SPARE, {"count": 2, "evict": False}, 10.0)["s"]) == 2
                 assert not node.index.contains(keys[7]) and node.stats()["spares"] == 6
                 # the next put goes into the spares the first one left (and keeps as many again)
                 st.put(keys[4:8], src, range(4, 8)).wait(timeout=60)

@@ -606,19 +606,20 @@ class KVStore:
         want = [j for j in range(len(keys)) if not codes or codes[j] != PRESENT]
         now = time.monotonic()
         c.spares = [sp for sp in c.spares if sp[2] > now]  # past use_by: left to lapse on the node
-        if len(c.spares) < len(want):
-            self._ask_spares(c, len(want) - len(c.spares))
+        if len(c.spares) < len(want):  # needed now: the node evicts for them, as for a reserve
+            self._ask_spares(c, len(want) - len(c.spares), evict=True)
         take, c.spares = c.spares[:len(want)], c.spares[len(want):]
         got = [(j, off, tok, use_by) for j, (off, tok, use_by) in zip(want, take)]
         self.counters["put_skipped"] += len(want) - len(got)
         c.spares_wanted = min(SPARES_HELD, len(want), c.num_slots // 16)
         return got, present
 
-    def _ask_spares(self, c: NodeConn, count: int) -> None:
-        """Ask the node for ``count`` more spare slots (it may give fewer); each is used
-        within half its lease (so never after the node took it back)."""
+    def _ask_spares(self, c: NodeConn, count: int, *, evict: bool) -> None:
+        """Ask the node for ``count`` more spare slots (it may give fewer; ``evict``: as
+        for a reserve, else free ones only); each is used within half its lease (so never
+        after the node took it back)."""
         sent = time.monotonic()
-        r = c.request(Req.SPARE, {"count": count}, self.timeout)
+        r = c.request(Req.SPARE, {"count": count, "evict": evict}, self.timeout)
         use_by = sent + float(r.get("lease_s", 0)) / 2
         for off, tok in r["s"]:
             if not 0 <= off <= c.region_bytes - c.slot_bytes:
@@ -647,15 +648,16 @@ class KVStore:
                 c.spares.append(got[n][1:])
 
     def _refill_spares(self, conns) -> None:
-        """After a put: top the spares of ``conns`` up to what each last put wrote (off the
-        put's critical path: its handle is done). A node that fails here is marked down."""
+        """After a put: top the spares of ``conns`` up to what each last put wrote, from the
+        nodes' free slots (off the put's critical path: its handle is done). A node that
+        fails here is marked down."""
         for c in conns:
             with c.lock:
                 n = c.spares_wanted - len(c.spares)
                 if n <= 0 or c.closed:
                     continue
                 try:
-                    self._ask_spares(c, n)
+                    self._ask_spares(c, n, evict=False)  # ahead of need: never at an object's cost
                 except (PeerDisconnected, TransferTimeout) as exc:
                     self._mark_down(c.address, exc)
                 except KVXferError as exc:

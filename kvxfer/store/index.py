@@ -252,18 +252,22 @@ class SlotIndex:
         self._unreserve(obj)
         return True
 
-    def reserve_spare(self, owner: int, now: float, lease_s: float):
+    def reserve_spare(self, owner: int, now: float, lease_s: float, *, evict: bool = True):
         """``(RESERVED, obj)``: a slot held for ``owner`` under no key until ``now +
         lease_s`` (``obj.slot``; :meth:`commit_spare` names ``obj.token``); else ``(FULL |
-        LIMIT, None)``. It counts against ``max_pending`` like a reservation."""
+        LIMIT, None)``. It counts against ``max_pending`` like a reservation. ``evict``:
+        evict as a reservation does (none free; above the watermark); else only a free
+        slot will do, and the slots in use may pass the watermark (the next reservation
+        evicts back to it): a spare asked for ahead of need never costs an object."""
         if self._pending_by.get(owner, 0) >= self.max_pending:
             return LIMIT, None
-        if not self._free and not self._evict_one():
+        if not self._free and not (evict and self._evict_one()):
             return FULL, None
         obj = Obj(b"", self._free.pop(), self.slot_bytes, "", owner, next(self._tokens), now + lease_s)
         self._spares[obj.token] = obj
         self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
-        self._trim()
+        if evict:
+            self._trim()
         return RESERVED, obj
 
     def commit_spare(self, key: bytes, token: int, nbytes: int, fmt: str, crc, owner: int, now: float) -> int:

@@ -323,7 +323,7 @@ class StoreNode:
         if kind == Req.SPARE:
             out = []
             for _ in range(f["count"]):
-                _, obj = idx.reserve_spare(owner, now, self.lease_s)
+                _, obj = idx.reserve_spare(owner, now, self.lease_s, evict=f["evict"])
                 if obj is None:
                     break
                 out.append([obj.slot * idx.slot_bytes, obj.token])

@@ -17,12 +17,13 @@ ABORT                 ``keys``, ``tokens``                                      
 GET                   ``keys``, ``fmt``                                            ``r``: ``[[offset, nbytes, crc, pin], ...]`` (pin 0: miss)
 RELEASE               ``pins``, ``bad`` (the pins whose bytes failed the checksum)  none
 STATS                 (none)                                                       the node's counters
-SPARE                 ``count``                                                    ``s``: ``[[offset, token], ...]``, ``lease_s``
+SPARE                 ``count``, ``evict``                                         ``s``: ``[[offset, token], ...]``, ``lease_s``
 COMMIT_SPARE          ``keys``, ``tokens``, ``crcs``, ``nbytes``, ``fmt``          ``r``: ``[code, ...]``
 ====================  ===========================================================  =====================================
 
 SPARE reserves up to ``count`` slots for the client under no key (fewer when the node is
-full or the client at its reservation limit), each held for ``lease_s`` seconds; a
+full or the client at its reservation limit; with ``evict`` false, only slots that are
+free now), each held for ``lease_s`` seconds; a
 COMMIT_SPARE makes the bytes the client wrote into its spare ``tokens[i]`` the object
 ``keys[i]`` (codes ``COMMITTED``, ``PRESENT``, ``BUSY``, ``NO_SPARE`` of
 :mod:`kvxfer.store.index`; a token 0 asks only whether the key is present, and refreshes it
@@ -82,7 +83,7 @@ _SCHEMAS = {
     Req.GET: {"keys": "keys", "fmt": "fmt"},
     Req.RELEASE: {"pins": "ints", "bad": "ints"},
     Req.STATS: {},
-    Req.SPARE: {"count": "count"},
+    Req.SPARE: {"count": "count", "evict": "bool"},
     Req.COMMIT_SPARE: {"keys": "keys", "tokens": "ints", "crcs": "crcs", "nbytes": "size", "fmt": "fmt"},
 }
 
@@ -153,6 +154,10 @@ def _check(name: str, kind: str, value):
     if kind == "size":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise bad("must be a positive int")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("must be true or false")
         return value
     if kind == "count":
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_KEYS:

@@ -229,6 +229,7 @@ private:
         }
         for (auto& t : threads_) {
             handles_.push_back(t.native_handle());
+            pthread_setname_np(t.native_handle(), "kvxfer-copy");  // as top -H and py-spy show it
             t.detach();
         }
     }

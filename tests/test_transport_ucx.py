@@ -228,6 +228,41 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+def test_copy_pool_helpers_are_kept_off_the_callers_cpu():
+    # A job steers the pool's helpers ("kvxfer-copy") off the CPU its caller runs on, while
+    # the caller may run on others: a helper woken onto the caller's CPU would queue behind
+    # it. A warmed pool still runs every job whole.
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    code = f"""
+import os, numpy as np
+from kvxfer import _native
+C = _native.load()
+os.sched_setaffinity(0, {cpus[:2]!r})
+src = np.arange(8 << 20, dtype=np.uint8)
+dst = np.zeros_like(src)
+C.warm_copy_pool(2000)
+sums = C.copy_checksum_objects(src.ctypes.data + np.array([0, 4 << 20]), dst.ctypes.data + np.array([0, 4 << 20]),
+                               np.array([4 << 20, 4 << 20]), [1, 1], False, 1)
+assert np.array_equal(src, dst) and len(sums) == 2 and C.vm_copy_threads() == 2
+helpers = []
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{{tid}}/comm") as f:
+        if f.read().strip() == "kvxfer-copy":
+            helpers.append(os.sched_getaffinity(int(tid)))
+assert len(helpers) == 1, helpers
+assert len(helpers[0]) == 1 and helpers[0] < set({cpus[:2]!r}), helpers
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 def test_every_backend_is_a_context_manager():
     # Backend (the base class) closes a backend on leaving a with block, whichever it is
     from kvxfer.errors import KVXferError

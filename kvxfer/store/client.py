@@ -840,7 +840,7 @@ class KVStore:
         (this client's: puts, objects put/present/skipped, part conflicts, gets, misses,
         checksum failures)."""
         total = {k: 0 for k in ("hits", "misses", "evictions", "bytes_used", "capacity_bytes", "objects",
-                                "pending", "pins", "bad_objects")}
+                                "pending", "spares", "pins", "bad_objects")}
         per_node = {}
         for addr in self._live():
             try:

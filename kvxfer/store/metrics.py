@@ -4,8 +4,8 @@ Read from :meth:`StoreNode.stats` at each scrape (no bookkeeping on the hot path
 node's own ``CollectorRegistry``, labelled ``node`` (its name). Counters (``_total``):
 hits, misses, evictions, bad objects (checksum failures reported by readers), requests,
 bad requests, authentication failures, lookups answered by the backend (other hosts).
-Gauges: objects, pending reservations, pins, bytes used, capacity, slots used and in all,
-connected clients. The endpoint serves counts only (no key, slot or secret); bind it where
+Gauges: objects, pending reservations, spare slots held for clients, pins, bytes used,
+capacity, slots used and in all, connected clients. The endpoint serves counts only (no key, slot or secret); bind it where
 your scraper can reach it.
 """
 from __future__ import annotations
@@ -23,10 +23,11 @@ COUNTERS = {
 GAUGES = {
     "objects": "Committed objects.",
     "pending": "Reservations not committed yet.",
+    "spares": "Spare slots reserved for clients under no key (same-host puts commit into them).",
     "pins": "Objects pinned by readers now.",
     "bytes_used": "Bytes of committed objects.",
     "capacity_bytes": "Bytes of all slots.",
-    "slots_used": "Slots holding a committed or pending object.",
+    "slots_used": "Slots holding a committed or pending object, or a spare.",
     "num_slots": "Slots in all.",
     "clients": "Authenticated clients connected.",
 }

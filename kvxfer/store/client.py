@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import queue
 import threading
 import time
-import uuid
 from operator import itemgetter
 
 from .._native import load
@@ -399,17 +399,17 @@ class KVStore:
         fmt = self._format(layout)
         if fmt.nbytes > self._staging.numel():
             raise ValueError(f"an object of {fmt.nbytes} B does not fit the {self._staging.numel()}-byte staging buffer")
-        ids = [int(b) for b in block_ids]
+        ids = list(map(int, block_ids))
         if len(ids) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(ids)} block ids")
-        if any(not 0 <= b < layout.num_blocks for b in ids):
+        if ids and (min(ids) < 0 or max(ids) >= layout.num_blocks):
             raise ValueError(f"block ids must be in [0, {layout.num_blocks})")
         return keys, ids, fmt
 
     def _submit(self, kind: str, fn):
         if self._closed:
             raise KVXferError("this KVStore is closed")
-        done = HandleCompleter(kind, uuid.uuid4().hex[:12], None)
+        done = HandleCompleter(kind, os.urandom(6).hex(), None)
         try:
             self._ops.put_nowait((fn, done))
         except queue.Full:
@@ -742,14 +742,13 @@ class KVStore:
         import numpy as np
 
         size = fmt.nbytes
-        if self.checksum and c.slots_local != 0:
-            _warm_copy_pool(len(hits) * size)
         checks = None
         if self.checksum:
             checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
                       [fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)])
         if checks is not None and c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
             # same host, slots mapped here: one pass copies each object and hashes what arrived
+            _warm_copy_pool(len(hits) * size)
             verdict = self._read_hashing(c, fmt, hits, ids, checks)
         else:  # one-sided reads, descriptors per run (straight into the blocks) or per object
             if fmt.zero_copy:

@@ -294,3 +294,27 @@ def test_spare_slots_carry_the_next_put_and_stay_their_clients():
         finally:
             c.close()
             backend.close()
+
+
+class _NodeWithoutSpares(StoreNode):
+    """A node that answers SPARE and COMMIT_SPARE as a node without them does."""
+
+    def _serve(self, c, msg_type, payload, now):
+        if msg_type in (Req.SPARE, Req.COMMIT_SPARE):
+            rid = json.loads(bytes(payload).split(b"\0")[0]).get("id")
+            return {"id": rid, "error": "bad_request", "reason": f"unknown request type {msg_type}"}
+        return super()._serve(c, msg_type, payload, now)
+
+
+def test_a_node_without_spare_slots_gets_reserve_and_commit():
+    with _NodeWithoutSpares("127.0.0.1:0", 64 * SLOT, secret=SECRET, slot_bytes=SLOT) as node:
+        src, back = make_layout("2 N B H D", 4, seed=41), make_layout("2 N B H D", 4)
+        keys = kvxfer.block_keys(range(16), 4, salt=b"no-spares")
+        with _store(node) as st:
+            st.put(keys[:2], src, [0, 1]).wait(timeout=60)  # refused SPARE: reserve and commit
+            st.put(keys[2:], src, [2, 3]).wait(timeout=60)  # and no SPARE asked again
+            st.get(keys, back, range(4)).wait(timeout=60)
+            for b in range(4):
+                assert torch.equal(block_bits(back, b), block_bits(src, b))
+            assert st.stats()["client"]["put_objects"] == 4 and node.stats()["spares"] == 0
+            assert not st._conns[node.address].spare_slots

@@ -46,7 +46,7 @@ from ..errors import (AuthenticationError, InvalidDescriptor, KVXferError, Limit
                       StoreMiss, StorePartConflict, TransferTimeout)
 from ..handle import HandleCompleter
 from . import index as ix
-from .conn import NodeConn
+from .conn import NodeConn, NodeError
 from .key_table import ABSENT, PRESENT, UNKNOWN
 from .keys import MAX_KEY_BYTES
 from .objects import ObjectFormat, checksum
@@ -502,10 +502,12 @@ class KVStore:
 
         size, psize = fmt.nbytes, fmt.part_nbytes
         # whole objects to a node on this host: into spare slots, one round trip (COMMIT_SPARE)
-        spared = fmt.full and c.table is not None and size <= c.slot_bytes
+        spared = fmt.full and c.table is not None and size <= c.slot_bytes and c.spare_slots
         conflicts: list = []
         if spared:
             got, present = self._spares_for(c, keys)
+            spared = c.spare_slots  # (a node that answers no SPARE: reserve and commit)
+        if spared:
             if not got:
                 if present:
                     self._commit_spares(c, keys, got, present, [], size, fmt)
@@ -608,6 +610,8 @@ class KVStore:
         c.spares = [sp for sp in c.spares if sp[2] > now]  # past use_by: left to lapse on the node
         if len(c.spares) < len(want):  # needed now: the node evicts for them, as for a reserve
             self._ask_spares(c, len(want) - len(c.spares), evict=True)
+            if not c.spare_slots:
+                return [], []
         take, c.spares = c.spares[:len(want)], c.spares[len(want):]
         got = [(j, off, tok, use_by) for j, (off, tok, use_by) in zip(want, take)]
         self.counters["put_skipped"] += len(want) - len(got)
@@ -619,7 +623,14 @@ class KVStore:
         for a reserve, else free ones only); each is used within half its lease (so never
         after the node took it back)."""
         sent = time.monotonic()
-        r = c.request(Req.SPARE, {"count": count, "evict": evict}, self.timeout)
+        try:
+            r = c.request(Req.SPARE, {"count": count, "evict": evict}, self.timeout)
+        except NodeError as exc:
+            if exc.code != "bad_request":
+                raise
+            c.spare_slots = False  # a node that knows no spare slots: puts reserve, then commit
+            log.info("store node %s keeps no spare slots (%s): puts reserve and commit", c.address, exc)
+            return
         use_by = sent + float(r.get("lease_s", 0)) / 2
         for off, tok in r["s"]:
             if not 0 <= off <= c.region_bytes - c.slot_bytes:
@@ -654,7 +665,7 @@ class KVStore:
         for c in conns:
             with c.lock:
                 n = c.spares_wanted - len(c.spares)
-                if n <= 0 or c.closed:
+                if n <= 0 or c.closed or not c.spare_slots:
                     continue
                 try:
                     self._ask_spares(c, n, evict=False)  # ahead of need: never at an object's cost

@@ -55,6 +55,7 @@ class NodeConn:
         # client's worker under `lock`): [(offset, token, use_by)], and how many to keep
         self.spares: list = []
         self.spares_wanted = 0
+        self.spare_slots = True  # False once the node refused a SPARE request (it knows none)
         table = info["key_table"]
         if len(regions) != 2 or self.region not in regions or table["region"] not in regions \
                 or table["region"] == self.region:

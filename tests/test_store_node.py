@@ -318,3 +318,23 @@ def test_a_node_without_spare_slots_gets_reserve_and_commit():
                 assert torch.equal(block_bits(back, b), block_bits(src, b))
             assert st.stats()["client"]["put_objects"] == 4 and node.stats()["spares"] == 0
             assert not st._conns[node.address].spare_slots
+
+
+class _NodeWithBadSpares(StoreNode):
+    """A node whose spares asked for ahead of need (``evict`` false) lie past its slots."""
+
+    def _serve(self, c, msg_type, payload, now):
+        reply = super()._serve(c, msg_type, payload, now)
+        if msg_type == Req.SPARE and not json.loads(bytes(payload))["evict"]:
+            reply["s"] = [[self.index.num_slots * self.index.slot_bytes, tok] for _, tok in reply["s"]]
+        return reply
+
+
+def test_a_spare_outside_the_nodes_slots_marks_it_down():
+    with _NodeWithBadSpares("127.0.0.1:0", 64 * SLOT, secret=SECRET, slot_bytes=SLOT) as node:
+        src = make_layout("2 N B H D", 4, seed=51)
+        keys = kvxfer.block_keys(range(16), 4, salt=b"bad-spares")
+        with _store(node, retry_s=60.0) as st:
+            st.put(keys, src, range(4)).wait(timeout=60)  # its own spares were fine: done
+            _until(lambda: st.nodes()[node.address] == "down")  # the refill's were not
+            assert st.stats()["client"]["node_failures"] == 1 and node.index.contains(keys[0])

@@ -669,10 +669,8 @@ class KVStore:
                     continue
                 try:
                     self._ask_spares(c, n, evict=False)  # ahead of need: never at an object's cost
-                except (PeerDisconnected, TransferTimeout) as exc:
+                except KVXferError as exc:  # gone, late, or an answer that makes no sense
                     self._mark_down(c.address, exc)
-                except KVXferError as exc:
-                    log.info("store node %s gave no spare slots: %s", c.address, exc)
 
     def _do_get(self, keys, ids, fmt, done) -> None:
         self.counters["gets"] += 1

@@ -529,6 +529,18 @@ class KVStore:
         fused = self.checksum and fmt.full and c.slots_local != 0
         if fused:
             _warm_copy_pool(len(got) * size)
+        for j, off, *_ in got:
+            if not 0 <= off <= c.region_bytes - size:
+                raise KVXferError(f"store node {c.address} reserved a slot outside its region")
+        if fused and fmt.put_zero_copy:  # each run from its block to its place in the slot
+            try:
+                crcs = self._copy_hashing(c, *_runs_into_slots(fmt, [ids[j] for j, *_ in got],
+                                                               [off for _, off, *_ in got]), into=False)
+            except KVXferError:
+                if not c.closed:
+                    self._give_back(c, keys, got, spared)
+                raise
+            return self._commit(c, keys, got, present if spared else None, crcs, size, psize, fmt, conflicts)
         # per object: its descriptors and the runs its checksum reads (the same bytes)
         if fmt.put_zero_copy:  # straight from the blocks into the slots
             regions = np.array(self._pool_regions(fmt), np.int64)
@@ -558,18 +570,11 @@ class KVStore:
                                       np.full(fmt.num_rows, fmt.part_row, np.int64)], axis=1))
                 sums.append(([self._stage_ptr + n * psize], [psize]))
             descs = np.concatenate(rows)
-        for j, off, *_ in got:
-            if not 0 <= off <= c.region_bytes - size:
-                raise KVXferError(f"store node {c.address} reserved a slot outside its region")
         # elsewhere the checksums read the source while the copy does (both native, GIL released)
         hashing = self._hasher.submit(_checksums, sums) if self.checksum and not fused else None
         try:
             if fused:  # same host, slots mapped here: one pass copies and hashes each object
-                if fmt.put_zero_copy:  # each run from its block to its place in the slot
-                    runs = [fmt.runs(ids[j]) for j, *_ in got]
-                    offsets = np.concatenate([off + r[:, 2] for r, (_, off, *_) in zip(runs, got)])
-                else:  # each object packed in staging, whole
-                    offsets = np.array([off for _, off, *_ in got], np.int64)
+                offsets = np.array([off for _, off, *_ in got], np.int64)  # (packed in staging, whole)
                 crcs = self._copy_hashing(c, np.concatenate([np.asarray(a, np.int64) for a, _ in sums]), offsets,
                                           np.concatenate([np.asarray(n, np.int64) for _, n in sums]),
                                           [len(n) for _, n in sums], into=False)
@@ -579,15 +584,26 @@ class KVStore:
         except KVXferError:
             if hashing is not None:
                 hashing.result()
-            if spared:  # the spares stay this connection's (what they hold is overwritten later)
-                if not c.closed:
-                    c.spares += [(off, tok, use_by) for _, off, tok, use_by in got]
-            elif not c.closed:
-                c.request(Req.ABORT, {"keys": [keys[j] for j, _, _ in got],
-                                      "tokens": [t for _, _, t in got]}, self.timeout)
+            if not c.closed:
+                self._give_back(c, keys, got, spared)
             raise
-        self._moved += len(got) * psize
+        return self._commit(c, keys, got, present if spared else None, crcs, size, psize, fmt, conflicts)
+
+    def _give_back(self, c: NodeConn, keys, got, spared: bool) -> None:
+        """After a failed write: spares stay this connection's (what they hold is overwritten
+        later); reservations are aborted."""
         if spared:
+            c.spares += [(off, tok, use_by) for _, off, tok, use_by in got]
+        else:
+            c.request(Req.ABORT, {"keys": [keys[j] for j, _, _ in got], "tokens": [t for _, _, t in got]},
+                      self.timeout)
+
+    def _commit(self, c: NodeConn, keys, got, present, crcs, size: int, psize: int, fmt, conflicts) -> list:
+        """Commit the written objects ``got`` (into spares where ``present`` is a list, the
+        positions the key table showed present; else their reservations); return
+        ``conflicts``."""
+        self._moved += len(got) * psize
+        if present is not None:
             self._commit_spares(c, keys, got, present, crcs, size, fmt)
             return conflicts
         ok = c.request(Req.COMMIT, {"keys": [keys[j] for j, _, _ in got], "tokens": [t for _, _, t in got],
@@ -751,6 +767,18 @@ class KVStore:
         import numpy as np
 
         size = fmt.nbytes
+        if self.checksum and c.slots_local != 0 and fmt.zero_copy and all(type(h[3]) is int for h in hits):
+            # same host, whole objects straight into the blocks: one pass copies and hashes each
+            _warm_copy_pool(len(hits) * size)
+            local, offsets, lengths, counts = _runs_into_slots(fmt, [ids[h[0]] for h in hits], [h[1] for h in hits])
+            sums = self._copy_hashing(c, local, offsets, lengths, counts, into=True)
+            good = []
+            for (i, _, _, crc, pin), got in zip(hits, sums):
+                if 0 <= crc < 2**64 and (crc == NO_CRC or got == crc):
+                    good.append(i)
+                else:
+                    bad.append(pin)
+            return good
         checks = None
         if self.checksum:
             checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
@@ -903,6 +931,20 @@ class KVStore:
         nodes = self.nodes()
         up = sum(1 for v in nodes.values() if v == "up")
         return f"<KVStore {up}/{len(nodes)} nodes up replicas={self.replicas}{' closed' if self._closed else ''}>"
+
+
+def _runs_into_slots(fmt, block_ids, slot_offsets):
+    """``(local, offsets, lengths, counts)`` for :meth:`KVStore._copy_hashing` of whole
+    objects straight between blocks ``block_ids`` of ``fmt``'s pool and the slots at
+    ``slot_offsets`` (a zero-copy layout): every run's address in the pool, offset in the
+    node's region and length (int64 ``[num_runs]``), and the runs of each object."""
+    import numpy as np
+
+    arrays = [fmt.run_arrays(b) for b in block_ids]
+    counts = [len(a) for a, _, _ in arrays]
+    offsets = np.concatenate([w for _, w, _ in arrays])
+    offsets += np.repeat(np.asarray(slot_offsets, np.int64), counts)
+    return (np.concatenate([a for a, _, _ in arrays]), offsets, np.concatenate([n for _, _, n in arrays]), counts)
 
 
 # how long the copy pool's helpers wait spinning for a copy that is about to come (the

@@ -80,6 +80,7 @@ class ObjectFormat:
         self.bases = [a for a, _ in layout.regions()]
         self._runs: dict = {}
         self._addrs: dict = {}
+        self._arrays: dict = {}
         self._head_runs: dict = {}
         self._rows: dict = {}
         if self.full:  # gets and puts straight between blocks and slots when runs are long
@@ -106,6 +107,20 @@ class ObjectFormat:
         got = self._addrs.get(block_id)
         if got is None:
             got = self._addrs[block_id] = self.run_addrs(self.runs(block_id))
+        return got
+
+    def run_arrays(self, block_id: int):
+        """``(addrs, offsets, lengths)``, contiguous int64 ``[num_runs]`` each, of the runs of
+        :meth:`runs` ``(block_id)``: address in the pool, offset in the object, length (what
+        a same-host put or get copies, ready to concatenate over a call's blocks); computed
+        once per block."""
+        got = self._arrays.get(block_id)
+        if got is None:
+            import numpy as np
+
+            runs = self.runs(block_id)
+            got = self._arrays[block_id] = (np.ascontiguousarray(self.addrs(block_id), np.int64),
+                                            np.ascontiguousarray(runs[:, 2]), np.ascontiguousarray(runs[:, 3]))
         return got
 
     def _to_object(self, runs):

@@ -138,3 +138,19 @@ def test_one_pass_copies_on_this_host_agree_with_the_remote_path(node, head_dim)
             with pytest.raises(kvxfer.StoreMiss):
                 reader.get(keys, make_layout("2 N B H D", 1, head_dim=head_dim), [0]).wait(timeout=60)
             assert reader.stats()["client"]["checksum_failures"] == failures + 1
+
+
+@pytest.mark.parametrize("head_dim", [8, 128])
+def test_objects_without_checksums_round_trip_on_either_path(node, head_dim):
+    """``checksum=False``: puts write through the backend's descriptors (staged whole or
+    straight from the blocks), on this host and on UCX only, and gets read them back bitwise."""
+    src = make_layout("2 N B H D", 6, seed=9, head_dim=head_dim)
+    for backend in ("auto", "ucx"):
+        with kvxfer.KVStore(nodes=[node], secret=SECRET, checksum=False, backend=backend) as st:
+            keys = kvxfer.block_keys(range(6 * 4), 4, salt=b"no-crc-%s-%d" % (backend.encode(), head_dim))
+            st.put(keys, src, range(6)).wait(timeout=60)
+            dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
+            st.get(keys, dst, [5, 4, 3, 2, 1, 0]).wait(timeout=60)
+            for s in range(6):
+                assert torch.equal(block_bits(src, s), block_bits(dst, 5 - s))
+            assert st.stats()["client"]["put_objects"] == 6

@@ -529,36 +529,33 @@ class KVStore:
         fused = self.checksum and fmt.full and c.slots_local != 0
         if fused:
             _warm_copy_pool(len(got) * size)
-        for j, off, *_ in got:
-            if not 0 <= off <= c.region_bytes - size:
-                raise KVXferError(f"store node {c.address} reserved a slot outside its region")
-        if fused and fmt.put_zero_copy:  # each run from its block to its place in the slot
-            try:
-                crcs = self._copy_hashing(c, *_runs_into_slots(fmt, [ids[j] for j, *_ in got],
-                                                               [off for _, off, *_ in got]), into=False)
-            except KVXferError:
-                if not c.closed:
-                    self._give_back(c, keys, got, spared)
-                raise
-            return self._commit(c, keys, got, present if spared else None, crcs, size, psize, fmt, conflicts)
-        # per object: its descriptors and the runs its checksum reads (the same bytes)
-        if fmt.put_zero_copy:  # straight from the blocks into the slots
+        offs = [off for _, off, *_ in got]
+        if not 0 <= min(offs) <= max(offs) <= c.region_bytes - size:
+            raise KVXferError(f"store node {c.address} reserved a slot outside its region")
+        # per object: its descriptors and the runs its checksum reads (the same bytes); or,
+        # fused, the runs (local, offsets, lengths, counts) one native pass copies and hashes
+        if fmt.put_zero_copy and fused:  # each run from its block to its place in the slot
+            copy = _runs_into_slots(fmt, [ids[j] for j, *_ in got], offs)
+        elif fmt.put_zero_copy:  # straight from the blocks into the slots
             regions = np.array(self._pool_regions(fmt), np.int64)
             rows, sums = [], []
             for j, off, *_ in got:
                 runs = fmt.runs(ids[j])
-                if not fused:
-                    rows.append(np.stack([regions[runs[:, 0]], runs[:, 1], np.full(len(runs), c.region, np.int64),
-                                          off + runs[:, 2], runs[:, 3]], axis=1))
+                rows.append(np.stack([regions[runs[:, 0]], runs[:, 1], np.full(len(runs), c.region, np.int64),
+                                      off + runs[:, 2], runs[:, 3]], axis=1))
                 sums.append((fmt.addrs(ids[j]), runs[:, 3]))
-            descs = np.concatenate(rows) if rows else None
-        elif fmt.full:
-            descs = np.empty((len(got), 5), np.int64)
-            sums = []
-            for n, (j, off, *_) in enumerate(got):
+            descs = np.concatenate(rows)
+        elif fmt.full:  # each object packed in staging, whole
+            for n, (j, *_) in enumerate(got):
                 fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
-                descs[n] = (self._stage_region, n * size, c.region, off, size)
-                sums.append(([self._stage_ptr + n * size], [size]))
+            within = np.arange(len(got), dtype=np.int64) * size
+            whole = np.full(len(got), size, np.int64)
+            if fused:
+                copy = (self._stage_ptr + within, np.asarray(offs, np.int64), whole, [1] * len(got))
+            else:
+                descs = np.stack([np.full(len(got), self._stage_region, np.int64), within,
+                                  np.full(len(got), c.region, np.int64), np.asarray(offs, np.int64), whole], axis=1)
+                sums = [([self._stage_ptr + w], [size]) for w in within.tolist()]
         else:  # a part packed into staging, then one descriptor per row of the object
             rows, sums = [], []
             within = np.arange(fmt.num_rows, dtype=np.int64) * fmt.part_row
@@ -574,10 +571,7 @@ class KVStore:
         hashing = self._hasher.submit(_checksums, sums) if self.checksum and not fused else None
         try:
             if fused:  # same host, slots mapped here: one pass copies and hashes each object
-                offsets = np.array([off for _, off, *_ in got], np.int64)  # (packed in staging, whole)
-                crcs = self._copy_hashing(c, np.concatenate([np.asarray(a, np.int64) for a, _ in sums]), offsets,
-                                          np.concatenate([np.asarray(n, np.int64) for _, n in sums]),
-                                          [len(n) for _, n in sums], into=False)
+                crcs = self._copy_hashing(c, *copy, into=False)
             else:
                 c.move("write", descs, self.timeout)
                 crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
@@ -767,26 +761,18 @@ class KVStore:
         import numpy as np
 
         size = fmt.nbytes
-        if self.checksum and c.slots_local != 0 and fmt.zero_copy and all(type(h[3]) is int for h in hits):
-            # same host, whole objects straight into the blocks: one pass copies and hashes each
-            _warm_copy_pool(len(hits) * size)
-            local, offsets, lengths, counts = _runs_into_slots(fmt, [ids[h[0]] for h in hits], [h[1] for h in hits])
-            sums = self._copy_hashing(c, local, offsets, lengths, counts, into=True)
-            good = []
-            for (i, _, _, crc, pin), got in zip(hits, sums):
-                if 0 <= crc < 2**64 and (crc == NO_CRC or got == crc):
-                    good.append(i)
-                else:
-                    bad.append(pin)
-            return good
-        checks = None
+        checks = crcs = None  # crcs: same host, each object's one checksum (None: malformed)
         if self.checksum:
-            checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
-                      [fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)])
-        if checks is not None and c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
-            # same host, slots mapped here: one pass copies each object and hashes what arrived
+            if c.slots_local != 0 and all(type(h[3]) is int for h in hits):  # all put whole: the common case
+                crcs = [crc if 0 <= crc < 2**64 else None for _, _, _, crc, _ in hits]
+            else:
+                checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
+                          [fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)])
+                if c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
+                    crcs = [ch[0][2] if ch else None for ch in checks]
+        if crcs is not None:  # same host, slots mapped here: one pass copies each object and hashes what arrived
             _warm_copy_pool(len(hits) * size)
-            verdict = self._read_hashing(c, fmt, hits, ids, checks)
+            verdict = self._read_hashing(c, fmt, hits, ids, crcs)
         else:  # one-sided reads, descriptors per run (straight into the blocks) or per object
             if fmt.zero_copy:
                 regions = np.array(self._pool_regions(fmt), np.int64)
@@ -819,34 +805,26 @@ class KVStore:
             self._unpack_runs(fmt, good, ids)
         return [i for _, i in good]
 
-    def _read_hashing(self, c: NodeConn, fmt, hits, ids, checks) -> list:
-        """The reads of :meth:`_read_hits` for whole-object checksums from slots mapped here:
-        each object is copied into its blocks (zero-copy) or staging and hashed there in
-        the same pass; returns per hit whether its bytes passed the checksum."""
+    def _read_hashing(self, c: NodeConn, fmt, hits, ids, crcs) -> list:
+        """The reads of :meth:`_read_hits` for whole-object checksums ``crcs`` (one per hit,
+        None: malformed, bad, nothing copied) from slots mapped here: each object is copied
+        into its blocks (zero-copy) or staging and hashed there in the same pass; returns
+        per hit whether its bytes passed the checksum."""
         import numpy as np
 
-        size = fmt.nbytes
-        local, offsets, lengths, counts = [], [], [], []  # per object copied: its runs
-        wanted = []  # per object copied: (position in hits, the checksum it must have)
-        for n, ((i, off, *_), ch) in enumerate(zip(hits, checks)):
-            if ch is None:  # a malformed checksum: bad, nothing copied
-                continue
-            (addrs, lens, crc), = ch
-            if fmt.zero_copy:  # each run from its place in the slot to its block
-                local.append(np.asarray(addrs, np.int64))
-                offsets.append(off + fmt.runs(ids[i])[:, 2])
-                lengths.append(np.asarray(lens, np.int64))
-            else:  # whole, into staging
-                local.append(np.array([self._stage_ptr + n * size], np.int64))
-                offsets.append(np.array([off], np.int64))
-                lengths.append(np.array([size], np.int64))
-            counts.append(len(lengths[-1]))
-            wanted.append((n, crc))
-        sums = (self._copy_hashing(c, np.concatenate(local), np.concatenate(offsets), np.concatenate(lengths),
-                                   counts, into=True) if wanted else [])
-        verdict = [False] * len(hits)  # a malformed checksum stays bad
-        for (n, crc), got in zip(wanted, sums):
-            verdict[n] = crc == NO_CRC or got == crc
+        wanted = [n for n, crc in enumerate(crcs) if crc is not None]
+        verdict = [False] * len(hits)
+        if not wanted:
+            return verdict
+        offs = [hits[n][1] for n in wanted]
+        if fmt.zero_copy:  # each run from its place in the slot to its block
+            copy = _runs_into_slots(fmt, [ids[hits[n][0]] for n in wanted], offs)
+        else:  # whole, into staging
+            size = fmt.nbytes
+            copy = (self._stage_ptr + np.asarray(wanted, np.int64) * size, np.asarray(offs, np.int64),
+                    np.full(len(wanted), size, np.int64), [1] * len(wanted))
+        for n, got in zip(wanted, self._copy_hashing(c, *copy, into=True)):
+            verdict[n] = crcs[n] == NO_CRC or got == crcs[n]
         return verdict
 
     @staticmethod

@@ -79,7 +79,6 @@ class ObjectFormat:
         self.fmt = hashlib.blake2b(layout.fingerprint().encode(), digest_size=16).hexdigest()
         self.bases = [a for a, _ in layout.regions()]
         self._runs: dict = {}
-        self._addrs: dict = {}
         self._arrays: dict = {}
         self._head_runs: dict = {}
         self._rows: dict = {}
@@ -104,10 +103,7 @@ class ObjectFormat:
     def addrs(self, block_id: int):
         """int64 ``[num_runs]``: the address of each run of :meth:`runs` ``(block_id)`` in
         the pool; computed once per block."""
-        got = self._addrs.get(block_id)
-        if got is None:
-            got = self._addrs[block_id] = self.run_addrs(self.runs(block_id))
-        return got
+        return self.run_arrays(block_id)[0]
 
     def run_arrays(self, block_id: int):
         """``(addrs, offsets, lengths)``, contiguous int64 ``[num_runs]`` each, of the runs of
@@ -119,7 +115,7 @@ class ObjectFormat:
             import numpy as np
 
             runs = self.runs(block_id)
-            got = self._arrays[block_id] = (np.ascontiguousarray(self.addrs(block_id), np.int64),
+            got = self._arrays[block_id] = (np.ascontiguousarray(self.run_addrs(runs)),
                                             np.ascontiguousarray(runs[:, 2]), np.ascontiguousarray(runs[:, 3]))
         return got
 

@@ -338,3 +338,19 @@ def test_a_spare_outside_the_nodes_slots_marks_it_down():
             st.put(keys, src, range(4)).wait(timeout=60)  # its own spares were fine: done
             _until(lambda: st.nodes()[node.address] == "down")  # the refill's were not
             assert st.stats()["client"]["node_failures"] == 1 and node.index.contains(keys[0])
+
+
+def test_spares_asked_for_after_a_put_never_evict():
+    """A full node: a put evicts for the slots it needs now, but the spares its client asks
+    for afterwards take free slots only, so they cost no object."""
+    with StoreNode("127.0.0.1:0", 64 * SLOT, secret=SECRET, slot_bytes=SLOT, high_watermark=1.0) as node:
+        src = make_layout("2 N B H D", 64, seed=61)
+        keys = kvxfer.block_keys(range(68 * 4), 4, salt=b"full")
+        with _store(node) as filler:
+            filler.put(keys[:64], src, range(64)).wait(timeout=60)
+        _until(lambda: node.stats()["spares"] == 0)  # (the filler's went with it)
+        assert len(node.index) == 64 and node.index.evictions == 0
+        with _store(node) as st:
+            st.put(keys[64:], src, range(4)).wait(timeout=60)
+            st.get(keys[64:65], src, [4]).wait(timeout=60)  # queued behind the client's ask for spares
+            assert node.index.evictions == 4 and len(node.index) == 64 and node.stats()["spares"] == 0

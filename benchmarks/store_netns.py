@@ -149,7 +149,7 @@ def iperf(link: Link, seconds: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16, help="objects per put/get call")
-    ap.add_argument("--iters", type=int, default=3, help="put+get rounds per repetition")
+    ap.add_argument("--iters", type=int, default=8, help="put+get rounds per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--iperf-s", type=float, default=3.0)
     ap.add_argument("--no-checksum", action="store_true", help="objects without checksums (what they cost)")
@@ -161,7 +161,12 @@ def main() -> None:
         return
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iperf3") is None:
         raise SystemExit("needs root, iproute2 and iperf3 (apt-get install -y iperf3)")
-    env = {**os.environ, "KVXFER_SECRET": SECRET, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    # OMP_WAIT_POLICY=PASSIVE: the client checks every get with torch and zeroes the pool
+    # before the next put; torch's OpenMP worker (libgomp) would otherwise spin for ~10 ms of
+    # CPU after each of those calls, on one of the cores the timed put needs (measured here:
+    # puts at 0.5-0.8x iperf3 with it spinning, 0.85-1.2x without)
+    env = {**os.environ, "KVXFER_SECRET": SECRET, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n",
+           "OMP_WAIT_POLICY": "PASSIVE"}
     nbytes = args.batch * OBJ
     capacity = 2 * (args.iters + 1) * args.reps * nbytes  # every object the run puts: no eviction
     with Link() as link:
@@ -186,6 +191,8 @@ def main() -> None:
             get = nbytes / statistics.median(got["get_s"])
             reps.append({"iperf3_gbps": tcp / 1e9, "put_gbps": put / 1e9, "get_gbps": get / 1e9,
                          "put_vs_iperf3": put / tcp, "get_vs_iperf3": get / tcp, "transport": got["transport"],
+                         "put_ms": [round(s * 1e3, 2) for s in got["put_s"]],
+                         "get_ms": [round(s * 1e3, 2) for s in got["get_s"]],
                          "lookup_p50_us": got["lookup_us"][0], "lookup_p99_us": got["lookup_us"][1],
                          "lookup_paths": got["lookup_paths"]})
             print(json.dumps(reps[-1]), flush=True)

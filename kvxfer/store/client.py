@@ -62,7 +62,7 @@ MAX_QUEUED_OPS = 1024
 # keys per GET: a node answers at most MAX_REPLY_PARTS checksums per reply (the rest miss),
 # so objects of up to 16 parts (TP degree 16) always fit
 MAX_GET_KEYS = 1024
-READ_PIECES = 4  # a get's reads per node batch, pipelined with the checksums of the previous one
+READ_PIECES = 8  # a get's reads per node batch, pipelined with the checksums of the previous one
 # spare slots a connection to a node on this host keeps for the next put (asked for after a
 # put, as many as it wrote, up to this, a 2,048-token prompt's blocks at 16 tokens a block,
 # and to 1/16 of the node's slots, so that a small node is not held by spares)
@@ -537,14 +537,9 @@ class KVStore:
         if fmt.put_zero_copy and fused:  # each run from its block to its place in the slot
             copy = _runs_into_slots(fmt, [ids[j] for j, *_ in got], offs)
         elif fmt.put_zero_copy:  # straight from the blocks into the slots
-            regions = np.array(self._pool_regions(fmt), np.int64)
-            rows, sums = [], []
-            for j, off, *_ in got:
-                runs = fmt.runs(ids[j])
-                rows.append(np.stack([regions[runs[:, 0]], runs[:, 1], np.full(len(runs), c.region, np.int64),
-                                      off + runs[:, 2], runs[:, 3]], axis=1))
-                sums.append((fmt.addrs(ids[j]), runs[:, 3]))
-            descs = np.concatenate(rows)
+            blocks = [ids[j] for j, *_ in got]
+            descs, _ = _descs_into_slots(fmt, self._pool_regions(fmt), blocks, offs, c.region)
+            sums = [fmt.run_arrays(b)[::2] for b in blocks]
         elif fmt.full:  # each object packed in staging, whole
             for n, (j, *_) in enumerate(got):
                 fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
@@ -774,18 +769,22 @@ class KVStore:
             _warm_copy_pool(len(hits) * size)
             verdict = self._read_hashing(c, fmt, hits, ids, crcs)
         else:  # one-sided reads, descriptors per run (straight into the blocks) or per object
+            offs = [off for _, off, *_ in hits]
             if fmt.zero_copy:
-                regions = np.array(self._pool_regions(fmt), np.int64)
-                descs = [np.stack([regions[r[:, 0]], r[:, 1], np.full(len(r), c.region, np.int64), off + r[:, 2],
-                                   r[:, 3]], axis=1) for r, (_, off, *_) in ((fmt.runs(ids[h[0]]), h) for h in hits)]
+                descs, ends = _descs_into_slots(fmt, self._pool_regions(fmt), [ids[h[0]] for h in hits], offs,
+                                                c.region)
             else:
-                descs = [np.array([(self._stage_region, n * size, c.region, off, size)], np.int64)
-                         for n, (_, off, *_) in enumerate(hits)]
+                descs = np.stack([np.full(len(hits), self._stage_region, np.int64),
+                                  np.arange(len(hits), dtype=np.int64) * size, np.full(len(hits), c.region, np.int64),
+                                  np.asarray(offs, np.int64), np.full(len(hits), size, np.int64)], axis=1)
+                ends = np.arange(1, len(hits) + 1)
             verdict = [True] * len(hits)
             step = max(1, -(-len(hits) // READ_PIECES))
             # every piece in flight at once (the link stays busy); checked in order as each lands
-            posted = [(first, c.post("read", np.concatenate(descs[first:first + step])))
-                      for first in range(0, len(hits), step)]
+            posted = []
+            for first in range(0, len(hits), step):
+                lo, hi = ends[first - 1] if first else 0, ends[min(first + step, len(hits)) - 1]
+                posted.append((first, c.post("read", descs[lo:hi])))
             pending = None  # (first, future) of the piece being checked
             for first, req in posted:
                 c.wait(req, self.timeout)
@@ -909,6 +908,26 @@ class KVStore:
         nodes = self.nodes()
         up = sum(1 for v in nodes.values() if v == "up")
         return f"<KVStore {up}/{len(nodes)} nodes up replicas={self.replicas}{' closed' if self._closed else ''}>"
+
+
+def _descs_into_slots(fmt, regions, block_ids, slot_offsets, region: int):
+    """``(descs, ends)`` for one-sided moves of whole objects straight between blocks
+    ``block_ids`` of ``fmt``'s pool (backend region ids ``regions``, one per pool region)
+    and the slots at ``slot_offsets`` of the node's region ``region``: int64
+    ``[num_runs, 5]`` descriptors (local region, offset, remote region, offset, length),
+    object after object, and where each object's runs end (int64 ``[len(block_ids)]``)."""
+    import numpy as np
+
+    runs = [fmt.runs(b) for b in block_ids]
+    ends = np.cumsum([len(r) for r in runs])
+    runs = np.concatenate(runs)
+    descs = np.empty((len(runs), 5), np.int64)
+    descs[:, 0] = np.asarray(regions, np.int64)[runs[:, 0]]
+    descs[:, 1] = runs[:, 1]
+    descs[:, 2] = region
+    descs[:, 3] = runs[:, 2] + np.repeat(np.asarray(slot_offsets, np.int64), np.diff(ends, prepend=0))
+    descs[:, 4] = runs[:, 3]
+    return descs, ends
 
 
 def _runs_into_slots(fmt, block_ids, slot_offsets):

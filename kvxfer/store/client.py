@@ -62,7 +62,11 @@ MAX_QUEUED_OPS = 1024
 # keys per GET: a node answers at most MAX_REPLY_PARTS checksums per reply (the rest miss),
 # so objects of up to 16 parts (TP degree 16) always fit
 MAX_GET_KEYS = 1024
-READ_PIECES = 8  # a get's reads per node batch, pipelined with the checksums of the previous one
+# a get's reads per node batch go in at least READ_PIECES pieces of at most READ_PIECE_BYTES
+# (but whole objects), each checked while the next ones move: a small piece is still in
+# cache when its checksum reads it
+READ_PIECES = 8
+READ_PIECE_BYTES = 4 << 20
 # spare slots a connection to a node on this host keeps for the next put (asked for after a
 # put, as many as it wrote, up to this, a 2,048-token prompt's blocks at 16 tokens a block,
 # and to 1/16 of the node's slots, so that a small node is not held by spares)
@@ -751,8 +755,8 @@ class KVStore:
     def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
         """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
         their blocks; return the positions whose bytes passed the checksum (the pins of
-        the others go to ``bad``). Reads go in up to :data:`READ_PIECES` pieces, each
-        piece's checksums computed while the next piece moves."""
+        the others go to ``bad``). Reads go in pieces (:data:`READ_PIECES`,
+        :data:`READ_PIECE_BYTES`), each piece's checksums computed while the next ones move."""
         import numpy as np
 
         size = fmt.nbytes
@@ -779,7 +783,7 @@ class KVStore:
                                   np.asarray(offs, np.int64), np.full(len(hits), size, np.int64)], axis=1)
                 ends = np.arange(1, len(hits) + 1)
             verdict = [True] * len(hits)
-            step = max(1, -(-len(hits) // READ_PIECES))
+            step = max(1, min(-(-len(hits) // READ_PIECES), READ_PIECE_BYTES // size))
             # every piece in flight at once (the link stays busy); checked in order as each lands
             posted = []
             for first in range(0, len(hits), step):

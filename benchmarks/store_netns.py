@@ -153,6 +153,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--iperf-s", type=float, default=3.0)
     ap.add_argument("--no-checksum", action="store_true", help="objects without checksums (what they cost)")
+    ap.add_argument("--omp-spin", action="store_true",
+                    help="leave the client's OpenMP wait policy as the environment has it (by default libgomp's "
+                         "worker spins beside the timed calls: what that costs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--client", nargs=2, metavar=("ADDR", "SALT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -165,8 +168,9 @@ def main() -> None:
     # before the next put; torch's OpenMP worker (libgomp) would otherwise spin for ~10 ms of
     # CPU after each of those calls, on one of the cores the timed put needs (measured here:
     # puts at 0.5-0.8x iperf3 with it spinning, 0.85-1.2x without)
-    env = {**os.environ, "KVXFER_SECRET": SECRET, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n",
-           "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "KVXFER_SECRET": SECRET, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    if not args.omp_spin:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     nbytes = args.batch * OBJ
     capacity = 2 * (args.iters + 1) * args.reps * nbytes  # every object the run puts: no eviction
     with Link() as link:
@@ -203,7 +207,7 @@ def main() -> None:
               "put_vs_iperf3_median": statistics.median(r["put_vs_iperf3"] for r in reps),
               "get_vs_iperf3_median": statistics.median(r["get_vs_iperf3"] for r in reps),
               "lookup_p50_us_median": statistics.median(r["lookup_p50_us"] for r in reps),
-              "checksums": not args.no_checksum, "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
+              "checksums": not args.no_checksum, "omp_wait_policy": env.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

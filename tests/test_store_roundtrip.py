@@ -141,6 +141,41 @@ def test_one_pass_copies_on_this_host_agree_with_the_remote_path(node, head_dim)
 
 
 @pytest.mark.parametrize("head_dim", [8, 128])
+def test_remote_reads_in_pieces_of_several_objects_miss_only_the_corrupted_one(node, head_dim, monkeypatch):
+    """A client on UCX only reads a get's objects in pieces of several objects each,
+    checking each piece while the next ones move: with a byte flipped in the fifth of
+    seven objects (in the second of three pieces), the get loads exactly the four before
+    it, bitwise, and counts one checksum failure."""
+    import ctypes
+
+    from kvxfer.store import client as store_client
+    from kvxfer.store.protocol import Req
+
+    monkeypatch.setattr(store_client, "READ_PIECES", 3)  # 7 objects: pieces of 3, 3 and 1
+    src = make_layout("2 N B H D", 7, seed=11, head_dim=head_dim)
+    keys = kvxfer.block_keys(range(7 * 4), 4, salt=b"pieces-%d" % head_dim)
+    with kvxfer.KVStore(nodes=[node], secret=SECRET) as local, \
+            kvxfer.KVStore(nodes=[node], secret=SECRET, backend="ucx") as remote:
+        local.put(keys, src, range(7)).wait(timeout=60)
+        dst = make_layout("N 2 B H D", 7, head_dim=head_dim)
+        remote.get(keys, dst, [6, 5, 4, 3, 2, 1, 0]).wait(timeout=60)
+        for s in range(7):
+            assert torch.equal(block_bits(src, s), block_bits(dst, 6 - s))
+        conn = local._conns[node]
+        r = conn.request(Req.GET, {"keys": [keys[4]], "fmt": ObjectFormat(src).fmt}, 10)["r"]
+        conn.send(Req.RELEASE, {"pins": [r[0][3]], "bad": []}, reply=False)
+        ctypes.c_uint8.from_address(conn.slots_local + r[0][0] + 5).value ^= 0x10
+        again = make_layout("N 2 B H D", 7, head_dim=head_dim)
+        with pytest.raises(kvxfer.StoreMiss) as err:
+            remote.get(keys, again, range(7)).wait(timeout=60)
+        assert err.value.loaded == 4
+        for s in range(4):
+            assert torch.equal(block_bits(src, s), block_bits(again, s))
+        assert remote.stats()["client"]["checksum_failures"] == 1
+        assert remote._conns[node].slots_local == 0
+
+
+@pytest.mark.parametrize("head_dim", [8, 128])
 def test_objects_without_checksums_round_trip_on_either_path(node, head_dim):
     """``checksum=False``: puts write through the backend's descriptors (staged whole or
     straight from the blocks), on this host and on UCX only, and gets read them back bitwise."""

@@ -7,6 +7,9 @@ writes), then the store's put and get, then iperf3 again; each repetition's rati
 mean of the iperf3 runs just before and after it. Every get is checked bitwise against
 what was put. Each repetition also times 500 lookups of a chain twice the batch long (the
 first half present): from the other namespace they go to the node's backend over TCP.
+The client runs with ``OMP_WAIT_POLICY=PASSIVE``, so that the torch calls that check and
+clear its pool leave no OpenMP worker spinning beside the timed calls (``--omp-spin``:
+leave it as the environment has it, to see what that costs).
 Needs root, iproute2 and iperf3 (Debian: ``apt-get install -y iperf3``).
 
     PYTHONPATH=$PWD python benchmarks/store_netns.py --json benchmarks/results/store_netns.json

@@ -210,7 +210,8 @@ def main() -> None:
               "put_vs_iperf3_median": statistics.median(r["put_vs_iperf3"] for r in reps),
               "get_vs_iperf3_median": statistics.median(r["get_vs_iperf3"] for r in reps),
               "lookup_p50_us_median": statistics.median(r["lookup_p50_us"] for r in reps),
-              "checksums": not args.no_checksum, "omp_wait_policy": env.get("OMP_WAIT_POLICY"), "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
+              "checksums": not args.no_checksum, "omp_wait_policy": env.get("OMP_WAIT_POLICY"),
+              "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -24,6 +24,29 @@ def store(node):
         yield s
 
 
+def put_then_get_reversed(writer, reader, keys, src, head_dim):
+    """``writer`` puts every block of ``src`` under ``keys``; ``reader`` gets them into a
+    fresh blocks-first NHD pool in reverse order, which must hold them bitwise."""
+    n = src.num_blocks
+    writer.put(keys, src, range(n)).wait(timeout=60)
+    dst = make_layout("N 2 B H D", n, head_dim=head_dim)
+    reader.get(keys, dst, range(n - 1, -1, -1)).wait(timeout=60)
+    for s in range(n):
+        assert torch.equal(block_bits(src, s), block_bits(dst, n - 1 - s))
+
+
+def flip_stored_byte(conn, key, src, at: int, mask: int) -> None:
+    """XOR ``mask`` into byte ``at`` of the object stored under ``key`` (put from ``src``'s
+    layout), through ``conn``'s mapping of the node's slots (a client on this host)."""
+    import ctypes
+
+    from kvxfer.store.protocol import Req
+
+    r = conn.request(Req.GET, {"keys": [key], "fmt": ObjectFormat(src).fmt}, 10)["r"]
+    conn.send(Req.RELEASE, {"pins": [r[0][3]], "bad": []}, reply=False)
+    ctypes.c_uint8.from_address(conn.slots_local + r[0][0] + at).value ^= mask
+
+
 @pytest.mark.parametrize("head_dim", [8, 128])
 def test_nhd_tp1_to_hnd_tp1_and_tp2(store, head_dim):
     """head_dim 8: every object through staging; 128: NHD pools move tiles straight
@@ -114,26 +137,15 @@ def test_one_pass_copies_on_this_host_agree_with_the_remote_path(node, head_dim)
             kvxfer.KVStore(nodes=[node], secret=SECRET, backend="ucx") as remote:
         for writer, reader, tag in ((local, remote, b"l2r"), (remote, local, b"r2l")):
             keys = kvxfer.block_keys(range(6 * 4), 4, salt=b"one-pass-%s-%d" % (tag, head_dim))
-            writer.put(keys, src, range(6)).wait(timeout=60)
-            dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
-            reader.get(keys, dst, [5, 4, 3, 2, 1, 0]).wait(timeout=60)
-            for s in range(6):
-                assert torch.equal(block_bits(src, s), block_bits(dst, 5 - s))
+            put_then_get_reversed(writer, reader, keys, src, head_dim)
             assert reader.stats()["client"]["checksum_failures"] == 0
         assert local._conns[node].slots_local != 0 and remote._conns[node].slots_local == 0
         # flip a byte of a stored object through the local mapping: each reader misses it
         # (its own checksum fails), never returns it
-        import ctypes
-
-        from kvxfer.store.protocol import Req
-
-        conn = local._conns[node]
         for reader in (local, remote):
             keys = kvxfer.block_keys(range(4), 4, salt=b"one-pass-flip-%d-%d" % (head_dim, reader is local))
             local.put(keys, src, [2]).wait(timeout=60)
-            r = conn.request(Req.GET, {"keys": keys, "fmt": ObjectFormat(src).fmt}, 10)["r"]
-            conn.send(Req.RELEASE, {"pins": [r[0][3]], "bad": []}, reply=False)
-            ctypes.c_uint8.from_address(conn.slots_local + r[0][0] + 7).value ^= 0x40
+            flip_stored_byte(local._conns[node], keys[0], src, 7, 0x40)
             failures = reader.stats()["client"]["checksum_failures"]
             with pytest.raises(kvxfer.StoreMiss):
                 reader.get(keys, make_layout("2 N B H D", 1, head_dim=head_dim), [0]).wait(timeout=60)
@@ -146,25 +158,15 @@ def test_remote_reads_in_pieces_of_several_objects_miss_only_the_corrupted_one(n
     checking each piece while the next ones move: with a byte flipped in the fifth of
     seven objects (in the second of three pieces), the get loads exactly the four before
     it, bitwise, and counts one checksum failure."""
-    import ctypes
-
     from kvxfer.store import client as store_client
-    from kvxfer.store.protocol import Req
 
     monkeypatch.setattr(store_client, "READ_PIECES", 3)  # 7 objects: pieces of 3, 3 and 1
     src = make_layout("2 N B H D", 7, seed=11, head_dim=head_dim)
     keys = kvxfer.block_keys(range(7 * 4), 4, salt=b"pieces-%d" % head_dim)
     with kvxfer.KVStore(nodes=[node], secret=SECRET) as local, \
             kvxfer.KVStore(nodes=[node], secret=SECRET, backend="ucx") as remote:
-        local.put(keys, src, range(7)).wait(timeout=60)
-        dst = make_layout("N 2 B H D", 7, head_dim=head_dim)
-        remote.get(keys, dst, [6, 5, 4, 3, 2, 1, 0]).wait(timeout=60)
-        for s in range(7):
-            assert torch.equal(block_bits(src, s), block_bits(dst, 6 - s))
-        conn = local._conns[node]
-        r = conn.request(Req.GET, {"keys": [keys[4]], "fmt": ObjectFormat(src).fmt}, 10)["r"]
-        conn.send(Req.RELEASE, {"pins": [r[0][3]], "bad": []}, reply=False)
-        ctypes.c_uint8.from_address(conn.slots_local + r[0][0] + 5).value ^= 0x10
+        put_then_get_reversed(local, remote, keys, src, head_dim)
+        flip_stored_byte(local._conns[node], keys[4], src, 5, 0x10)
         again = make_layout("N 2 B H D", 7, head_dim=head_dim)
         with pytest.raises(kvxfer.StoreMiss) as err:
             remote.get(keys, again, range(7)).wait(timeout=60)
@@ -183,9 +185,5 @@ def test_objects_without_checksums_round_trip_on_either_path(node, head_dim):
     for backend in ("auto", "ucx"):
         with kvxfer.KVStore(nodes=[node], secret=SECRET, checksum=False, backend=backend) as st:
             keys = kvxfer.block_keys(range(6 * 4), 4, salt=b"no-crc-%s-%d" % (backend.encode(), head_dim))
-            st.put(keys, src, range(6)).wait(timeout=60)
-            dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
-            st.get(keys, dst, [5, 4, 3, 2, 1, 0]).wait(timeout=60)
-            for s in range(6):
-                assert torch.equal(block_bits(src, s), block_bits(dst, 5 - s))
+            put_then_get_reversed(st, st, keys, src, head_dim)
             assert st.stats()["client"]["put_objects"] == 6

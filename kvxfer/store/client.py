@@ -548,12 +548,11 @@ class KVStore:
             for n, (j, *_) in enumerate(got):
                 fmt.pack_one(ids[j], self._staging[n * size:(n + 1) * size])
             within = np.arange(len(got), dtype=np.int64) * size
-            whole = np.full(len(got), size, np.int64)
             if fused:
-                copy = (self._stage_ptr + within, np.asarray(offs, np.int64), whole, [1] * len(got))
+                copy = (self._stage_ptr + within, np.asarray(offs, np.int64), np.full(len(got), size, np.int64),
+                        [1] * len(got))
             else:
-                descs = np.stack([np.full(len(got), self._stage_region, np.int64), within,
-                                  np.full(len(got), c.region, np.int64), np.asarray(offs, np.int64), whole], axis=1)
+                descs = self._staged_descs(c, offs, size)
                 sums = [([self._stage_ptr + w], [size]) for w in within.tolist()]
         else:  # a part packed into staging, then one descriptor per row of the object
             rows, sums = [], []
@@ -581,6 +580,16 @@ class KVStore:
                 self._give_back(c, keys, got, spared)
             raise
         return self._commit(c, keys, got, present if spared else None, crcs, size, psize, fmt, conflicts)
+
+    def _staged_descs(self, c: NodeConn, slot_offsets, size: int):
+        """int64 ``[n, 5]`` descriptors moving whole objects of ``size`` bytes between
+        staging (object ``i`` at ``i * size``) and the slots at ``slot_offsets`` of ``c``."""
+        import numpy as np
+
+        n = len(slot_offsets)
+        return np.stack([np.full(n, self._stage_region, np.int64), np.arange(n, dtype=np.int64) * size,
+                         np.full(n, c.region, np.int64), np.asarray(slot_offsets, np.int64),
+                         np.full(n, size, np.int64)], axis=1)
 
     def _give_back(self, c: NodeConn, keys, got, spared: bool) -> None:
         """After a failed write: spares stay this connection's (what they hold is overwritten
@@ -778,10 +787,7 @@ class KVStore:
                 descs, ends = _descs_into_slots(fmt, self._pool_regions(fmt), [ids[h[0]] for h in hits], offs,
                                                 c.region)
             else:
-                descs = np.stack([np.full(len(hits), self._stage_region, np.int64),
-                                  np.arange(len(hits), dtype=np.int64) * size, np.full(len(hits), c.region, np.int64),
-                                  np.asarray(offs, np.int64), np.full(len(hits), size, np.int64)], axis=1)
-                ends = np.arange(1, len(hits) + 1)
+                descs, ends = self._staged_descs(c, offs, size), np.arange(1, len(hits) + 1)
             verdict = [True] * len(hits)
             step = max(1, min(-(-len(hits) // READ_PIECES), READ_PIECE_BYTES // size))
             # every piece in flight at once (the link stays busy); checked in order as each lands

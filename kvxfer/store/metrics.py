@@ -5,8 +5,8 @@ node's own ``CollectorRegistry``, labelled ``node`` (its name). Counters (``_tot
 hits, misses, evictions, bad objects (checksum failures reported by readers), requests,
 bad requests, authentication failures, lookups answered by the backend (other hosts).
 Gauges: objects, pending reservations, spare slots held for clients, pins, bytes used,
-capacity, slots used and in all, connected clients. The endpoint serves counts only (no key, slot or secret); bind it where
-your scraper can reach it.
+capacity, slots used and in all, connected clients. The endpoint serves counts only (no
+key, slot or secret); bind it where your scraper can reach it.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@
    host, GB/s over ``--batch`` objects a call, with and without checksums, against the
    memcpy limit of the same bytes measured in the same run on the same resources (the
    caches flushed before every timed copy, put and get, so all read memory; --warm: not):
-   the vm copy pool's threads copy (with checksums, each object copied and hashed in one
+   the vm copy pool's threads copy (each object copied, and with checksums hashed, in one
    pass on one of them, objects taken in turn; batches below the pool's split size: the
    calling thread alone), so the limit is a copy on that many threads, streaming stores
    allowed.

@@ -90,7 +90,7 @@ PYBIND11_MODULE(_C, m) {
               "(a caller about to post a job).");
         m.def(
             "copy_checksum_objects",
-            [](I64 hashed, I64 other, I64 len, I64 counts, bool into_hashed, int64_t split_bytes) {
+            [](I64 hashed, I64 other, I64 len, I64 counts, bool into_hashed, int64_t split_bytes, bool hash) {
                 const py::ssize_t n = len.size();
                 if (hashed.ndim() != 1 || other.ndim() != 1 || len.ndim() != 1 || counts.ndim() != 1 ||
                     hashed.size() != n || other.size() != n)
@@ -108,16 +108,16 @@ PYBIND11_MODULE(_C, m) {
                 {
                     py::gil_scoped_release release;
                     kvxfer::copy_checksum_objects(hashed.data(), other.data(), len.data(), counts.data(),
-                                                  counts.size(), into_hashed, split_bytes, out.data());
+                                                  counts.size(), into_hashed, split_bytes, out.data(), hash);
                 }
                 return out;
             },
             py::arg("hashed"), py::arg("other"), py::arg("len"), py::arg("counts"), py::arg("into_hashed"),
-            py::arg("split_bytes") = static_cast<int64_t>(kvxfer::kVmSplitBytes),
+            py::arg("split_bytes") = static_cast<int64_t>(kvxfer::kVmSplitBytes), py::arg("hash") = true,
             "Per object (counts[i] consecutive runs each): checksum_runs of its hashed runs, copying each run to "
             "(or, into_hashed, from) other[i] as it is hashed, so each byte is read once (host memory the caller "
             "owns and has bounds-checked); objects of split_bytes or more in all (0: never) spread over the "
-            "same-host copy pool's threads; GIL released.");
+            "same-host copy pool's threads; hash=False: the copies alone (each checksum 0); GIL released.");
     }
 
     // ---- shared-memory host allocations for same-host peers (shared_mem.h) ----

@@ -349,7 +349,7 @@ uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const i
 }
 
 void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const int64_t* len, const int64_t* counts,
-                           int64_t objects, bool into_hashed, int64_t split_bytes, uint64_t* out) {
+                           int64_t objects, bool into_hashed, int64_t split_bytes, uint64_t* out, bool hash) {
     std::vector<int64_t> first(objects + 1, 0);  // object i's runs: [first[i], first[i + 1])
     for (int64_t i = 0; i < objects; ++i) first[i + 1] = first[i] + counts[i];
     int64_t total = 0;
@@ -357,6 +357,18 @@ void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const in
     const int64_t* src = into_hashed ? other : hashed;
     auto one = [&](size_t i) {
         const int64_t at = first[i], k = counts[i];
+        if (!hash) {  // the copies alone, streaming stores both ways
+            for (int64_t r = at; r < at + k; ++r) {
+                if (len[r] == 0) continue;
+                char* h = reinterpret_cast<char*>(static_cast<uintptr_t>(hashed[r]));
+                char* o = reinterpret_cast<char*>(static_cast<uintptr_t>(other[r]));
+                if (into_hashed) copy_bytes(h, o, len[r], true);
+                else copy_bytes(o, h, len[r], true);
+            }
+            fence(true);
+            out[i] = 0;
+            return;
+        }
         // the next object's first source run, prefetched as this one ends (on one thread
         // the next object is what comes next; on the pool, most often)
         const bool more = at + k < first[objects];

@@ -20,7 +20,7 @@ def copy_tiles(
 def memcpy_parallel(dst: int, src: int, nbytes: int, num_threads: int) -> None: ...
 def checksum_runs(addr: npt.ArrayLike, len: npt.ArrayLike) -> int: ...
 def copy_checksum_objects(hashed: npt.ArrayLike, other: npt.ArrayLike, len: npt.ArrayLike, counts: npt.ArrayLike,
-                          into_hashed: bool, split_bytes: int = ...) -> list[int]: ...  # per object: checksum of its hashed runs (spread over the vm copy pool from split_bytes, default VM_SPLIT_BYTES; 0: one thread)
+                          into_hashed: bool, split_bytes: int = ..., hash: bool = True) -> list[int]: ...  # per object: checksum of its hashed runs (spread over the vm copy pool from split_bytes, default VM_SPLIT_BYTES; 0: one thread); hash=False: the copies alone, each 0
 def warm_copy_pool(us: int) -> None: ...  # wake the vm copy pool's helpers to wait spinning for up to us microseconds
 def set_vm_copy_threads(threads: int) -> None: ...  # 0: none given; ValueError if the process pool has another size
 def vm_copy_threads() -> int: ...  # the process pool's copying threads, the caller included

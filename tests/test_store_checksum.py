@@ -54,11 +54,13 @@ def test_bad_runs_are_refused():
         checksum([1, 2], [1])
 
 
+@pytest.mark.parametrize("hash_", [True, False])
 @pytest.mark.parametrize("into_hashed", [False, True])
-def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed):
+def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed, hash_):
     """copy_checksum_objects (the same-host put and get): runs of every length class (0, short,
     around the 64 KiB copy chunk, over a MiB), placed on the other side in another order;
-    every byte arrives, and the checksum is XXH3-64 of the hashed side's bytes."""
+    every byte arrives, and the checksum is XXH3-64 of the hashed side's bytes (hash=False,
+    a client without checksums: the same copies, each checksum 0)."""
     from kvxfer._native import load
 
     native = load()
@@ -76,17 +78,17 @@ def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed
         at = 0
         for i in order:
             other_starts[i], at = at, at + lens[i]
-        expected = xxhash.xxh3_64_intdigest(data[:total].tobytes())
+        expected = xxhash.xxh3_64_intdigest(data[:total].tobytes()) if hash_ else 0
         if into_hashed:  # the bytes arrive in the hashed runs from the other side
             src = np.zeros_like(data)
             for i in range(len(lens)):
                 src[other_starts[i]:other_starts[i] + lens[i]] = data[starts[i]:starts[i] + lens[i]]
             got, = native.copy_checksum_objects(empty.ctypes.data + starts, src.ctypes.data + other_starts, lens,
-                                                [len(lens)], True)
+                                                [len(lens)], True, hash=hash_)
             assert np.array_equal(empty[:total], data[:total]), list(lens)
         else:
             got, = native.copy_checksum_objects(data.ctypes.data + starts, empty.ctypes.data + other_starts, lens,
-                                                [len(lens)], False)
+                                                [len(lens)], False, hash=hash_)
             for i in range(len(lens)):
                 assert np.array_equal(empty[other_starts[i]:other_starts[i] + lens[i]],
                                       data[starts[i]:starts[i] + lens[i]]), list(lens)
@@ -95,13 +97,14 @@ def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed
     data = _buf(1000, seed=3)
     out = np.zeros_like(data)
     sums = native.copy_checksum_objects(data.ctypes.data + np.array([0, 300, 700]), out.ctypes.data + np.array([0, 300, 700]),
-                                        np.array([300, 400, 300]), [1, 2], False)
-    assert sums == [xxhash.xxh3_64_intdigest(data[:300].tobytes()), xxhash.xxh3_64_intdigest(data[300:].tobytes())]
+                                        np.array([300, 400, 300]), [1, 2], False, hash=hash_)
+    assert sums == ([xxhash.xxh3_64_intdigest(data[:300].tobytes()), xxhash.xxh3_64_intdigest(data[300:].tobytes())]
+                    if hash_ else [0, 0])
     assert np.array_equal(out, data)
     with pytest.raises(ValueError):  # a null run, and counts that do not add up
-        native.copy_checksum_objects(np.array([0]), np.array([8]), np.array([8]), [1], False)
+        native.copy_checksum_objects(np.array([0]), np.array([8]), np.array([8]), [1], False, hash=hash_)
     with pytest.raises(ValueError):
-        native.copy_checksum_objects(np.array([8]), np.array([8]), np.array([8]), [2], False)
+        native.copy_checksum_objects(np.array([8]), np.array([8]), np.array([8]), [2], False, hash=hash_)
 
 
 @pytest.mark.parametrize("into_hashed", [False, True])
@@ -144,11 +147,13 @@ def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift
         assert got == expected, (list(lens), dst_shift)
 
 
+@pytest.mark.parametrize("hash_", [True, False])
 @pytest.mark.parametrize("into_hashed", [False, True])
-def test_objects_spread_over_the_copy_pool_give_each_its_own_checksum(into_hashed):
+def test_objects_spread_over_the_copy_pool_give_each_its_own_checksum(into_hashed, hash_):
     """From split_bytes on, copy_checksum_objects hands whole objects to the same-host copy
     pool's threads in turn: every object still arrives whole and gets the checksum of its
-    own bytes, in its own place in the result, as on one thread (split_bytes=0)."""
+    own bytes, in its own place in the result, as on one thread (split_bytes=0); with
+    hash=False the same objects arrive, each checksum 0."""
     from kvxfer._native import load
 
     native = load()
@@ -161,7 +166,7 @@ def test_objects_spread_over_the_copy_pool_give_each_its_own_checksum(into_hashe
     other_starts = (total - starts - lens).astype(np.int64)
     first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     expected = [xxhash.xxh3_64_intdigest(data[starts[first[i]]:starts[first[i]] + lens[first[i]:first[i + 1]].sum()]
-                                         .tobytes()) for i in range(len(counts))]
+                                         .tobytes()) if hash_ else 0 for i in range(len(counts))]
     results = {}
     for split in (0, 1, total):  # one thread; the pool from one byte on; the pool at exactly the total
         other = np.zeros(total, np.uint8)
@@ -170,11 +175,11 @@ def test_objects_spread_over_the_copy_pool_give_each_its_own_checksum(into_hashe
                 other[o:o + n] = data[s:s + n]
             dst = np.zeros(total, np.uint8)
             results[split] = native.copy_checksum_objects(dst.ctypes.data + starts, other.ctypes.data + other_starts,
-                                                          lens, counts, True, split)
+                                                          lens, counts, True, split, hash=hash_)
             assert np.array_equal(dst, data), split
         else:
             results[split] = native.copy_checksum_objects(data.ctypes.data + starts, other.ctypes.data + other_starts,
-                                                          lens, counts, False, split)
+                                                          lens, counts, False, split, hash=hash_)
             for s, o, n in zip(starts, other_starts, lens):
                 assert np.array_equal(other[o:o + n], data[s:s + n]), split
         assert results[split] == expected, split

@@ -179,11 +179,18 @@ def test_remote_reads_in_pieces_of_several_objects_miss_only_the_corrupted_one(n
 
 @pytest.mark.parametrize("head_dim", [8, 128])
 def test_objects_without_checksums_round_trip_on_either_path(node, head_dim):
-    """``checksum=False``: puts write through the backend's descriptors (staged whole or
-    straight from the blocks), on this host and on UCX only, and gets read them back bitwise."""
+    """``checksum=False``: on this host puts and gets copy through the node's slots mapped
+    here in one native pass that copies alone; on UCX only they write and read through the
+    backend's descriptors (staged whole or straight from the blocks). Either way gets read
+    the objects back bitwise, and nothing is counted as a checksum failure."""
     src = make_layout("2 N B H D", 6, seed=9, head_dim=head_dim)
     for backend in ("auto", "ucx"):
         with kvxfer.KVStore(nodes=[node], secret=SECRET, checksum=False, backend=backend) as st:
+            passes = []  # the one-pass copies, by direction (into: a get)
+            one_pass = st._copy_hashing
+            st._copy_hashing = lambda *a, **k: passes.append(k["into"]) or one_pass(*a, **k)
             keys = kvxfer.block_keys(range(6 * 4), 4, salt=b"no-crc-%s-%d" % (backend.encode(), head_dim))
             put_then_get_reversed(st, st, keys, src, head_dim)
             assert st.stats()["client"]["put_objects"] == 6
+            assert st.stats()["client"]["checksum_failures"] == 0
+            assert passes == ([False, True] if backend == "auto" else [])

@@ -529,8 +529,9 @@ class KVStore:
                                                 if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT))
             if not got:
                 return conflicts
-        # same host with the slots mapped here: one native pass copies and hashes (below)
-        fused = self.checksum and fmt.full and c.slots_local != 0
+        # same host with the slots mapped here: one native pass copies and hashes (below;
+        # without checksums the same pass copies alone)
+        fused = fmt.full and c.slots_local != 0
         if fused:
             _warm_copy_pool(len(got) * size)
         offs = [off for _, off, *_ in got]
@@ -570,6 +571,8 @@ class KVStore:
         try:
             if fused:  # same host, slots mapped here: one pass copies and hashes each object
                 crcs = self._copy_hashing(c, *copy, into=False)
+                if not self.checksum:
+                    crcs = [NO_CRC] * len(got)
             else:
                 c.move("write", descs, self.timeout)
                 crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
@@ -746,9 +749,10 @@ class KVStore:
         """Copy objects between this process's memory and the node's slots mapped here,
         hashing the local side as it goes (native, one read of each byte; a batch of the
         vm path's split size or more spread over its copy threads, whole objects each);
-        return each object's checksum. ``local`` / ``offsets`` / ``lengths``: int64 ``[num_runs]``, each
-        run's address here, offset in the node's region and length; ``counts``: runs per
-        object, in order. ``into``: slots -> local, else local -> slots. The offsets are
+        return each object's checksum (``checksum=False``: the copies alone, each 0).
+        ``local`` / ``offsets`` / ``lengths``: int64 ``[num_runs]``, each run's address
+        here, offset in the node's region and length; ``counts``: runs per object, in
+        order. ``into``: slots -> local, else local -> slots. The offsets are
         checked against the region; the mapping stays while ``c.mapped_lock`` is held."""
         import numpy as np
 
@@ -759,7 +763,7 @@ class KVStore:
             if c.slots_local == 0:
                 raise PeerDisconnected(f"store node {c.address} connection is closed")
             return load().copy_checksum_objects(np.asarray(local, np.int64), c.slots_local + offsets, lengths,
-                                                np.asarray(counts, np.int64), into)
+                                                np.asarray(counts, np.int64), into, hash=self.checksum)
 
     def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
         """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into
@@ -770,14 +774,16 @@ class KVStore:
 
         size = fmt.nbytes
         checks = crcs = None  # crcs: same host, each object's one checksum (None: malformed)
-        if self.checksum:
-            if c.slots_local != 0 and all(type(h[3]) is int for h in hits):  # all put whole: the common case
-                crcs = [crc if 0 <= crc < 2**64 else None for _, _, _, crc, _ in hits]
-            else:
-                checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
-                          [fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)])
-                if c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
-                    crcs = [ch[0][2] if ch else None for ch in checks]
+        whole_here = c.slots_local != 0 and all(type(h[3]) is int for h in hits)  # all put whole: the common case
+        if not self.checksum:  # nothing to check (on this host the one pass copies alone)
+            crcs = [NO_CRC] * len(hits) if whole_here else None
+        elif whole_here:
+            crcs = [crc if 0 <= crc < 2**64 else None for _, _, _, crc, _ in hits]
+        else:
+            checks = ([fmt.checks(crc, block_id=ids[i]) for i, _, _, crc, _ in hits] if fmt.zero_copy else
+                      [fmt.checks(h[3], base=self._stage_ptr + n * size) for n, h in enumerate(hits)])
+            if c.slots_local != 0 and all(len(ch) == 1 for ch in checks if ch):
+                crcs = [ch[0][2] if ch else None for ch in checks]
         if crcs is not None:  # same host, slots mapped here: one pass copies each object and hashes what arrived
             _warm_copy_pool(len(hits) * size)
             verdict = self._read_hashing(c, fmt, hits, ids, crcs)
@@ -816,9 +822,10 @@ class KVStore:
 
     def _read_hashing(self, c: NodeConn, fmt, hits, ids, crcs) -> list:
         """The reads of :meth:`_read_hits` for whole-object checksums ``crcs`` (one per hit,
-        None: malformed, bad, nothing copied) from slots mapped here: each object is copied
-        into its blocks (zero-copy) or staging and hashed there in the same pass; returns
-        per hit whether its bytes passed the checksum."""
+        None: malformed, bad, nothing copied; ``NO_CRC``: not checked) from slots mapped
+        here: each object is copied into its blocks (zero-copy) or staging and hashed there
+        in the same pass (``checksum=False``: copied alone); returns per hit whether its
+        bytes passed the checksum."""
         import numpy as np
 
         wanted = [n for n, crc in enumerate(crcs) if crc is not None]

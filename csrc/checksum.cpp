@@ -137,8 +137,9 @@ void accumulate_sse2(uint64_t* acc, const unsigned char* p, const unsigned char*
 // accumulators in registers, where the CPU has AVX2 (the bulk of every large object).
 // STORE copies each loaded vector to `dst` as it is hashed (the bytes hashed are the
 // bytes written): 0 no copy, 1 ordinary stores, 2 streaming stores (dst 32-byte aligned).
+// HASH=false: the same loads, stores and prefetches without the hash (a copy alone).
 constexpr int64_t kPrefetchAhead = 16384;
-template <int STORE>
+template <int STORE, bool HASH = true>
 __attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned char* p, unsigned char* dst,
                                                  int64_t blocks, const unsigned char* next, int64_t next_len) {
     const __m256i prime = _mm256_set1_epi32(static_cast<int>(P32_1));
@@ -165,11 +166,13 @@ __attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned c
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j);
                 if constexpr (STORE == 1) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + j, v);
                 if constexpr (STORE == 2) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst) + j, v);
+                if constexpr (!HASH) continue;
                 const __m256i dk = _mm256_xor_si256(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s) + j));
                 const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
                 a[j] = _mm256_add_epi64(a[j], _mm256_add_epi64(prod, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
             }
         }
+        if constexpr (HASH)
         for (int j = 0; j < 2; ++j) {  // acc = (acc ^ acc >> 47 ^ key) * PRIME32_1 (64-bit product)
             const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a[j], _mm256_srli_epi64(a[j], 47)),
                                                _mm256_loadu_si256(key + j));
@@ -348,6 +351,33 @@ uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const i
     return h;
 }
 
+namespace {
+
+// One run copied as the copying hash copies it, without the hash: whole 1 KiB blocks
+// through the same loop (its loads, streaming stores where dst is aligned for them, and
+// prefetch, on into `next` where the blocks end the run, as Cursor::fused_blocks does),
+// the rest by copy_bytes; fenced by the caller.
+void copy_run(unsigned char* dst, const unsigned char* src, int64_t n, const unsigned char* next, int64_t next_len) {
+    int64_t done = 0;
+#if defined(__x86_64__)
+    constexpr int64_t kBlock = STRIPE * STRIPES_PER_BLOCK;
+    if (HAS_AVX2 && n >= kBlock) {
+        const int64_t blocks = n / kBlock;
+        if (!PREFETCH_NEXT_RUN || blocks * kBlock != n) next = nullptr, next_len = 0;
+        uint64_t acc[8] = {};
+        if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) blocks_avx2<2, false>(acc, src, dst, blocks, next, next_len);
+        else blocks_avx2<1, false>(acc, src, dst, blocks, next, next_len);
+        done = blocks * kBlock;
+    }
+#else
+    (void)next, (void)next_len;
+#endif
+    if (done < n)
+        copy_bytes(reinterpret_cast<char*>(dst + done), reinterpret_cast<const char*>(src + done), n - done, true);
+}
+
+}  // namespace
+
 void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const int64_t* len, const int64_t* counts,
                            int64_t objects, bool into_hashed, int64_t split_bytes, uint64_t* out, bool hash) {
     std::vector<int64_t> first(objects + 1, 0);  // object i's runs: [first[i], first[i + 1])
@@ -357,13 +387,16 @@ void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const in
     const int64_t* src = into_hashed ? other : hashed;
     auto one = [&](size_t i) {
         const int64_t at = first[i], k = counts[i];
-        if (!hash) {  // the copies alone, streaming stores both ways
+        if (!hash) {  // the copies alone, in the same loop as the copying hash (copy_run)
+            const int64_t* dst = into_hashed ? hashed : other;
             for (int64_t r = at; r < at + k; ++r) {
                 if (len[r] == 0) continue;
-                char* h = reinterpret_cast<char*>(static_cast<uintptr_t>(hashed[r]));
-                char* o = reinterpret_cast<char*>(static_cast<uintptr_t>(other[r]));
-                if (into_hashed) copy_bytes(h, o, len[r], true);
-                else copy_bytes(o, h, len[r], true);
+                // what is read next: the next run, or the next object's first one
+                const bool more = r + 1 < first[objects];
+                copy_run(reinterpret_cast<unsigned char*>(static_cast<uintptr_t>(dst[r])),
+                         reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(src[r])), len[r],
+                         more ? reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(src[r + 1])) : nullptr,
+                         more ? len[r + 1] : 0);
             }
             fence(true);
             out[i] = 0;

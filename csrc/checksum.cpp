@@ -172,13 +172,14 @@ __attribute__((target("avx2"))) void blocks_avx2(uint64_t* acc, const unsigned c
                 a[j] = _mm256_add_epi64(a[j], _mm256_add_epi64(prod, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))));
             }
         }
-        if constexpr (HASH)
-        for (int j = 0; j < 2; ++j) {  // acc = (acc ^ acc >> 47 ^ key) * PRIME32_1 (64-bit product)
-            const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a[j], _mm256_srli_epi64(a[j], 47)),
-                                               _mm256_loadu_si256(key + j));
-            const __m256i lo = _mm256_mul_epu32(x, prime);
-            const __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), prime);
-            a[j] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+        if constexpr (HASH) {
+            for (int j = 0; j < 2; ++j) {  // acc = (acc ^ acc >> 47 ^ key) * PRIME32_1 (64-bit product)
+                const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a[j], _mm256_srli_epi64(a[j], 47)),
+                                                   _mm256_loadu_si256(key + j));
+                const __m256i lo = _mm256_mul_epu32(x, prime);
+                const __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), prime);
+                a[j] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+            }
         }
     }
     for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + j, a[j]);

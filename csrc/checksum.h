@@ -26,8 +26,8 @@ uint64_t copy_checksum_runs(const int64_t* hashed, const int64_t* other, const i
 // objects in turn: one thread copying and hashing is bound by its own work, not by memory
 // (AMD EPYC host, 2026-12-05, caches flushed: 256 MiB gathered from 32 KiB runs copied
 // and hashed 1.4x faster on two threads than on one as a put, 1.8x as a get).
-// hash=false: the same copies on the same threads (streaming stores both ways), no
-// checksum (out[i] = 0): a store client without checksums.
+// hash=false: the same copies in the same loop on the same threads without the hash
+// (out[i] = 0): a store client without checksums.
 void copy_checksum_objects(const int64_t* hashed, const int64_t* other, const int64_t* len, const int64_t* counts,
                            int64_t objects, bool into_hashed, int64_t split_bytes, uint64_t* out, bool hash = true);
 

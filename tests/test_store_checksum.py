@@ -107,13 +107,15 @@ def test_copying_while_hashing_copies_every_byte_and_hashes_the_same(into_hashed
         native.copy_checksum_objects(np.array([8]), np.array([8]), np.array([8]), [2], False, hash=hash_)
 
 
+@pytest.mark.parametrize("hash_", [True, False])
 @pytest.mark.parametrize("into_hashed", [False, True])
 @pytest.mark.parametrize("dst_shift", [0, 8, 32, 100])
-def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift):
+def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift, hash_):
     """Whole 1 KiB hash blocks are copied and hashed in one pass (each vector loaded once,
     streamed to a destination aligned for it, stored plainly elsewhere); runs that begin
     mid-block, mid-stripe or shorter than a block mix that pass with the gathering one.
-    Every byte arrives and the checksum is XXH3-64 of the hashed side's bytes."""
+    Every byte arrives and the checksum is XXH3-64 of the hashed side's bytes (hash=False:
+    the same loop copies alone, each checksum 0)."""
     from kvxfer._native import load
 
     native = load()
@@ -123,7 +125,7 @@ def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift
         data = _buf(total + 4096, seed=int(lens[0]))
         base = (-data.ctypes.data) % 64  # hashed side: runs back to back from a 64-byte boundary
         starts = base + np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-        expected = xxhash.xxh3_64_intdigest(data[base:base + total].tobytes())
+        expected = xxhash.xxh3_64_intdigest(data[base:base + total].tobytes()) if hash_ else 0
         # the other side: each run at its own place, shifted by dst_shift from a 64-byte boundary
         other = np.zeros(total + 64 * len(lens) + 4096, np.uint8)
         at0 = (-other.ctypes.data) % 64 + dst_shift
@@ -137,11 +139,11 @@ def test_copying_long_runs_at_every_destination_alignment(into_hashed, dst_shift
             for i, n in enumerate(lens):
                 src[other_starts[i]:other_starts[i] + n] = data[starts[i]:starts[i] + n]
             got, = native.copy_checksum_objects(dst.ctypes.data + starts, src.ctypes.data + other_starts, lens,
-                                                [len(lens)], True)
+                                                [len(lens)], True, hash=hash_)
             assert np.array_equal(dst[base:base + total], data[base:base + total]), list(lens)
         else:
             got, = native.copy_checksum_objects(data.ctypes.data + starts, other.ctypes.data + other_starts, lens,
-                                                [len(lens)], False)
+                                                [len(lens)], False, hash=hash_)
             for i, n in enumerate(lens):
                 assert np.array_equal(other[other_starts[i]:other_starts[i] + n], data[starts[i]:starts[i] + n])
         assert got == expected, (list(lens), dst_shift)

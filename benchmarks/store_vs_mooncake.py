@@ -20,9 +20,9 @@ a time, alternating, with the memcpy limit of the same bytes sampled between the
 
 Every timed get is checked bitwise against what was put (outside the timing); the client
 processes run with ``OMP_WAIT_POLICY=PASSIVE``, so that those torch checks leave no OpenMP
-worker spinning beside the next timed call. GB/s is
-the median over ``--iters``; lookups are p50/p99 of ``--lookups`` samples, back to back
-or with ``--lookup-gap-ms`` idle before each (every path alike).
+worker spinning beside the next timed call. GB/s is the median over ``--iters``; lookups
+are p50/p99 of ``--lookups`` samples, back to back or with ``--lookup-gap-ms`` idle before
+each (every path alike).
 
     make bench-mooncake          # installs the wheel and runs this with --json
     PYTHONPATH=$PWD python benchmarks/store_vs_mooncake.py --json benchmarks/results/store_vs_mooncake.json

@@ -571,8 +571,6 @@ class KVStore:
         try:
             if fused:  # same host, slots mapped here: one pass copies and hashes each object
                 crcs = self._copy_hashing(c, *copy, into=False)
-                if not self.checksum:
-                    crcs = [NO_CRC] * len(got)
             else:
                 c.move("write", descs, self.timeout)
                 crcs = hashing.result() if hashing is not None else [NO_CRC] * len(got)
@@ -749,7 +747,7 @@ class KVStore:
         """Copy objects between this process's memory and the node's slots mapped here,
         hashing the local side as it goes (native, one read of each byte; a batch of the
         vm path's split size or more spread over its copy threads, whole objects each);
-        return each object's checksum (``checksum=False``: the copies alone, each 0).
+        return each object's checksum (``checksum=False``: the copies alone, each ``NO_CRC``).
         ``local`` / ``offsets`` / ``lengths``: int64 ``[num_runs]``, each run's address
         here, offset in the node's region and length; ``counts``: runs per object, in
         order. ``into``: slots -> local, else local -> slots. The offsets are
@@ -762,8 +760,9 @@ class KVStore:
         with c.mapped_lock:
             if c.slots_local == 0:
                 raise PeerDisconnected(f"store node {c.address} connection is closed")
-            return load().copy_checksum_objects(np.asarray(local, np.int64), c.slots_local + offsets, lengths,
+            sums = load().copy_checksum_objects(np.asarray(local, np.int64), c.slots_local + offsets, lengths,
                                                 np.asarray(counts, np.int64), into, hash=self.checksum)
+        return sums if self.checksum else [NO_CRC] * len(sums)
 
     def _read_hits(self, c: NodeConn, fmt, hits, ids, bad: list) -> list:
         """Read pinned objects ``hits`` (``[(position, offset, nbytes, crc, pin)]``) into

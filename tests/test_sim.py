@@ -109,7 +109,8 @@ def test_shipped_profiles_load_and_name_their_source():
     assert "cpu-smollm2" in names and any("vidur" in n for n in names)
     for name in names:
         prof = load_profile(name)
-        assert prof.name == name and prof.points and prof.source
+        # measured points, or a source that published fits only (DistServe's)
+        assert prof.name == name and prof.source and (prof.points or "no measured points" in prof.source)
         if "vidur" in name:
             assert "MIT" in prof.licence and "microsoft/vidur@" in prof.source
             # K and V, 32 layers, head dim 128, fp16: Llama-2-7B has 32 KV heads, Llama-3-8B 8

@@ -7,6 +7,9 @@
     kvxfer profile --from-steps LOG [LOG ...] --out FILE.json
                                         # fit steps real workers logged while serving
                                         # (kvxfer serve --step-log DIR)
+    kvxfer profile --from-distserve FILE --model NAME --out FILE.json
+                                        # one model of DistServe's published fits
+                                        # (profiler-*.json; max_num_tokens.csv beside it)
 
 The profile feeds the simulated engine: ``kvxfer serve --engine sim --profile NAME|FILE``.
 """
@@ -28,11 +31,19 @@ def add_parser(sub) -> None:
     p.add_argument("--from-steps", nargs="+", default=None, metavar="LOG",
                    help="with --out: fit the step logs of real workers (kvxfer serve --step-log "
                         "DIR writes DIR/NAME.jsonl) instead of timing the grid")
+    p.add_argument("--from-distserve", default=None, metavar="FILE",
+                   help="with --out and --model: import one model of a DistServe profiler file "
+                        "(e.g. kvxfer/sim/profiles/distserve/profiler-a100-80g.distserve.json)")
+    p.add_argument("--max-num-tokens", default=None, metavar="CSV",
+                   help="--from-distserve: its KV capacities (default: max_num_tokens.csv beside FILE)")
+    p.add_argument("--distserve-engine", default=None, choices=("distserve", "vllm"),
+                   help="--from-distserve: which engine the file profiles (default: from its name)")
     p.add_argument("--hold", nargs="*", default=[], metavar="TERM",
                    help="--refit: keep these terms at 0 (data that cannot tell them)")
     p.add_argument("--name", default=None, help="the profile's name (default: the file's stem)")
-    p.add_argument("--model", default=None, metavar="PATH.gguf",
-                   help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, metavar="PATH.gguf|NAME",
+                   help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct); with "
+                        "--from-distserve the model's name in the file (e.g. facebook/opt-13b)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (as a worker's --threads)")
     p.add_argument("--cpus", default=None, metavar="LIST", help="pin to these CPUs first, e.g. 0")
     p.add_argument("--matmul-dtype", default="auto", choices=("auto", "fp32", "bf16"))
@@ -71,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvxfer profile: give --out FILE.json, --list, --show NAME or --refit FILE")
     if args.from_steps:
         return _from_steps(args)
+    if args.from_distserve:
+        return _from_distserve(args)
     return _measure(args)
 
 
@@ -85,6 +98,28 @@ def _link(args: argparse.Namespace):
         raise SystemExit(f"kvxfer profile: --link: expected BYTES_PER_S,LATENCY_S, "
                          f"got {args.link!r}") from None
     return Link(bw, lat, "given with --link")
+
+
+def _from_distserve(args: argparse.Namespace) -> int:
+    import sys
+    from dataclasses import replace
+
+    from kvxfer.sim.distserve import profile_from_distserve
+    from kvxfer.sim.profile import ProfileError
+
+    if not args.model:
+        raise SystemExit("kvxfer profile: --from-distserve needs --model NAME (e.g. facebook/opt-13b)")
+    try:
+        prof = profile_from_distserve(args.from_distserve, args.model,
+                                      capacity_path=args.max_num_tokens,
+                                      engine=args.distserve_engine, name=args.name)
+    except ProfileError as exc:
+        raise SystemExit(f"kvxfer profile: {exc}") from None
+    prof = replace(prof, command="kvxfer profile " + " ".join(sys.argv[2:]))
+    prof.save(args.out)
+    print(f"wrote {args.out}: {prof.name}, tensor-parallel degrees "
+          f"{', '.join(map(str, prof.tp_degrees))}, {prof.engine['name']}")
+    return 0
 
 
 def _from_steps(args: argparse.Namespace) -> int:

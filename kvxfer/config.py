@@ -46,6 +46,7 @@ ENV_OVERRIDES = {
     "KVXFER_PATH": ("path", str),
     "KVXFER_TCP_LANES": ("tcp_lanes", int),
     "KVXFER_LOOP_SPIN_S": ("loop_spin_s", float),
+    "KVXFER_PEER_COPY": ("peer_copy", "bool"),
 }
 # csrc/stripe.h kMaxTcpLanes (_C.MAX_TCP_LANES): kept here so validating a config loads
 # no extension; tests/test_cli_bench.py checks the two agree
@@ -151,6 +152,10 @@ class AgentConfig:
       peer's next message is read without a thread wake-up; 0: never. In ``[0, 0.01]``
       s. An agent with nothing outstanding, or no event for this long, blocks
       (``docs/benchmarks.md``, "Polling instead of waking").
+    - ``peer_copy``: offer this agent's CUDA pool to same-node peers and map theirs, so a
+      piece between two GPU pools of one node moves with one kernel launch
+      (``transport="cuda_peer"``, :mod:`kvxfer.transport.cuda_peer`) when ``path`` is
+      ``"auto"``; False: UCX carries every piece (``docs/api.md``, "Same-node GPU peers").
     """
 
     staging_bytes: int = 32 << 20
@@ -167,6 +172,7 @@ class AgentConfig:
     progress_busy_s: float = 0.0005
     progress_idle_s: float = 0.05
     loop_spin_s: float = 0.002
+    peer_copy: bool = True
 
     def __post_init__(self) -> None:
         _check_int("staging_bytes", self.staging_bytes, 4096)
@@ -192,6 +198,8 @@ class AgentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"AgentConfig.{name} must be a finite number > 0, got {value!r}")
+        if type(self.peer_copy) is not bool:
+            raise TypeError(f"AgentConfig.peer_copy must be a bool, got {self.peer_copy!r}")
         value = self.loop_spin_s
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SPIN_S:
             raise ValueError(f"AgentConfig.loop_spin_s must be a number in [0, {MAX_SPIN_S}] s, got {value!r}")
@@ -214,7 +222,8 @@ class AgentConfig:
         ``environ`` (default ``os.environ``) filling the fields not given: an explicit
         field beats the environment. ``KVXFER_HUGEPAGES``, ``KVXFER_VM_THREADS``
         (``copy_threads``), ``KVXFER_VM_SPLIT_BYTES``, ``KVXFER_STAGING_BYTES``,
-        ``KVXFER_PATH``, ``KVXFER_TCP_LANES``, ``KVXFER_LOOP_SPIN_S``; a malformed
+        ``KVXFER_PATH``, ``KVXFER_TCP_LANES``, ``KVXFER_LOOP_SPIN_S``, ``KVXFER_PEER_COPY``
+        (``0`` or ``1``); a malformed
         value raises ValueError. For entry points only (the library never calls it)."""
         env = os.environ if environ is None else environ
         given = dict(fields)
@@ -222,10 +231,16 @@ class AgentConfig:
             raw = env.get(var, "")
             if raw and name not in given:
                 try:
-                    fields[name] = parse(raw)
+                    fields[name] = _parse_bool(raw) if parse == "bool" else parse(raw)
                 except ValueError:
                     raise ValueError(f"{var}={raw!r} is not a valid {name}") from None
         return cls(**fields)
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError(raw)
+    return raw == "1"
 
 
 def _check_int(name: str, value, low: int) -> None:

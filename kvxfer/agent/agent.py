@@ -142,9 +142,9 @@ class Agent:
                 raise RegistrationError("register_kv was already called on this agent")
             if s.peers:
                 raise RegistrationError("register_kv must come before connecting peers")
-            pool = register_pool(s, layout)
-            if s.device is None:
-                s.device = device_for(layout)
+            device = s.device if s.device is not None else device_for(layout)
+            pool = register_pool(s, layout, device)
+            s.device = device
             s.pool = pool
 
     # ---- connections ----------------------------------------------------------------
@@ -284,6 +284,8 @@ class Agent:
         step(self._receiver.stop)
         if s.device is not None:  # nothing it launched still touches the staging buffers or the pool
             step(s.device.close)
+        for peer in list(s.peers.values()):  # their pools mapped here (the others were unmapped as they left)
+            step(peer.link.close)
         # Closing the backend releases every registration, cancels what is still in
         # flight (a timed-out transfer) and ends every endpoint, so no peer can write
         # into a block whose lease ends below.

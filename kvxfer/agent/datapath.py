@@ -119,6 +119,8 @@ class Shipper:
         nbytes = len(op.ids) * len(layers) * self._s.layout.block_nbytes(heads)
         if self._s.config.path != "auto":
             return heads, self._s.config.path, nbytes
+        if op.peer.link.usable:  # both pools on mapped devices of one node: one launch
+            return heads, "cuda_peer", nbytes
         num_descs = count_runs(self._s.geometry, op.peer.geometry, len(op.ids), layers, heads)
         cost = self._s.cost
         if self._s.layout.device.type == "cuda" and self._s.config.cost_model is None:
@@ -130,9 +132,15 @@ class Shipper:
             if isinstance(choice, Exception):
                 raise choice
             heads, path, nbytes = choice
+            if path == "cuda_peer":
+                pool = op.peer.link.pool(op.peer.geometry, self._s.layout)
+                if pool is None:  # cannot be mapped (logged): this peer is on UCX from now on
+                    heads, path, nbytes = self._choose_uncached(op, layers)
             op.completer.set_path(path)
             op.completer.add_bytes(nbytes)
-            if path == "zero_copy":
+            if path == "cuda_peer":
+                self._ship_peer(op, layers, heads, nbytes, pool, after)
+            elif path == "zero_copy":
                 self._ship_zero_copy(op, layers, heads, nbytes, after)
             else:
                 self._ship_pack(op, layers, heads, after)
@@ -179,6 +187,27 @@ class Shipper:
             for layer in layers:
                 pending[layer] = pending.get(layer, 0) + 1
         self._s.metrics.inc("bytes_sent", nbytes, path="zero_copy")
+        self._sender.visible(op, layers)
+
+    def _ship_peer(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int, pool, after: tuple = ()) -> None:
+        """One launch reads our blocks and writes D's, in D's pool mapped here (``pool``:
+        a :class:`~kvxfer.transport.cuda_peer.PeerPool`), queued on the device behind the
+        producer's events (no host wait for them); DATA_DONE once the copy's event completed."""
+        s = self._s
+        done_frame = encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=0, pack=False,
+                            blocks=[], layers=layers, heads=heads, offset=0, nbytes=nbytes)
+        timeout = self._remaining(op)  # stop here if cancelled; once launched, the copy is waited for
+        t0 = time.perf_counter()
+        copied = s.device.copy_blocks(s.layout, op.ids, pool.layout, op.post.blocks, list(layers), heads, after)
+        s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="cuda_peer")
+        s.device.wait(copied, timeout)
+        s.metrics.observe("post_seconds", time.perf_counter() - t0)
+        op.peer.send(done_frame)
+        with s.lock:
+            pending = op.pending
+            for layer in layers:
+                pending[layer] = pending.get(layer, 0) + 1
+        s.metrics.inc("bytes_sent", nbytes, path="cuda_peer")
         self._sender.visible(op, layers)
 
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
@@ -242,6 +271,9 @@ class Shipper:
             heads = overlap(self._s.geometry.head_range, peer.geometry.head_range)
             if heads is None:
                 raise LayoutMismatch("no kv heads in common")
+            pool = peer.link.pool(peer.geometry, self._s.layout) if self._s.config.path == "auto" else None
+            if pool is not None:
+                return self._read_peer(peer, completer, ids, remote, layers, heads, pool)
             t0 = time.perf_counter()
             descs = zero_copy_descs(peer.geometry, remote, self._s.geometry, ids, layers, heads,
                                     peer.region_ids, self._s.pool.region_ids)
@@ -262,6 +294,26 @@ class Shipper:
                 self._s.metrics.inc("failures", kind="read", error=type(exc).__name__)
             completer.fail(exc)
 
+    def _read_peer(self, peer, completer, ids, remote, layers, heads, pool) -> None:
+        """A one-sided read from a peer whose pool is mapped here: one launch."""
+        s, handle = self._s, completer.handle
+        t0 = time.perf_counter()
+        copied = s.device.copy_blocks(pool.layout, remote, s.layout, ids, list(layers), heads)
+        s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="cuda_peer")
+        s.device.wait(copied, s.leases.default_ttl_s)
+        nbytes = len(ids) * len(layers) * s.layout.block_nbytes(heads)
+        completer.set_path("cuda_peer")
+        completer.add_bytes(nbytes)
+        s.metrics.inc("bytes_received", nbytes, path="cuda_peer")
+        if not handle.done():
+            s.metrics.inc("transfers", kind="read", path="cuda_peer")
+        completer.succeed()
+
+    def unmap(self, peer) -> None:
+        """Close ``peer``'s mapping once every copy queued before this call has finished
+        (the send worker runs jobs in order, and each waits for its copy)."""
+        self.worker.submit(peer.link.close)
+
     # ---- messages from D (I/O thread) ---------------------------------------------------
     def on_stage_grant(self, peer, f) -> None:
         with self._s.lock:
@@ -280,7 +332,9 @@ class Shipper:
         self._sender.visible(*entry)
 
     def peer_lost(self, peer, err) -> None:
-        """Wake the pieces waiting for ``peer``'s grants; forget its ACKs (lock held)."""
+        """Wake the pieces waiting for ``peer``'s grants; forget its ACKs; unmap its pool
+        after the copies queued for it (lock held)."""
+        self.unmap(peer)
         for wait in self._grant_waits.values():
             if wait.peer is peer:
                 wait.error = err

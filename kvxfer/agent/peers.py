@@ -32,6 +32,7 @@ import sys
 from ..config import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME, TOMBSTONE_OVERHEAD, PeerLimits
 from ..errors import ConnectionRefused, KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
 from ..framing import MAX_PAYLOAD
+from ..transport.cuda_peer import PeerLink
 from .handshake import HandshakeGate, ServerHandshake, client_handshake
 from .pool import local_info, parse_info
 from .protocol import Msg, encode
@@ -54,6 +55,7 @@ class Peer:
         self.stage_region: int = info["stage_region"]
         self.staging_bytes: int = info["staging"]
         self.parts: dict = info.get("parts", {})  # its regions registered in several parts
+        self.link = PeerLink({}, None, False)  # same-node peer copies (set by Connections.make_peer)
         self.conn = None  # control connection
         self.bconn = None  # backend connection
         self.is_connected = True
@@ -67,8 +69,12 @@ class Peer:
 
     @property
     def device_transport(self) -> str:
-        """What carries GPU memory to this peer (``ucx:cuda_ipc`` on one host); :attr:`transport`
-        where the backend does not tell them apart."""
+        """What carries this pool's pieces to this peer: ``cuda_peer`` where its pool is
+        (or can be) mapped here for one-launch copies (:mod:`kvxfer.transport.cuda_peer`),
+        else the backend's lane for GPU memory (``ucx:cuda_ipc`` on one host) or
+        :attr:`transport` where the backend does not tell them apart."""
+        if self.link.usable:
+            return "cuda_peer"
         return getattr(self.bconn, "device_transport", self.transport)
 
     def send(self, frame: bytes, more: bool = False) -> bool:
@@ -296,6 +302,9 @@ class Connections:
         info = self.parse_info(fields)
         with self._s.lock:  # its book joins the agent's
             peer = Peer(fields["name"], fields["agent_id"], address, info, self.books)
+            pool = self._s.pool
+            if pool is not None:
+                peer.link = PeerLink(info["peer"], pool.ipc, self._s.config.peer_copy and info["geometry"] is not None)
         try:
             peer.bconn = self._s.backend.connect(fields["backend"])
         except BaseException:

@@ -24,6 +24,7 @@ transfers queues instead of failing. Offsets are 256-byte aligned.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 
 import numpy as np
@@ -31,13 +32,18 @@ import numpy as np
 from ..cuda_ranges import oracle_for, split_parts
 from ..errors import KVXferError, ProtocolError, RegistrationError
 from ..kernels.common import device_guard
+from ..transport.cuda_peer import CudaIpc, PeerMapError, export_pool, parse_export
 from ..transport.descriptors import Geometry
 from .state import AgentState, Pool
 
+log = logging.getLogger("kvxfer")
 
-def register_pool(state: AgentState, layout) -> Pool:
+
+def register_pool(state: AgentState, layout, device=None) -> Pool:
     """Register ``layout``'s pool and two ``staging_bytes`` buffers on its device; raises
-    :class:`RegistrationError` (nothing stays registered) on failure."""
+    :class:`RegistrationError` (nothing stays registered) on failure. ``device``: the
+    agent's :class:`~kvxfer.kernels.device.Device`, whose ``ipc`` (or, for a CUDA pool,
+    the driver's) exports the pool to same-node peers unless ``config.peer_copy`` is off."""
     import torch
 
     backend, nbytes = state.backend, state.staging_bytes
@@ -50,7 +56,8 @@ def register_pool(state: AgentState, layout) -> Pool:
         return rid
 
     try:
-        region_ids, region_parts, _ = register_parts(register, layout.region_parts())
+        region_parts = layout.region_parts()
+        region_ids, parts_map, _ = register_parts(register, region_parts)
         with device_guard(layout.device):  # agent threads must not default to device 0
             stage_in_t = torch.empty(nbytes, dtype=torch.uint8, device=layout.device)
             stage_out_t = torch.empty(nbytes, dtype=torch.uint8, device=layout.device)
@@ -62,10 +69,24 @@ def register_pool(state: AgentState, layout) -> Pool:
         if isinstance(exc, KVXferError):
             raise
         raise RegistrationError(f"cannot register the KV pool: {exc}") from exc
+    ipc = peer_ipc(device, layout) if state.config.peer_copy else None
     return Pool(layout=layout, geometry=Geometry.from_layout(layout), region_ids=region_ids,
-                registered=registered, parts={**region_parts, **stage_parts}, stage_in_t=stage_in_t,
+                registered=registered, parts={**parts_map, **stage_parts}, stage_in_t=stage_in_t,
                 stage_out_t=stage_out_t, stage_in_region=stage_ids[0], stage_out_region=stage_ids[1],
-                stage_in=StagingRing(nbytes), stage_out=StagingRing(nbytes))
+                stage_in=StagingRing(nbytes), stage_out=StagingRing(nbytes), ipc=ipc,
+                peer_offer=export_pool(ipc, layout, region_parts))
+
+
+def peer_ipc(device, layout):
+    """What maps same-node peers' pools for this agent: ``device.ipc`` where the device
+    brings one (tests), the CUDA driver's for a CUDA pool, else None (no peer copies)."""
+    ipc = getattr(device, "ipc", None)
+    if ipc is None and layout.device.type == "cuda":
+        try:
+            ipc = CudaIpc()
+        except PeerMapError as exc:
+            log.info("no same-node peer copies: %s", exc)
+    return ipc
 
 
 def local_info(state: AgentState) -> dict:
@@ -74,7 +95,8 @@ def local_info(state: AgentState) -> dict:
     if pool is not None:
         layout = {"geometry": pool.geometry.to_wire(), "regions": pool.region_ids,
                   "stage_region": pool.stage_in_region, "parts": parts_to_wire(
-                      {r: p for r, p in pool.parts.items() if r != pool.stage_out_region})}
+                      {r: p for r, p in pool.parts.items() if r != pool.stage_out_region}),
+                  "peer": pool.peer_offer}
     return {"name": state.name, "agent_id": state.agent_id, "layout": layout,
             "backend": state.backend.metadata(), "staging": state.staging_bytes}
 
@@ -83,18 +105,20 @@ def parse_info(state: AgentState, fields: dict) -> dict:
     """A peer's INFO as ``Peer`` fields; ProtocolError if malformed, LayoutMismatch if
     its geometry cannot exchange blocks with ours."""
     layout = fields["layout"]
-    out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"], "parts": {}}
+    out = {"geometry": None, "regions": [], "stage_region": 0, "staging": fields["staging"], "parts": {},
+           "peer": {}}
     if layout:
         try:
             geometry = Geometry.from_wire(layout["geometry"])
             regions, stage = layout["regions"], layout["stage_region"]
-            ok = (set(layout) == {"geometry", "regions", "stage_region", "parts"} and type(stage) is int
+            ok = (set(layout) == {"geometry", "regions", "stage_region", "parts", "peer"} and type(stage) is int
                   and type(regions) is list and all(type(r) is int for r in regions)
                   and len(regions) == len(geometry.region_sizes) and type(fields["staging"]) is int)
             if ok:
                 sizes = dict(zip(regions, geometry.region_sizes))
                 sizes[stage] = fields["staging"]
                 out["parts"] = parts_from_wire(layout["parts"], sizes)
+                out["peer"] = parse_export(layout["peer"], geometry)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

@@ -63,6 +63,8 @@ class Pool:
     stage_out_region: int
     stage_in: StagingRing | None = None
     stage_out: StagingRing | None = None
+    ipc: object = None  # maps same-node peers' pools (kvxfer.transport.cuda_peer), or None
+    peer_offer: dict = field(default_factory=dict)  # what INFO offers same-node peers (cuda_peer.export_pool)
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from . import reference
 from .common import check_layout, device_guard, prepare_pack, prepare_unpack
 from .cpu import STREAM_BYTES, contiguous_copy, num_threads
 
-__all__ = ["pack", "unpack", "BACKENDS", "num_threads", "STREAM_BYTES", "contiguous_copy"]
+__all__ = ["pack", "unpack", "copy_blocks", "BACKENDS", "num_threads", "STREAM_BYTES", "contiguous_copy"]
 
 BACKENDS = ("triton", "native", "torch", "reference")
 
@@ -102,3 +102,60 @@ def _triton(layout, block_ids, layers, heads, buf, to_wire: bool):
     from .triton_pack import run
 
     return run(layout, block_ids, layers, heads, buf, to_wire=to_wire)
+
+
+def copy_blocks(src, src_ids, dst, dst_ids, *, layers=None, heads=None, backend=None) -> None:
+    """Copy blocks of pool ``src`` into blocks of pool ``dst`` directly, with no wire
+    buffer between them: block ``src_ids[i]`` lands in ``dst_ids[i]``, for every layer
+    of ``layers`` and every kv head of ``heads``.
+
+    ``src``, ``dst``: :class:`~kvxfer.KVLayout` of one model (equal fingerprints), any
+    engine layouts and TP splits; ``src_ids`` ``[n]`` any order, repeats allowed;
+    ``dst_ids`` ``[n]`` distinct; ``layers``: None (all) or distinct layer indices;
+    ``heads``: a global ``(start, stop)`` held by both, None for the overlap of the two
+    head ranges (:class:`~kvxfer.errors.LayoutMismatch` if they share none).
+
+    Backends: ``"triton"`` (the default for CUDA pools: one launch, both pools on one
+    device -- a peer's pool mapped into this process is on this process's device; CPU
+    pools under ``TRITON_INTERPRET=1``); ``"native"`` (the default for CPU pools) and
+    ``"torch"`` pack into a temporary wire buffer and unpack it; ``"reference"`` does
+    the same with the pure-torch reference. The bytes that land are identical on every
+    backend. Completion as for :func:`pack`: on CUDA queued on the current stream of
+    the pools' device.
+    """
+    check_layout(src)
+    check_layout(dst)
+    src.check_compatible(dst)
+    if heads is None:
+        heads = src.head_overlap(dst)
+        if heads is None:
+            from ..errors import LayoutMismatch
+
+            raise LayoutMismatch(f"no kv heads in common: {src.head_range} and {dst.head_range}")
+    if src.device != dst.device:
+        raise ValueError(f"copy_blocks needs both pools on one device, got {src.device} and {dst.device}")
+    chosen = _pick(src, backend)
+    if chosen == "triton":
+        from .tables import PoolTables
+        from .triton_copy import run
+
+        src_plan = PoolTables.of(src).plan(src_ids, layers, heads, unique=False)
+        dst_plan = PoolTables.of(dst).plan(dst_ids, layers, heads, unique=True)
+        _same_count(src_plan.ids.size, dst_plan.ids.size)
+        with device_guard(src.device):
+            run(src, src_plan, dst, dst_plan)
+        return None
+    from .common import resolve
+
+    _same_count(resolve(src, src_ids, layers, heads, unique=False)[0].size,
+                resolve(dst, dst_ids, layers, heads, unique=True)[0].size)
+    if chosen == "reference":
+        return reference.copy_blocks(src, src_ids, dst, dst_ids, layers=layers, heads=heads)
+    buf = pack(src, src_ids, layers=layers, heads=heads, backend=chosen)
+    unpack(dst, buf, dst_ids, layers=layers, heads=heads, backend=chosen)
+    return None
+
+
+def _same_count(num_src: int, num_dst: int) -> None:
+    if num_src != num_dst:
+        raise ValueError(f"src_ids has {num_src} blocks, dst_ids {num_dst}")

@@ -11,6 +11,7 @@ of an unpacked slice, the ACK and the recv completion)::
     dev.wait(token, timeout)            # host wait; TransferTimeout when it runs out
     token = dev.pack(layout, ids, layers, heads, out, after=(tokens))   # queued behind `after`
     token = dev.unpack(layout, buf, ids, layers, heads)
+    token = dev.copy_blocks(src, src_ids, dst, dst_ids, layers, heads, after=(tokens))  # pool to pool
 
 * :class:`HostDevice` (CPU pools): copies run before the call returns; tokens
   are None. A producer token makes no sense for host memory (``after`` must be None).
@@ -20,6 +21,10 @@ of an unpacked slice, the ACK and the recv completion)::
   ``torch.cuda.Event`` recorded right after the launch. ``after`` may be a
   ``torch.cuda.Event`` or a ``torch.cuda.Stream`` (an event is recorded on it
   when ``send`` is called, so later work on that stream is not waited for).
+
+``ipc``: what maps a same-node peer's pool into this process
+(:mod:`kvxfer.transport.cuda_peer`); None: the agent uses the CUDA driver's for a
+CUDA pool, and no peer copies for a host pool. Tests plug in a host stand-in.
 
 Tests plug in a deferred device (``tests/deferred_device.py``) whose
 operations run later on a worker thread, so a missing wait shows up as wrong bytes.
@@ -33,6 +38,8 @@ from ..errors import TransferTimeout
 
 class Device:
     """The interface; see the module doc."""
+
+    ipc = None
 
     def capture(self, after):
         if after is not None:
@@ -60,12 +67,20 @@ class Device:
     def unpack(self, layout, buf, ids, layers, heads):
         raise NotImplementedError
 
+    def copy_blocks(self, src, src_ids, dst, dst_ids, layers, heads, after=()):
+        """Blocks ``src_ids`` of pool ``src`` into ``dst_ids`` of ``dst`` in one launch
+        (:func:`kvxfer.kernels.copy_blocks`), behind ``after``."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Wait for everything this device launched (before its buffers go away)."""
 
 
 class HostDevice(Device):
-    """CPU pools: the native copy returns with every byte in place (tokens are None)."""
+    """CPU pools: the native copy returns with every byte in place (tokens are None).
+    ``copy_backend``: the backend of :meth:`copy_blocks` (None: the default, native)."""
+
+    copy_backend = None
 
     def pack(self, layout, ids, layers, heads, out, after=()):
         from . import pack
@@ -78,6 +93,13 @@ class HostDevice(Device):
         from . import unpack
 
         unpack(layout, buf, ids, layers=layers, heads=heads)
+        return None
+
+    def copy_blocks(self, src, src_ids, dst, dst_ids, layers, heads, after=()):
+        from . import copy_blocks
+
+        self.wait(tuple(after), 0.0)
+        copy_blocks(src, src_ids, dst, dst_ids, layers=layers, heads=heads, backend=self.copy_backend)
         return None
 
 
@@ -127,6 +149,11 @@ class CudaDevice(Device):
         from . import unpack
 
         return self._launch(lambda: unpack(layout, buf, ids, layers=layers, heads=heads), ())
+
+    def copy_blocks(self, src, src_ids, dst, dst_ids, layers, heads, after=()):
+        from . import copy_blocks
+
+        return self._launch(lambda: copy_blocks(src, src_ids, dst, dst_ids, layers=layers, heads=heads), after)
 
     def close(self) -> None:
         self.stream.synchronize()

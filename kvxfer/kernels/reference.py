@@ -42,3 +42,15 @@ def unpack(layout, buf, block_ids, *, layers=None, heads=None) -> None:
         for j, per_kv in enumerate(views):
             for kv, view in enumerate(per_kv):
                 view[ids] = wire[j, kv]
+
+
+def copy_blocks(src, src_ids, dst, dst_ids, *, layers=None, heads=None) -> None:
+    """Blocks of ``src`` into blocks of ``dst`` (see :func:`kvxfer.kernels.copy_blocks`):
+    the reference pack of the source, unpacked into the destination."""
+    from ..runs import normalize_ids
+
+    wire = pack(src, src_ids, layers=layers, heads=heads)
+    n = normalize_ids(dst_ids, dst.num_blocks, unique=True).size
+    if wire.numel() != dst.wire_nbytes(n, layers, heads):
+        raise ValueError(f"src_ids and dst_ids name different numbers of blocks (dst_ids: {n})")
+    unpack(dst, wire, dst_ids, layers=layers, heads=heads)

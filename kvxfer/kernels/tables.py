@@ -63,13 +63,16 @@ class _Entry:
 class Plan:
     """One validated call: ``ids`` (int64 numpy ``[n]``), ``layers`` and ``heads`` (resolved
     tuples), ``nbytes`` (wire bytes), and per (word, vector) size the device table and ids
-    entries and the compiled kernels launched for it (filled by :mod:`kvxfer.kernels.triton_pack`)."""
+    entries and the compiled kernels launched for it (filled by :mod:`kvxfer.kernels.triton_pack`);
+    ``copies``: per destination plan, the pool-to-pool launch (:mod:`kvxfer.kernels.triton_copy`).
+    Plans hash by identity."""
 
-    __slots__ = ("ids", "layers", "heads", "nbytes", "by_word")
+    __slots__ = ("ids", "layers", "heads", "nbytes", "by_word", "copies")
 
     def __init__(self, ids, layers, heads, nbytes) -> None:
         self.ids, self.layers, self.heads, self.nbytes = ids, layers, heads, nbytes
         self.by_word: dict = {}
+        self.copies: dict = {}
 
 
 def _int_tuple(value):

@@ -72,7 +72,8 @@ class DeferredStream:
 
 
 class DeferredDevice(Device):
-    """Pack/unpack run later on a worker thread (host pools, the native copy)."""
+    """Pack/unpack and pool-to-pool copies run later on a worker thread (host pools, the
+    native copy). With ``ipc`` (tests/host_ipc.py) the pool is offered to same-node peers."""
 
     def __init__(self, delay: float = 0.05) -> None:
         self.stream = DeferredStream(delay, "deferred-device")
@@ -97,6 +98,12 @@ class DeferredDevice(Device):
 
         self.launched += 1
         return self.stream.submit(lambda: unpack(layout, buf, ids, layers=layers, heads=heads))
+
+    def copy_blocks(self, src, src_ids, dst, dst_ids, layers, heads, after=()):
+        from kvxfer.kernels import copy_blocks
+
+        self.launched += 1
+        return self.stream.submit(lambda: copy_blocks(src, src_ids, dst, dst_ids, layers=layers, heads=heads), after)
 
     def close(self) -> None:
         self.wait(self.stream.submit(lambda: None), JOB_TIMEOUT_S)

@@ -15,15 +15,21 @@ from kvxfer import Agent, AgentConfig
 
 from agent_procs import SECRET, make_pool
 from deferred_device import DeferredDevice, DeferredEvent, DeferredStream
+from host_ipc import HostIpc
 
 T = 30.0
 SRC, DST = [9, 3, 31, 0, 4, 17], [2, 30, 7, 11, 5, 20]
 
 
 def _agents(path, *, p_delay=0.05, d_delay=0.05, staging=32 << 20):
+    """``path="cuda_peer"``: both devices offer their pools (host stand-in for CUDA IPC)."""
     p_layout, d_layout = make_pool("2 N B H D", None), make_pool("2 N B H D", None)
     p_dev, d_dev = DeferredDevice(p_delay), DeferredDevice(d_delay)
-    cfg = AgentConfig(path=path, staging_bytes=staging)
+    if path == "cuda_peer":
+        for dev, layout in ((p_dev, p_layout), (d_dev, d_layout)):
+            dev.ipc = HostIpc()
+            dev.ipc.add_layout(layout)
+    cfg = AgentConfig(path="auto" if path == "cuda_peer" else path, staging_bytes=staging)
     p = Agent("p", secret=SECRET, backend="loopback", config=cfg, device=p_dev)
     d = Agent("d", secret=SECRET, backend="loopback", config=cfg, device=d_dev)
     p.register_kv(p_layout)
@@ -49,12 +55,12 @@ def _same(want, src_ids, dst_layout, dst_ids, layers=None) -> bool:
                        kvxfer.pack(dst_layout, dst_ids, layers=layers, backend="reference"))
 
 
-@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+@pytest.mark.parametrize("path", ["zero_copy", "pack", "cuda_peer"])
 def test_send_waits_for_the_producer_and_recv_for_the_scatter(path):
     """The engine's write lands 1 s after ``send(after=...)``; D checks its blocks the
     moment its recv completes. Fails if the zero-copy post does not host-wait for the
-    producer, the pack is not queued behind it, the post does not wait for the pack, or
-    the recv completes before the unpack ran."""
+    producer, the pack (or the peer copy) is not queued behind it, the post (or DATA_DONE)
+    does not wait for the pack (or the copy), or the recv completes before the unpack ran."""
     p, d, pl, dl, peer, devices = _agents(path)
     engine = DeferredStream(1.0, "engine")
     try:
@@ -64,10 +70,12 @@ def test_send_waits_for_the_producer_and_recv_for_the_scatter(path):
         hr.wait(T)
         assert _same(want, SRC, dl, DST), "recv completed before the bytes were in place"
         hs.wait(T)
-        assert hs.path == hr.path == path
+        assert hs.path == path and hr.path == ("zero_copy" if path == "cuda_peer" else path)
         assert event.query()
         if path == "pack":
             assert devices[0].launched >= 1 and devices[1].launched >= 1
+        if path == "cuda_peer":
+            assert devices[0].launched == 1 and devices[1].launched == 0
     finally:
         p.close()
         d.close()
@@ -75,7 +83,7 @@ def test_send_waits_for_the_producer_and_recv_for_the_scatter(path):
     assert not engine.errors and not devices[0].stream.errors and not devices[1].stream.errors
 
 
-@pytest.mark.parametrize("path", ["zero_copy", "pack"])
+@pytest.mark.parametrize("path", ["zero_copy", "pack", "cuda_peer"])
 def test_send_layer_waits_for_each_layers_event(path):
     """Layer by layer, each written by the engine later than the previous one."""
     p, d, pl, dl, peer, devices = _agents(path)

@@ -38,20 +38,20 @@ class HostIpc:
                 return start, size
         raise PeerMapError(f"no allocation holds {addr:#x}")
 
-    def export(self, addr: int) -> tuple:
+    def export(self, addr: int, index: int = 0) -> tuple:
         if self.fail_export:
             raise PeerMapError("export refused (test)")
         start, size = self.allocation(addr)
         return struct.pack("<QQ", start, size).ljust(HANDLE_BYTES, b"\0"), start, size
 
-    def open(self, handle: bytes) -> tuple:
+    def open(self, handle: bytes, index: int = 0) -> tuple:
         if self.fail_open:
             raise PeerMapError("open refused (test)")
         start, size = struct.unpack_from("<QQ", handle)
         self.opens[start] += 1
         return start, size - self.shrink
 
-    def close(self, addr: int) -> None:
+    def close(self, addr: int, index: int = 0) -> None:
         self.closes[addr] += 1
 
     def device_uuid(self, index: int) -> str:

@@ -63,9 +63,8 @@ class _Handle(ctypes.Structure):
 
 class CudaIpc:
     """CUDA IPC through the driver API (``libcuda.so.1``); every call raises
-    :class:`PeerMapError` on a driver error. Calls run in the thread's current context:
-    callers hold ``torch.cuda.device(index)`` (which makes that device's primary context
-    current)."""
+    :class:`PeerMapError` on a driver error. Each call first makes the primary context of
+    device ``index`` current in the calling thread (the one PyTorch's runtime uses)."""
 
     def __init__(self) -> None:
         from ..cuda_ranges import _load
@@ -73,58 +72,72 @@ class CudaIpc:
         lib = _load()
         if lib is None:
             raise PeerMapError("the CUDA driver is not available")
-        u64, ptr = ctypes.c_uint64, ctypes.POINTER
+        u64, ptr, c_int = ctypes.c_uint64, ctypes.POINTER, ctypes.c_int
+        self._open = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
+        self._range = getattr(lib, "cuMemGetAddressRange_v2", None) or lib.cuMemGetAddressRange
         lib.cuIpcGetMemHandle.argtypes = [ptr(_Handle), u64]
-        lib.cuIpcOpenMemHandle_v2.argtypes = [ptr(u64), _Handle, ctypes.c_uint]
+        self._open.argtypes = [ptr(u64), _Handle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [u64]
-        lib.cuMemGetAddressRange_v2.argtypes = [ptr(u64), ptr(ctypes.c_size_t), u64]
-        lib.cuDeviceGet.argtypes = [ptr(ctypes.c_int), ctypes.c_int]
-        lib.cuDeviceGetUuid.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        self._range.argtypes = [ptr(u64), ptr(ctypes.c_size_t), u64]
+        lib.cuDeviceGet.argtypes = [ptr(c_int), c_int]
+        lib.cuDeviceGetUuid.argtypes = [ctypes.c_char_p, c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ptr(ctypes.c_void_p), c_int]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         self._lib = lib
+        self._contexts: dict = {}  # device index -> (CUdevice, primary CUcontext)
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
             raise PeerMapError(f"{what} failed (CUresult {rc})")
 
-    def allocation(self, addr: int) -> tuple:
-        """``(start, size)`` of the device allocation holding ``addr``."""
+    def _bind(self, index: int) -> int:
+        """Make device ``index``'s primary context current here; its CUdevice."""
+        got = self._contexts.get(index)
+        if got is None:
+            dev, ctx = ctypes.c_int(0), ctypes.c_void_p(0)
+            self._check(self._lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+            self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev.value), "cuDevicePrimaryCtxRetain")
+            got = self._contexts[index] = (dev.value, ctx.value)
+        self._check(self._lib.cuCtxSetCurrent(got[1]), "cuCtxSetCurrent")
+        return got[0]
+
+    def _allocation(self, addr: int) -> tuple:
         start, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        self._check(self._lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(size), addr),
-                    "cuMemGetAddressRange")
+        self._check(self._range(ctypes.byref(start), ctypes.byref(size), addr), "cuMemGetAddressRange")
         return int(start.value), int(size.value)
 
-    def export(self, addr: int) -> tuple:
+    def export(self, addr: int, index: int) -> tuple:
         """``(handle bytes, allocation start, allocation size)`` of the allocation holding ``addr``."""
-        start, size = self.allocation(addr)
+        self._bind(index)
+        start, size = self._allocation(addr)
         handle = _Handle()
         self._check(self._lib.cuIpcGetMemHandle(ctypes.byref(handle), start), "cuIpcGetMemHandle")
         return bytes(handle.reserved), start, size
 
-    def open(self, handle: bytes) -> tuple:
-        """Map another process's allocation: ``(address here, mapped size)``."""
+    def open(self, handle: bytes, index: int) -> tuple:
+        """Map another process's allocation for device ``index``: ``(address here, mapped size)``."""
+        self._bind(index)
         raw = _Handle()
         raw.reserved = handle
         dptr = ctypes.c_uint64(0)
-        self._check(self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(dptr), raw, _LAZY_ENABLE_PEER_ACCESS),
-                    "cuIpcOpenMemHandle")
+        self._check(self._open(ctypes.byref(dptr), raw, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         try:
-            start, size = self.allocation(dptr.value)
+            start, size = self._allocation(dptr.value)
+            if start != dptr.value:
+                raise PeerMapError("the driver mapped an allocation at an unexpected address")
         except PeerMapError:
-            self.close(dptr.value)
+            self._lib.cuIpcCloseMemHandle(dptr.value)
             raise
-        if start != dptr.value:
-            self.close(dptr.value)
-            raise PeerMapError("the driver mapped an allocation at an unexpected address")
         return int(dptr.value), size
 
-    def close(self, addr: int) -> None:
+    def close(self, addr: int, index: int) -> None:
+        self._bind(index)
         self._check(self._lib.cuIpcCloseMemHandle(addr), "cuIpcCloseMemHandle")
 
     def device_uuid(self, index: int) -> str:
-        dev = ctypes.c_int(0)
-        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        dev = self._bind(index)
         uuid = ctypes.create_string_buffer(16)
-        self._check(self._lib.cuDeviceGetUuid(uuid, dev.value), "cuDeviceGetUuid")
+        self._check(self._lib.cuDeviceGetUuid(uuid, dev), "cuDeviceGetUuid")
         return uuid.raw.hex()
 
 
@@ -137,12 +150,12 @@ class HandleCache:
         self._open: dict = {}
 
     def acquire(self, ipc, handle: bytes, device) -> tuple:
-        """``(address, size)`` of ``handle``'s allocation, mapped under ``device`` on first use."""
+        """``(address, size)`` of ``handle``'s allocation, mapped for ``device`` (a
+        ``torch.device``) on first use."""
         with self._lock:
             entry = self._open.get((id(ipc), handle))
             if entry is None:
-                with _device_guard(device):
-                    addr, size = ipc.open(handle)
+                addr, size = ipc.open(handle, device.index or 0)
                 entry = self._open[(id(ipc), handle)] = [addr, size, 0]
             entry[2] += 1
             return entry[0], entry[1]
@@ -158,8 +171,7 @@ class HandleCache:
                 return
             del self._open[(id(ipc), handle)]
         try:
-            with _device_guard(device):
-                ipc.close(entry[0])
+            ipc.close(entry[0], device.index or 0)
         except PeerMapError as exc:
             log.warning("closing a peer's mapped allocation: %s", exc)
 
@@ -171,12 +183,6 @@ class HandleCache:
 HANDLES = HandleCache()
 
 
-def _device_guard(device):
-    from ..kernels.common import device_guard
-
-    return device_guard(device)
-
-
 # ---- export (the pool's owner) -------------------------------------------------------
 def export_pool(ipc, layout, region_parts) -> dict:
     """The INFO entry that lets a same-node peer map ``layout``'s registered regions
@@ -185,17 +191,17 @@ def export_pool(ipc, layout, region_parts) -> dict:
     if ipc is None:
         return {}
     regions = []
+    index = layout.device.index or 0
     try:
-        with _device_guard(layout.device):
-            for parts in region_parts:
-                if len(parts) != 1:
-                    raise PeerMapError("a region spans several device allocations")
-                addr, nbytes = parts[0]
-                handle, start, size = ipc.export(addr)
-                if not (start <= addr and addr + nbytes <= start + size):
-                    raise PeerMapError("a region is not inside its allocation")
-                regions.append([handle.hex(), addr - start, nbytes])
-            device = ipc.device_uuid(layout.device.index or 0)
+        for parts in region_parts:
+            if len(parts) != 1:
+                raise PeerMapError("a region spans several device allocations")
+            addr, nbytes = parts[0]
+            handle, start, size = ipc.export(addr, index)
+            if not (start <= addr and addr + nbytes <= start + size):
+                raise PeerMapError("a region is not inside its allocation")
+            regions.append([handle.hex(), addr - start, nbytes])
+        device = ipc.device_uuid(index)
     except PeerMapError as exc:
         log.info("the KV pool is not offered to same-node peers: %s", exc)
         return {}

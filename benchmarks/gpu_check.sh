@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# GPU check (issue 11), one command on a fresh lent H200 (no network there); 87-109 s there on 2026-12-04:
-#   0. wheels carried in .whl/ (libucx-cu12: benchmarks/gpu_wheels.sh fetches it here) go to /tmp/site,
+# GPU check, one command on a fresh lent GPU machine (no network there):
+#   0. wheels carried in .whl/ (libucx-cu12, nixl-cu12: benchmarks/gpu_wheels.sh fetches them here) go to /tmp/site,
 #   1. builds kvxfer._C with that machine's python3/torch,
-#   2. the GPU tests (Triton kernels vs the reference on CUDA pools, regions vs driver allocations,
-#      the sm_90 compile, the stream-ordering tests),
+#   2. the GPU tests (Triton kernels vs the reference on CUDA pools, the pool-to-pool copy, regions vs driver
+#      allocations, the sm_90 compile, the stream-ordering tests, two-process CUDA IPC peers),
 #   3. Triton pack/unpack vs a same-run device-to-device copy (Llama-3-8B and SmolLM2, 256/1024 blocks),
 #   4. host microseconds per pack call (cached launch tables),
-#   5. a two-process GPU->GPU agent transfer on the one GPU (UCX cuda_ipc/cuda_copy), zero-copy and
-#      pack paths, bitwise, rate vs a D2D copy of the same bytes,
+#   5. two-process GPU->GPU agent transfers of a 2,048-token Llama-3-8B request, vLLM per-layer and
+#      cross-layer pools: the one-launch peer copy (cuda_peer), UCX zero-copy and pipelined pack, one
+#      contiguous UCX put of the same bytes and NIXL where it imports; bitwise, rate vs a D2D copy;
+#      on a machine with two GPUs also D on the second GPU, rate vs cudaMemcpyPeer,
 #   6. PASS/FAIL per target. $OUT gets three files: summary.txt, summary.json (every figure and step),
 #      logs.txt (every step's output). Each step has its own time limit, all of them 470 s together.
 # Usage: benchmarks/gpu_check.sh [--cpu]
@@ -71,21 +73,31 @@ PY
 
 step build 300 "$PY" setup.py -q build_ext --inplace
 
-TESTS=(tests/test_pack_triton.py tests/test_pack_regions.py tests/test_pack_roundtrip.py tests/test_device_ordering.py)
-[ "$MODE" = cpu ] && TESTS=(tests/test_pack_triton.py tests/test_pack_regions.py)
+TESTS=(tests/test_pack_triton.py tests/test_copy_blocks.py tests/test_pack_regions.py tests/test_pack_roundtrip.py
+       tests/test_device_ordering.py tests/test_cuda_peer_gpu.py)
+[ "$MODE" = cpu ] && TESTS=(tests/test_pack_triton.py tests/test_copy_blocks.py tests/test_pack_regions.py)
 step tests 200 "$PY" -m pytest -q -ra -p no:cacheprovider "${TESTS[@]}"
 
 if [ "$MODE" = cuda ]; then
     step pack_bench 150 "$PY" -m kvxfer.cli bench pack --device cuda --models Llama-3-8B,SmolLM2-135M \
         --blocks 256,1024 --no-torch --json "$WORK/pack.json"
     step overhead 60 "$PY" benchmarks/gpu_overhead.py --device cuda --json "$WORK/overhead.json"
-    step transfer 150 "$PY" benchmarks/gpu_transfer.py --device cuda --backend ucx --json "$WORK/transfer.json"
+    step transfer 120 "$PY" benchmarks/gpu_transfer.py --device cuda --backend ucx --json "$WORK/transfer.json"
+    step transfer_cross 90 "$PY" benchmarks/gpu_transfer.py --device cuda --backend ucx --layout cross_layer \
+        --phases cuda_peer,zero_copy,pack,nixl --json "$WORK/transfer_cross.json"
+    if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        step transfer_2gpu 90 "$PY" benchmarks/gpu_transfer.py --device cuda:0 --d-device cuda:1 --backend ucx \
+            --phases cuda_peer,pack,contig --json "$WORK/transfer_2gpu.json"
+    fi
 else
     step pack_bench 150 "$PY" -m kvxfer.cli bench pack --device cpu --models SmolLM2-135M --blocks 16 \
         --iters 2 --no-torch --json "$WORK/pack.json"
     step overhead 150 "$PY" benchmarks/gpu_overhead.py --device cpu --blocks 2 --json "$WORK/overhead.json"
     step transfer 150 "$PY" benchmarks/gpu_transfer.py --device cpu --backend auto --model SmolLM2-135M \
         --tokens 128 --pool-blocks 32 --reps 2 --staging-mib 4 --json "$WORK/transfer.json"
+    step transfer_cross 150 "$PY" benchmarks/gpu_transfer.py --device cpu --backend auto --model SmolLM2-135M \
+        --tokens 128 --pool-blocks 32 --reps 2 --staging-mib 4 --layout cross_layer --phases zero_copy,pack \
+        --json "$WORK/transfer_cross.json"
 fi
 
 for f in "$WORK"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done > "$OUTDIR/logs.txt"

@@ -1,9 +1,14 @@
 """Summarize a ``gpu_check.sh`` run: step exit codes, the figures, PASS/FAIL per target.
 
 ``python benchmarks/gpu_summary.py WORKDIR cuda|cpu OUTDIR`` reads ``steps.tsv``,
-``pack.json``, ``overhead.json`` and ``transfer.json`` from WORKDIR, prints the
+``pack.json``, ``overhead.json`` and ``transfer*.json`` from WORKDIR, prints the
 text summary and writes ``OUTDIR/summary.json``; exits 1 if a step or a target failed.
 In ``cpu`` mode the rate targets are reported, not judged (host pools, tiny shapes).
+
+Transfer targets: the one-launch peer copy (``cuda_peer``) at >= 0.7x a device-to-device
+copy of the same bytes (>= 0.7x ``cudaMemcpyPeer`` where D is on another GPU), bitwise,
+with the transport named ``cuda_peer``; every other phase bitwise, its rate reported
+beside the contiguous UCX put (``contig``) of the same bytes.
 """
 from __future__ import annotations
 
@@ -55,16 +60,26 @@ def main() -> int:
         check("host us per pack call", overhead["per_layer_us"] <= OVERHEAD_US,
               f"per layer {overhead['per_layer_us']:.1f} us, whole request {overhead['whole_request_us']:.1f} us "
               f"(target {OVERHEAD_US})", target=True)
-    transfer = _load(outdir, "transfer.json")
-    if transfer:
+    transfers = {name: _load(outdir, f"{name}.json") for name in ("transfer", "transfer_cross", "transfer_2gpu")}
+    for name, transfer in transfers.items():
+        if not transfer:
+            continue
+        two_gpus = "peer_copy_gbps" in transfer
+        yard = f"cudaMemcpyPeer {transfer['peer_copy_gbps']:.1f}" if two_gpus else f"D2D copy {transfer['copy_gbps']:.1f}"
+        where = f"{transfer['layout']}{', D on ' + transfer['d_device'] if two_gpus else ''}"
         for ph in transfer["phases"]:
-            check(f"transfer {ph['phase']} bitwise", ph["bitwise"], f"path {ph['path']}, transport {ph['transport']}")
-            check(f"transfer {ph['phase']} rate", ph["phase"] != "zero_copy" or ph["ratio_to_copy"] >= TRANSFER_TARGET,
-                  f"{ph['gbps']:.1f} GB/s = {ph['ratio_to_copy']:.2f} x D2D copy {transfer['copy_gbps']:.1f} GB/s, "
+            label = f"transfer {ph['phase']} ({where})"
+            check(f"{label} bitwise", ph["bitwise"], f"path {ph['path']}, transport {ph['transport']}")
+            peer = ph["phase"] == "cuda_peer"
+            if peer:
+                check(f"{label} transport", ph["transport"] == "cuda_peer", f"transport {ph['transport']}")
+            contig = f", {ph['ratio_to_contig']:.2f} x one contiguous UCX put" if "ratio_to_contig" in ph else ""
+            check(f"{label} rate", not peer or ph["ratio_to_copy"] >= TRANSFER_TARGET,
+                  f"{ph['gbps']:.1f} GB/s = {ph['ratio_to_copy']:.2f} x {yard} GB/s{contig}, "
                   f"{transfer['bytes'] / 2**20:.0f} MiB, median {ph['median_ms']:.2f} ms"
-                  + (f" (target {TRANSFER_TARGET})" if ph["phase"] == "zero_copy" else " (no target)"),
-                  target=True)
-    for name, got in (("pack.json", pack), ("overhead.json", overhead), ("transfer.json", transfer)):
+                  + (f" (target {TRANSFER_TARGET})" if peer else " (no target)"), target=True)
+    for name, got in (("pack.json", pack), ("overhead.json", overhead), ("transfer.json", transfers["transfer"]),
+                      ("transfer_cross.json", transfers["transfer_cross"])):
         if got is None:
             check(f"result {name}", False, "missing (its step failed)")
     failed = [c for c in checks if not c["ok"] and c["judged"]]
@@ -73,7 +88,7 @@ def main() -> int:
     with open(os.path.join(dest, "summary.json"), "w") as f:
         json.dump({"mode": mode, "ok": not failed, "checks": checks, "pack": rows,
                    "pack_environment": (pack or {}).get("environment"),
-                   "overhead": overhead, "transfer": transfer}, f, indent=1, default=str)
+                   "overhead": overhead, **transfers}, f, indent=1, default=str)
     print("\n".join(lines))
     return 1 if failed else 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fetch, here, the wheels gpu_check.sh needs on a lent H200 that its image lacks (it has no network):
-# libucx-cu12 (UCX for kvxfer._C; its CUDA transports need only the driver's libcuda/libnvidia-ml).
+# Fetch, here, the wheels gpu_check.sh needs on a lent GPU machine that its image lacks (it has no network):
+# libucx-cu12 (UCX for kvxfer._C; its CUDA transports need only the driver's libcuda/libnvidia-ml) and
+# nixl-cu12 (NIXL, the comparison on the same request; skipped there if it does not import).
 # They land in .whl/ (ignored by git); the device call carries it: carry [".whl"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,5 +10,6 @@ VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("libucx-cu1
 mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "libucx-cu12==$VERSION"
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "libucx-cu12==$VERSION" \
+    "nixl-cu12==1.5.1"
 ls -la .whl

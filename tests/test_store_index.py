@@ -8,6 +8,11 @@ from kvxfer.store import index as ix
 LEASE = 30.0
 
 
+def slots(n, **kw):
+    """An index of ``n`` chunks of 64 bytes: every object of these tests (<= 64 B) takes one."""
+    return ix.SlotIndex(n * 64, 64, **kw)
+
+
 def put(idx, key, owner=1, now=0.0, nbytes=10, fmt="f"):
     code, obj = idx.reserve(key, nbytes, fmt, owner, now, LEASE)
     assert code == ix.RESERVED
@@ -16,7 +21,7 @@ def put(idx, key, owner=1, now=0.0, nbytes=10, fmt="f"):
 
 
 def test_pending_is_invisible_until_commit():
-    idx = ix.SlotIndex(4, 100)
+    idx = slots(4)
     code, obj = idx.reserve(b"a", 10, "f", 1, 0.0, LEASE)
     assert code == ix.RESERVED and not idx.contains(b"a")
     assert idx.get(b"a", "f", 2, 0.0, LEASE) == (None, 0)
@@ -29,11 +34,11 @@ def test_pending_is_invisible_until_commit():
     assert got.crc == 7 and pin > 0
     assert idx.get(b"a", "other-model", 2, 0.0, LEASE) == (None, 0)
     with pytest.raises(ValueError):
-        idx.reserve(b"b", 101, "f", 1, 0.0, LEASE)
+        idx.reserve(b"b", 65, "f", 1, 0.0, LEASE)
 
 
 def test_lapsed_reservation_is_taken_back_and_its_commit_refused():
-    idx = ix.SlotIndex(1, 100)
+    idx = slots(1)
     _, old = idx.reserve(b"a", 10, "f", 1, 0.0, LEASE)
     assert idx.reserve(b"b", 10, "f", 2, 1.0, LEASE)[0] == ix.FULL
     assert idx.expire(LEASE + 1) == 1 and idx.slots_used == 0
@@ -43,7 +48,7 @@ def test_lapsed_reservation_is_taken_back_and_its_commit_refused():
 
 
 def test_lru_eviction_above_watermark_counts_and_spares_recent():
-    idx = ix.SlotIndex(10, 100, high_watermark=0.8)  # at most 8 slots in use
+    idx = slots(10, high_watermark=0.8)  # at most 8 slots in use
     for i in range(8):
         put(idx, bytes([i]))
     assert idx.evictions == 0 and len(idx) == 8
@@ -55,13 +60,13 @@ def test_lru_eviction_above_watermark_counts_and_spares_recent():
 
 
 def test_pinned_objects_are_never_evicted_or_freed():
-    idx = ix.SlotIndex(2, 100, high_watermark=1.0)
+    idx = slots(2, high_watermark=1.0)
     a = put(idx, b"a")
     _, pin = idx.get(b"a", "f", 5, 0.0, LEASE)
     put(idx, b"b")
     code, c = idx.reserve(b"c", 10, "f", 1, 0.0, LEASE)  # evicts b, the only unpinned one
     assert code == ix.RESERVED and idx.contains(b"a") and not idx.contains(b"b")
-    assert c.slot != a.slot
+    assert c.offset != a.offset
     assert idx.reserve(b"d", 10, "f", 1, 0.0, LEASE)[0] == ix.FULL  # a pinned, c pending
     # a reader that found a's bytes bad: a leaves the index, but its slot stays until unpinned
     _, pin2 = idx.get(b"a", "f", 6, 0.0, LEASE)
@@ -70,11 +75,11 @@ def test_pinned_objects_are_never_evicted_or_freed():
     assert not idx.release(pin2, 5)  # not that client's pin
     assert idx.release(pin2, 6)
     code, d = idx.reserve(b"d", 10, "f", 1, 0.0, LEASE)
-    assert code == ix.RESERVED and d.slot == a.slot
+    assert code == ix.RESERVED and d.offset == a.offset
 
 
 def test_per_client_limits_and_departure():
-    idx = ix.SlotIndex(8, 100, max_pending=2, max_pins=1)
+    idx = slots(8, max_pending=2, max_pins=1)
     idx.reserve(b"a", 10, "f", 1, 0.0, LEASE)
     idx.reserve(b"b", 10, "f", 1, 0.0, LEASE)
     assert idx.reserve(b"c", 10, "f", 1, 0.0, LEASE)[0] == ix.LIMIT
@@ -94,7 +99,7 @@ def part(idx, key, lo, hi, owner, now=0.0, of=4, nbytes=10, fmt="f"):
 
 
 def test_parts_commit_the_object_once_they_cover_every_head():
-    idx = ix.SlotIndex(4, 100)
+    idx = slots(4)
     code, obj, p0 = part(idx, b"a", 0, 2, owner=1)
     assert code == ix.RESERVED and idx.slots_used == 1
     code, joined, p1 = part(idx, b"a", 2, 4, owner=2)
@@ -112,7 +117,7 @@ def test_parts_commit_the_object_once_they_cover_every_head():
 
 
 def test_overlapping_parts_conflict_equal_ones_are_busy():
-    idx = ix.SlotIndex(4, 100)
+    idx = slots(4)
     part(idx, b"a", 0, 2, owner=1)
     assert part(idx, b"a", 0, 2, owner=2)[0] == ix.BUSY  # the same heads: being written
     assert part(idx, b"a", 1, 2, owner=2)[0] == ix.CONFLICT  # inside them
@@ -133,7 +138,7 @@ def test_overlapping_parts_conflict_equal_ones_are_busy():
 
 
 def test_an_incomplete_object_lapses_whole_and_frees_its_slot():
-    idx = ix.SlotIndex(2, 100)
+    idx = slots(2)
     _, _, p0 = part(idx, b"a", 0, 2, owner=1, now=0.0)
     assert idx.commit(b"a", p0.token, 1, 1)
     _, _, p1 = part(idx, b"a", 2, 4, owner=2, now=10.0)  # joining renews the lease
@@ -147,7 +152,7 @@ def test_an_incomplete_object_lapses_whole_and_frees_its_slot():
 
 
 def test_abort_or_departure_of_an_unfinished_part_drops_the_object():
-    idx = ix.SlotIndex(4, 100)
+    idx = slots(4)
     _, _, p0 = part(idx, b"a", 0, 2, owner=1)
     _, _, p1 = part(idx, b"a", 2, 4, owner=2)
     assert not idx.abort(b"a", p1.token, 1)  # not client 1's part
@@ -170,7 +175,7 @@ def test_abort_or_departure_of_an_unfinished_part_drops_the_object():
 
 def test_parts_count_against_their_clients_until_the_object_ends():
     """A committed part of an object that never completes still holds a slot: it counts."""
-    idx = ix.SlotIndex(8, 100, max_pending=2)
+    idx = slots(8, max_pending=2)
     for key in (b"a", b"b"):
         _, _, p = part(idx, key, 0, 2, owner=1)
         assert idx.commit(key, p.token, 1, 1)
@@ -189,7 +194,7 @@ def test_many_parts_cost_a_reserve_or_commit_little():
 
     from kvxfer.store.protocol import MAX_HEADS, MAX_KEYS
 
-    idx = ix.SlotIndex(2, 100, max_pending=MAX_HEADS)
+    idx = slots(2, max_pending=MAX_HEADS)
     tokens = [part(idx, b"a", h, h + 1, owner=1, of=MAX_HEADS)[2].token for h in range(0, MAX_HEADS, 2)]
     start = time.perf_counter()
     codes = {part(idx, b"a", 1, 3, owner=2, of=MAX_HEADS)[0] for _ in range(MAX_KEYS)}
@@ -204,23 +209,23 @@ def test_many_parts_cost_a_reserve_or_commit_little():
 def test_a_spare_slot_becomes_the_object_committed_into_it():
     """A spare is a slot reserved under no key: committing it names the key, the size,
     format and checksum; it is then an ordinary object (readable, LRU, evictable)."""
-    idx = ix.SlotIndex(4, 100)
+    idx = slots(4)
     code, spare = idx.reserve_spare(1, 0.0, LEASE)
     assert code == ix.RESERVED and idx.slots_used == 1 and idx.stats()["spares"] == 1
     assert not idx.contains(b"a") and len(idx) == 0  # nothing readable yet
     assert idx.commit_spare(b"a", spare.token, 60, "f", 77, 1, 1.0) == ix.COMMITTED
     got, pin = idx.get(b"a", "f", 2, 1.0, LEASE)
-    assert got.slot == spare.slot and got.nbytes == 60 and got.crc == 77 and pin > 0
+    assert got.offset == spare.offset and got.nbytes == 60 and got.crc == 77 and pin > 0
     assert idx.stats()["spares"] == 0 and idx.stats()["pending"] == 0 and idx.bytes_used == 60
     assert idx.get(b"a", "other-format", 2, 1.0, LEASE) == (None, 0)
     # used up: the token names no spare any more
     assert idx.commit_spare(b"b", spare.token, 60, "f", 77, 1, 1.0) == ix.NO_SPARE
     with pytest.raises(ValueError):
-        idx.commit_spare(b"b", spare.token, 101, "f", 77, 1, 1.0)
+        idx.commit_spare(b"b", spare.token, 65, "f", 77, 1, 1.0)
 
 
 def test_a_spare_stays_its_clients_when_the_key_is_present_or_busy():
-    idx = ix.SlotIndex(8, 100)
+    idx = slots(8)
     put(idx, b"old")
     _, pending = idx.reserve(b"busy", 10, "f", 2, 0.0, LEASE)
     _, spare = idx.reserve_spare(1, 0.0, LEASE)
@@ -243,7 +248,7 @@ def test_a_spare_stays_its_clients_when_the_key_is_present_or_busy():
 
 
 def test_spares_lapse_leave_with_their_client_and_count_as_reservations():
-    idx = ix.SlotIndex(8, 100, max_pending=2)
+    idx = slots(8, max_pending=2)
     _, a = idx.reserve_spare(1, 0.0, LEASE)
     idx.reserve(b"x", 10, "f", 1, 0.0, LEASE)
     assert idx.reserve_spare(1, 0.0, LEASE) == (ix.LIMIT, None)  # one spare + one reservation
@@ -259,7 +264,7 @@ def test_spares_lapse_leave_with_their_client_and_count_as_reservations():
 
 
 def test_spares_evict_above_the_watermark_and_stop_when_full():
-    idx = ix.SlotIndex(4, 100, high_watermark=0.5)
+    idx = slots(4, high_watermark=0.5)
     put(idx, b"a"), put(idx, b"b")
     assert idx.reserve_spare(1, 0.0, LEASE)[0] == ix.RESERVED
     assert not idx.contains(b"a") and idx.contains(b"b") and idx.evictions == 1
@@ -269,7 +274,7 @@ def test_spares_evict_above_the_watermark_and_stop_when_full():
 
 
 def test_a_spare_asked_for_ahead_of_need_takes_only_a_free_slot():
-    idx = ix.SlotIndex(4, 100, high_watermark=0.5)
+    idx = slots(4, high_watermark=0.5)
     put(idx, b"a"), put(idx, b"b")
     assert idx.reserve_spare(1, 0.0, LEASE, evict=False)[0] == ix.RESERVED  # past the watermark: no eviction
     assert idx.reserve_spare(1, 0.0, LEASE, evict=False)[0] == ix.RESERVED

@@ -22,7 +22,7 @@ from kvxfer.store.objects import ObjectFormat
 from kvxfer.store.protocol import MAX_KEYS, Req
 from store_cases import SECRET, block_bits, fill_block, make_layout
 
-SLOT = 4096  # one object of the store_cases model: 3 layers * 2 * 4 tokens * 4 heads * 8 * 2 B = 1536 B
+SLOT = 1536  # one object of the store_cases model: 3 layers * 2 * 4 tokens * 4 heads * 8 * 2 B
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_flipped_byte_in_a_slot_is_a_miss(head_dim):
         with _store(node) as st:
             st.put(keys, src, range(6)).wait(timeout=60)
             obj = node.index.peek(keys[3])
-            node.buffer[obj.slot * slot + 100] ^= 0x10  # one bit of the fourth object
+            node.buffer[obj.offset + 100] ^= 0x10  # one bit of the fourth object
             dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
             h = st.get(keys, dst, range(6))
             with pytest.raises(kvxfer.StoreMiss) as err:
@@ -263,7 +263,7 @@ def test_spare_slots_carry_the_next_put_and_stay_their_clients():
             with _store(node) as st:
                 st.put(keys[:4], src, range(4)).wait(timeout=60)
                 _until(lambda: node.stats()["spares"] == 4)  # kept for the next put: as many as it wrote
-                spares = {o.token: o.slot for o in node.index._spares.values()}
+                spares = {o.token: o.offset for o in node.index._spares.values()}
                 # another client: the spares are not its to commit; forged tokens name nothing
                 fmt = ObjectFormat(src)
                 for token in [*spares, 123456789]:
@@ -275,12 +275,12 @@ def test_spare_slots_carry_the_next_put_and_stay_their_clients():
                                                  "fmt": "f"}, 10.0)
                 for count, evict in ((0, True), (MAX_KEYS + 1, True), (True, True), ("4", True), (2, 1)):
                     with pytest.raises(NodeError, match="bad_request"):
-                        c.request(Req.SPARE, {"count": count, "evict": evict}, 10.0)
-                assert len(c.request(Req.SPARE, {"count": 2, "evict": False}, 10.0)["s"]) == 2
+                        c.request(Req.SPARE, {"count": count, "evict": evict, "nbytes": SLOT}, 10.0)
+                assert len(c.request(Req.SPARE, {"count": 2, "evict": False, "nbytes": SLOT}, 10.0)["s"]) == 2
                 assert not node.index.contains(keys[7]) and node.stats()["spares"] == 6
                 # the next put goes into the spares the first one left (and keeps as many again)
                 st.put(keys[4:8], src, range(4, 8)).wait(timeout=60)
-                assert sorted(node.index.peek(k).slot for k in keys[4:8]) == sorted(spares.values())
+                assert sorted(node.index.peek(k).offset for k in keys[4:8]) == sorted(spares.values())
                 _until(lambda: node.stats()["spares"] == 6)
                 assert st.stats()["client"]["put_objects"] == 8
                 # a put of present keys writes nothing: it refreshes them, and the spares stay
@@ -326,7 +326,7 @@ class _NodeWithBadSpares(StoreNode):
     def _serve(self, c, msg_type, payload, now):
         reply = super()._serve(c, msg_type, payload, now)
         if msg_type == Req.SPARE and not json.loads(bytes(payload))["evict"]:
-            reply["s"] = [[self.index.num_slots * self.index.slot_bytes, tok] for _, tok in reply["s"]]
+            reply["s"] = [[self.index.region_bytes, tok] for _, tok in reply["s"]]
         return reply
 
 

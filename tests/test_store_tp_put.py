@@ -155,11 +155,11 @@ def test_slot_holds_the_tp1_bytes_and_a_flipped_byte_in_one_part_is_a_miss(local
         for b, k in enumerate(keys):  # bitwise what a tp=1 writer stores: pack of every head
             obj = local_node.index.peek(k)
             assert len(obj.crc) == 2 and [p[:2] for p in obj.crc] == [[0, 2], [2, 4]]
-            got = local_node.buffer[obj.slot * SLOT:obj.slot * SLOT + fmt.nbytes]
+            got = local_node.buffer[obj.offset:obj.offset + fmt.nbytes]
             assert torch.equal(got, kvxfer.pack(src, [b], heads=(0, H)))
         # one bit of rank 1's heads of the third object (row 5 of its rows, 3 bytes in)
         obj = local_node.index.peek(keys[2])
-        local_node.buffer[obj.slot * SLOT + 5 * fmt.row_bytes + 2 * fmt.head_bytes + 3] ^= 0x04
+        local_node.buffer[obj.offset + 5 * fmt.row_bytes + 2 * fmt.head_bytes + 3] ^= 0x04
         for reader in ("N 2 B H D", "N 2 H B D"):  # zero-copy and staging readers
             dst = make_layout(reader, 4, head_dim=128)
             with pytest.raises(kvxfer.StoreMiss) as err:

@@ -1,9 +1,9 @@
 """``kvxfer store``: one node of the KV pool (``kvxfer.KVStore`` clients use it).
 
 ``kvxfer store --listen 10.0.0.5:7600 --capacity 64G --discovery etcd://10.0.0.2:2379``
-allocates ``--capacity`` of host memory as ``--slot-size`` slots (one pooled block each:
-every layer and kv head of one block, so pick a slot size of at least one block of the
-largest model you pool), registers it once, listens on ``--listen`` and publishes itself
+allocates ``--capacity`` of host memory, registers it once (objects of every size share
+it in size classes; ``--slot-size`` is the largest object: one block, every layer and kv
+head, of the largest model you pool), listens on ``--listen`` and publishes itself
 under a lease (``--ttl``; under ``{prefix}/store``). The shared secret comes from
 ``KVXFER_SECRET`` or ``--secret-file`` (never the command line, never etcd). It serves
 until SIGTERM or Ctrl-C, then withdraws from discovery and exits. Objects are not
@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="port 0: any free port")
     p.add_argument("--capacity", required=True, type=parse_size, metavar="SIZE", help="e.g. 64G, 512M")
     p.add_argument("--slot-size", type=parse_size, default=2 << 20, metavar="SIZE",
-                   help="bytes per object slot (default 2M)")
+                   help="the largest object the node holds (default 2M); smaller objects share the "
+                        "capacity in size classes")
     p.add_argument("--high-watermark", type=float, default=0.98, metavar="F",
                    help="fraction of slots in use above which LRU objects are evicted")
     p.add_argument("--lease", type=float, default=30.0, metavar="S",

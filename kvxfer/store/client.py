@@ -509,7 +509,7 @@ class KVStore:
         spared = fmt.full and c.table is not None and size <= c.slot_bytes and c.spare_slots
         conflicts: list = []
         if spared:
-            got, present = self._spares_for(c, keys)
+            got, present = self._spares_for(c, keys, size)
             spared = c.spare_slots  # (a node that answers no SPARE: reserve and commit)
         if spared:
             if not got:
@@ -615,7 +615,7 @@ class KVStore:
         self.counters["put_skipped"] += sum(1 for x in ok if not x)
         return conflicts
 
-    def _spares_for(self, c: NodeConn, keys):
+    def _spares_for(self, c: NodeConn, keys, size: int):
         """For a put of whole objects on a node on this host: ``(got, present)``.
         ``present``: the positions the node's key table shows present (none when it
         cannot be read now); ``got``: ``[(position, offset, token, use_by)]``, a spare slot
@@ -624,6 +624,7 @@ class KVStore:
         with c.mapped_lock:
             codes = c.table.find(keys) if c.table_usable() else b""
         present = [j for j, code in enumerate(codes) if code == PRESENT]
+        c.spares_of(size)
         want = [j for j in range(len(keys)) if not codes or codes[j] != PRESENT]
         now = time.monotonic()
         c.spares = [sp for sp in c.spares if sp[2] > now]  # past use_by: left to lapse on the node
@@ -643,7 +644,7 @@ class KVStore:
         after the node took it back)."""
         sent = time.monotonic()
         try:
-            r = c.request(Req.SPARE, {"count": count, "evict": evict}, self.timeout)
+            r = c.request(Req.SPARE, {"count": count, "evict": evict, "nbytes": c.spare_nbytes}, self.timeout)
         except NodeError as exc:
             if exc.code != "bad_request":
                 raise
@@ -652,7 +653,7 @@ class KVStore:
             return
         use_by = sent + float(r.get("lease_s", 0)) / 2
         for off, tok in r["s"]:
-            if not 0 <= off <= c.region_bytes - c.slot_bytes:
+            if not 0 <= off <= c.region_bytes - c.spare_nbytes:
                 raise KVXferError(f"store node {c.address} named a spare slot outside its region")
             c.spares.append((off, tok, use_by))
 

@@ -49,11 +49,13 @@ class NodeConn:
         self.slot_bytes = int(info["slot_bytes"])
         regions = bconn.remote_regions
         self.region = info["slots_region"]
-        self.num_slots = int(info["num_slots"])
-        self.region_bytes = self.slot_bytes * self.num_slots
-        # spare slots the node holds for this client (same host; used and kept by the
-        # client's worker under `lock`): [(offset, token, use_by)], and how many to keep
+        self.num_slots = int(info["num_slots"])  # objects of slot_bytes (the largest) the region holds
+        self.region_bytes = int(info["region_bytes"])
+        # spare chunks the node holds for this client (same host; used and kept by the
+        # client's worker under `lock`): [(offset, token, use_by)], all for objects of
+        # spare_nbytes, and how many to keep
         self.spares: list = []
+        self.spare_nbytes = 0
         self.spares_wanted = 0
         self.spare_slots = True  # False once the node refused a SPARE request (it knows none)
         table = info["key_table"]
@@ -93,7 +95,7 @@ class NodeConn:
             def count(v, least: int) -> bool:
                 return not isinstance(v, bool) and isinstance(v, int) and v >= least
 
-            for k, least in (("slot_bytes", 1), ("num_slots", 1), ("slots_region", 0)):
+            for k, least in (("slot_bytes", 1), ("num_slots", 1), ("slots_region", 0), ("region_bytes", 1)):
                 if not count(lay.get(k), least):
                     raise ProtocolError(f"store node {address} sent a bad {k}")
             kt = lay.get("key_table")
@@ -114,6 +116,12 @@ class NodeConn:
             backend.disconnect(bconn)
             sock.close()
             raise
+
+    def spares_of(self, nbytes: int) -> None:
+        """The spares to hold are chunks for objects of ``nbytes`` (a size class): those
+        held for another size are given up (they lapse on the node)."""
+        if self.spare_nbytes != nbytes:
+            self.spares, self.spare_nbytes = [], nbytes
 
     def table_usable(self) -> bool:
         """The key table may be read now (caller holds ``mapped_lock``): mapped, fresh, and

@@ -1,7 +1,9 @@
-"""A store node's index: fixed-size slots of one buffer, key -> object, LRU, pins.
+"""A store node's index: objects in chunks of one buffer, key -> object, LRU, pins.
 
-An object lives in one slot (``slot_bytes`` each, ``num_slots`` in all) and goes
-through two states: *pending* (reserved, being written; invisible to gets and
+An object lives in one chunk of the node's buffer, placed by a
+:class:`~kvxfer.store.alloc.ChunkAllocator` (size classes: objects of different sizes
+share the capacity; ``largest_bytes`` is the largest it takes), and goes through two
+states: *pending* (reserved, being written; invisible to gets and
 lookups) and *committed* (readable, immutable). A commit names the reservation's
 token, so a late commit of a reservation that expired and was handed to someone else
 is refused.
@@ -21,8 +23,12 @@ until the object is committed or dropped (a committed part of an object that nev
 completes still holds a slot, so it still counts).
 
 Eviction frees the least recently used committed object that no reader pins,
-whenever the slots in use (pending and committed) exceed the high watermark
-``high_watermark * num_slots``; every such eviction is counted. A pinned object is
+whenever the chunk bytes in use (pending and committed, less those an eviction still
+holds) exceed the high watermark ``high_watermark * capacity``; every such eviction is
+counted. A chunk needed now when none of its class is free (nor a free page) evicts
+the LRU object if it is of that class, else every object of the page holding the LRU
+object (a page of another class, taken over once empty; pages with a pinned or pending
+chunk are passed over). A pinned object is
 never evicted: a reader holds a pin from its get until it released it (or the pin's
 lease ran out), so the slot it reads is not reused meanwhile. An object dropped while
 pinned (a reader found its checksum wrong) leaves the index at once and frees its
@@ -38,6 +44,13 @@ whose key turned out present or busy stays the client's.
 becomes readable and every one that stops being readable (a node's
 :class:`~kvxfer.store.key_table.KeyTable`).
 
+Hooks for a second tier (:mod:`kvxfer.store.tiers`): ``on_evict(obj, hold)`` is told of
+each evicted object before it leaves the index; with ``hold`` (an eviction that makes
+room ahead of need) it may keep the object's chunk for a while by taking a pin
+(``obj.pins += 1``, counted in ``held_bytes``) and give it back with :meth:`SlotIndex.unhold`;
+without ``hold`` (a chunk is needed now) the chunk is freed at once. ``elsewhere(key)``
+says whether another tier holds ``key`` (a reserve of it is then a no-op: PRESENT).
+
 Not thread-safe: a node's one I/O thread owns it. Times are ``time.monotonic()``
 seconds passed in by the caller.
 """
@@ -48,8 +61,13 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .alloc import ChunkAllocator, chunk_bytes
+
 __all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT", "COMMITTED",
            "NO_SPARE"]
+
+# an eviction for a chunk of another class looks at this many LRU objects and pages at most
+_SCAN_OBJECTS, _SCAN_PAGES = 4096, 64
 
 # reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply), and
 # commit_spare()'s own two (with PRESENT and BUSY, the wire codes of a COMMIT_SPARE reply)
@@ -70,7 +88,7 @@ class Part:
 @dataclass(eq=False)
 class Obj:
     key: bytes
-    slot: int
+    offset: int  # of its chunk in the buffer
     nbytes: int
     fmt: str
     owner: int  # the client that reserved it (a multi-part object: its first part's)
@@ -94,23 +112,28 @@ class _Pin:
 
 
 class SlotIndex:
-    """``SlotIndex(num_slots, slot_bytes, high_watermark=0.98, max_pending=4096, max_pins=65536, mirror=None)``.
+    """``SlotIndex(capacity_bytes, largest_bytes, high_watermark=0.98, max_pending=4096, max_pins=65536, mirror=None)``.
 
-    ``max_pending`` / ``max_pins``: per client, the reservations and pins it may hold
-    at once (more: that key's request answers :data:`LIMIT`). ``mirror``: see the module doc.
+    ``capacity_bytes``: the buffer (rounded down to whole pages: ``region_bytes``);
+    ``largest_bytes``: the largest object it takes (``slot_bytes``; ``num_slots`` is how
+    many of those the region holds). ``max_pending`` / ``max_pins``: per client, the
+    reservations and pins it may hold at once (more: that key's request answers
+    :data:`LIMIT`). ``mirror``: see the module doc.
     """
 
-    def __init__(self, num_slots: int, slot_bytes: int, *, high_watermark: float = 0.98,
+    def __init__(self, capacity_bytes: int, largest_bytes: int, *, high_watermark: float = 0.98,
                  max_pending: int = 4096, max_pins: int = 65536, mirror=None) -> None:
-        if num_slots < 1 or slot_bytes < 1:
-            raise ValueError("num_slots and slot_bytes must be >= 1")
         if not 0.0 < high_watermark <= 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {high_watermark}")
-        self.num_slots, self.slot_bytes = num_slots, slot_bytes
-        self.watermark = max(1, int(high_watermark * num_slots))
+        self.alloc = ChunkAllocator(capacity_bytes, largest_bytes)
+        self.slot_bytes = largest_bytes
+        self.region_bytes = self.alloc.region_bytes
+        self.num_slots = self.region_bytes // largest_bytes
+        self.watermark = max(1, int(high_watermark * self.region_bytes))  # bytes
         self.max_pending, self.max_pins = max_pending, max_pins
         self.mirror = mirror
-        self._free = list(range(num_slots - 1, -1, -1))  # a stack: low slots first
+        self.on_evict = self.elsewhere = None  # a second tier's hooks (see the module doc)
+        self.held_bytes = 0  # chunk bytes of evicted objects that on_evict holds
         self._objects: OrderedDict[bytes, Obj] = OrderedDict()  # committed, LRU first
         self._pending: dict[bytes, Obj] = {}
         self._spares: dict[int, Obj] = {}  # token -> a slot reserved for a client under no key
@@ -127,7 +150,8 @@ class SlotIndex:
 
     @property
     def slots_used(self) -> int:
-        return self.num_slots - len(self._free)
+        """Chunks in use (committed, pending, spare, or held by an eviction)."""
+        return self.alloc.chunks_used
 
     def contains(self, key: bytes) -> bool:
         """Committed (readable) now; does not touch recency."""
@@ -143,7 +167,13 @@ class SlotIndex:
                 "spares": len(self._spares),
                 "pins": len(self._pins), "bytes_used": self.bytes_used,
                 "slots_used": self.slots_used, "num_slots": self.num_slots,
-                "slot_bytes": self.slot_bytes, "capacity_bytes": self.num_slots * self.slot_bytes}
+                "slot_bytes": self.slot_bytes, "capacity_bytes": self.region_bytes,
+                "bytes_allocated": self.alloc.bytes_allocated, "rounding_bytes": self.alloc.rounding_bytes,
+                "size_classes": self.alloc.stats()["classes"]}
+
+    def fits(self, nbytes: int) -> bool:
+        """An object of ``nbytes`` can be held (at most ``slot_bytes``)."""
+        return self.alloc.fits(nbytes)
 
     # ---- put -------------------------------------------------------------------------
     def reserve(self, key: bytes, nbytes: int, fmt: str, owner: int, now: float, lease_s: float):
@@ -152,11 +182,13 @@ class SlotIndex:
         PRESENT: committed already (its recency is refreshed: a put of a present key is
         a no-op); BUSY: another client is writing it; FULL: every slot is pending or pinned.
         """
-        if not 0 < nbytes <= self.slot_bytes:
-            raise ValueError(f"object of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        if not self.fits(nbytes):
+            raise ValueError(f"object of {nbytes} bytes exceeds the largest this node holds ({self.slot_bytes} B)")
         obj = self._objects.get(key)
         if obj is not None:
             self._objects.move_to_end(key)
+            return PRESENT, None
+        if self.elsewhere is not None and self.elsewhere(key):
             return PRESENT, None
         obj = self._pending.get(key)
         if obj is not None:
@@ -172,18 +204,20 @@ class SlotIndex:
                      owner: int, now: float, lease_s: float):
         """Reserve heads ``[lo, hi)`` of ``num_heads`` of the object ``key`` (``nbytes``:
         the whole object's size). ``(RESERVED, obj, part)``: write the part into
-        ``obj.slot`` and commit ``part.token``; else ``(code, None, None)``: PRESENT
+        ``obj.offset`` and commit ``part.token``; else ``(code, None, None)``: PRESENT
         (committed already; recency refreshed), BUSY (a whole put of the key, or a part of
         exactly these heads, is being written), CONFLICT (the key is being assembled from
         parts that overlap ``[lo, hi)`` without being equal to it, or of another size,
         format or head count), FULL, LIMIT.
         """
-        if not 0 < nbytes <= self.slot_bytes:
-            raise ValueError(f"object of {nbytes} B does not fit a {self.slot_bytes}-byte slot")
+        if not self.fits(nbytes):
+            raise ValueError(f"object of {nbytes} B exceeds the largest this node holds ({self.slot_bytes} B)")
         if not 0 <= lo < hi <= num_heads:
             raise ValueError(f"heads [{lo}, {hi}) are not a range of {num_heads}")
         if key in self._objects:
             self._objects.move_to_end(key)
+            return PRESENT, None, None
+        if self.elsewhere is not None and self.elsewhere(key):
             return PRESENT, None, None
         obj = self._pending.get(key)
         if obj is not None and obj.deadline <= now:
@@ -252,22 +286,24 @@ class SlotIndex:
         self._unreserve(obj)
         return True
 
-    def reserve_spare(self, owner: int, now: float, lease_s: float, *, evict: bool = True):
-        """``(RESERVED, obj)``: a slot held for ``owner`` under no key until ``now +
-        lease_s`` (``obj.slot``; :meth:`commit_spare` names ``obj.token``); else ``(FULL |
-        LIMIT, None)``. It counts against ``max_pending`` like a reservation. ``evict``:
-        evict as a reservation does (none free; above the watermark); else only a free
-        slot will do, and the slots in use may pass the watermark (the next reservation
-        evicts back to it): a spare asked for ahead of need never costs an object."""
+    def reserve_spare(self, owner: int, now: float, lease_s: float, *, evict: bool = True, nbytes: int | None = None):
+        """``(RESERVED, obj)``: a chunk for an object of ``nbytes`` (default: the largest)
+        held for ``owner`` under no key until ``now + lease_s`` (``obj.offset``;
+        :meth:`commit_spare` names ``obj.token``); else ``(FULL | LIMIT, None)``. It counts
+        against ``max_pending`` like a reservation. ``evict``: evict as a reservation does
+        (none free; above the watermark); else only a free chunk will do, and the bytes in
+        use may pass the watermark (the next reservation evicts back to it): a spare asked
+        for ahead of need never costs an object."""
+        nbytes = self.slot_bytes if nbytes is None else nbytes
+        if not self.fits(nbytes):
+            raise ValueError(f"object of {nbytes} bytes exceeds the largest this node holds ({self.slot_bytes} B)")
         if self._pending_by.get(owner, 0) >= self.max_pending:
             return LIMIT, None
-        if not self._free and not (evict and self._evict_one()):
+        obj = Obj(b"", -1, nbytes, "", owner, next(self._tokens), now + lease_s)
+        if not (self._place(obj) if evict else self._place_free(obj)):
             return FULL, None
-        obj = Obj(b"", self._free.pop(), self.slot_bytes, "", owner, next(self._tokens), now + lease_s)
         self._spares[obj.token] = obj
         self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
-        if evict:
-            self._trim()
         return RESERVED, obj
 
     def commit_spare(self, key: bytes, token: int, nbytes: int, fmt: str, crc, owner: int, now: float) -> int:
@@ -277,13 +313,15 @@ class SlotIndex:
         recency is refreshed; the spare, if any, stays ``owner``'s); NO_SPARE: ``token``
         is no live spare of ``owner`` (lapsed, used, or never its: nothing changes);
         BUSY: another reservation of ``key`` is live (the spare stays)."""
-        if not 0 < nbytes <= self.slot_bytes:
-            raise ValueError(f"object of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        if not self.fits(nbytes):
+            raise ValueError(f"object of {nbytes} bytes exceeds the largest this node holds ({self.slot_bytes} B)")
         if key in self._objects:
             self._objects.move_to_end(key)
             return PRESENT
+        if self.elsewhere is not None and self.elsewhere(key):
+            return PRESENT
         spare = self._spares.get(token)
-        if spare is None or spare.owner != owner:
+        if spare is None or spare.owner != owner or chunk_bytes(nbytes) != chunk_bytes(spare.nbytes):
             return NO_SPARE
         if spare.deadline <= now:
             self._drop_spare(spare)
@@ -294,6 +332,7 @@ class SlotIndex:
                 return BUSY
             self._unreserve(obj)
         del self._spares[token]
+        self.alloc.resize(spare.offset, nbytes)
         spare.key, spare.nbytes, spare.fmt, spare.crc = key, nbytes, fmt, crc
         self._pending[key] = spare
         self._publish(spare)
@@ -363,23 +402,73 @@ class SlotIndex:
             self._remove(obj)
 
     # ---- internals -------------------------------------------------------------------
-    def _evict_one(self) -> bool:
+    def _evict(self, obj: Obj, *, hold: bool) -> None:
+        """Evict committed, unpinned ``obj`` (counted); a second tier's ``on_evict`` sees it
+        first and, with ``hold``, may keep its chunk (see the module doc)."""
+        if self.on_evict is not None and self.on_evict(obj, hold):
+            self.held_bytes += chunk_bytes(obj.nbytes)
+        self._remove(obj)
+        self.evictions += 1
+
+    def unhold(self, obj: Obj) -> None:
+        """``on_evict`` is done with the chunk it kept (freed unless ``obj`` is back in the
+        index, :meth:`readmit`, or pinned by readers)."""
+        self.held_bytes -= chunk_bytes(obj.nbytes)
+        obj.pins -= 1
+        if obj.pins == 0 and obj.dropped:
+            self.alloc.free(obj.offset)
+
+    def readmit(self, obj: Obj) -> None:
+        """Put evicted ``obj``, whose chunk is still held, back as the most recent object
+        (a get came for it while a second tier was taking it)."""
+        obj.dropped = False
+        self._objects[obj.key] = obj
+        if self.mirror is not None:
+            self.mirror.add(obj.key)
+        self.bytes_used += obj.nbytes
+
+    def _evict_lru(self) -> bool:
+        """Ahead of need (above the watermark): the LRU unpinned object goes."""
         for obj in self._objects.values():  # oldest first; pinned ones are usually recent
             if obj.pins == 0:
-                self._remove(obj)
-                self.evictions += 1
+                self._evict(obj, hold=True)
+                return True
+        return False
+
+    def _evict_for(self, nbytes: int) -> bool:
+        """A chunk for ``nbytes`` is needed now: evict the LRU unpinned object if it is of
+        that class; else empty the page of the first LRU object whose page holds only
+        unpinned committed objects (it then takes the new class). False: nothing can go."""
+        want, page_bytes = chunk_bytes(nbytes), self.alloc.page_bytes
+        seen: set = set()  # pages passed over
+        for scanned, obj in enumerate(self._objects.values()):
+            if scanned >= _SCAN_OBJECTS or len(seen) >= _SCAN_PAGES:
+                break
+            if obj.pins:
+                continue
+            if self.alloc.class_of(obj.offset) == want:
+                self._evict(obj, hold=False)
+                return True
+            page = obj.offset // page_bytes
+            if page in seen:
+                continue
+            seen.add(page)
+            owners = self.alloc.page_owners(obj.offset)
+            if all(o.committed and not o.pins and not o.dropped for o in owners):
+                for o in owners:
+                    self._evict(o, hold=False)
                 return True
         return False
 
     def _remove(self, obj: Obj) -> None:
-        """Take a committed object out of the index; free its slot unless pinned."""
+        """Take a committed object out of the index; free its chunk unless pinned."""
         del self._objects[obj.key]
         if self.mirror is not None:
             self.mirror.remove(obj.key)
         self.bytes_used -= obj.nbytes
         obj.dropped = True
         if obj.pins == 0:
-            self._free.append(obj.slot)
+            self.alloc.free(obj.offset)
 
     def _unpin(self, pin_id: int, pin: _Pin) -> None:
         del self._pins[pin_id]
@@ -387,21 +476,39 @@ class SlotIndex:
         obj = pin.obj
         obj.pins -= 1
         if obj.pins == 0 and obj.dropped:
-            self._free.append(obj.slot)
+            self.alloc.free(obj.offset)
+
+    def _place(self, obj: Obj) -> bool:
+        """Give ``obj`` a chunk, evicting for it if none is free, then trim to the
+        watermark; False when nothing can be evicted."""
+        while True:
+            off = self.alloc.alloc(obj.nbytes, obj)
+            if off is not None:
+                obj.offset = off
+                self._trim()
+                return True
+            if not self._evict_for(obj.nbytes):
+                return False
+
+    def _place_free(self, obj: Obj) -> bool:
+        """Give ``obj`` a free chunk, evicting nothing."""
+        off = self.alloc.alloc(obj.nbytes, obj)
+        if off is None:
+            return False
+        obj.offset = off
+        return True
 
     def _new_slot(self, obj: Obj) -> Obj | None:
-        """Give pending ``obj`` a free slot (evicting if none is free); None when full."""
-        if not self._free and not self._evict_one():
+        """Give pending ``obj`` a chunk (evicting if none is free); None when full."""
+        if not self._place(obj):
             return None
-        obj.slot = self._free.pop()
         self._pending[obj.key] = obj
         self._pending_by[obj.owner] = self._pending_by.get(obj.owner, 0) + 1
-        self._trim()
         return obj
 
     def _trim(self) -> None:
-        """Evict LRU objects while the slots in use exceed the high watermark."""
-        while self.slots_used > self.watermark and self._evict_one():
+        """Evict LRU objects while the chunk bytes in use (less those held) exceed the watermark."""
+        while self.alloc.bytes_allocated - self.held_bytes > self.watermark and self._evict_lru():
             pass
 
     def _drop_spare(self, obj: Obj) -> None:
@@ -409,7 +516,7 @@ class SlotIndex:
         left = self._pending_by.get(obj.owner)
         if left is not None:
             self._pending_by[obj.owner] = left - 1
-        self._free.append(obj.slot)
+        self.alloc.free(obj.offset)
 
     @staticmethod
     def _part(obj: Obj, token: int, owner: int) -> Part | None:
@@ -439,4 +546,4 @@ class SlotIndex:
 
     def _unreserve(self, obj: Obj) -> None:
         self._drop_pending(obj)
-        self._free.append(obj.slot)
+        self.alloc.free(obj.offset)

@@ -96,13 +96,13 @@ class StoreNode:
         self._keys_buffer = kvxfer.shared_empty(KeyTable.nbytes(nbuckets))  # uint8 [table bytes]
         self.keys = KeyTable(self._keys_buffer.data_ptr(), nbuckets)
         self.keys.init()
-        self.index = ix.SlotIndex(num_slots, slot_bytes, high_watermark=high_watermark, mirror=self.keys)
+        self.index = ix.SlotIndex(capacity_bytes, slot_bytes, high_watermark=high_watermark, mirror=self.keys)
         self.lease_s = float(lease_s)
         self.max_queued_bytes = int(max_queued_bytes)
         self.queued_peak = 0  # the most reply bytes ever queued for one client
         self.node_id = uuid.uuid4().hex
         host, port = split_address(listen)
-        self.buffer = kvxfer.shared_empty(num_slots * slot_bytes)  # [num_slots * slot_bytes] uint8
+        self.buffer = kvxfer.shared_empty(self.index.region_bytes)  # uint8 [region_bytes]: the chunks
         self._backend = make_backend(backend, listen_host=host)
         try:
             self._region = self._backend.register_tensor(self.buffer)
@@ -216,8 +216,8 @@ class StoreNode:
     def _info(self) -> dict:
         return {"name": self.name, "agent_id": self.node_id, "backend": self._meta, "staging": 0,
                 "layout": {"kind": STORE_INFO, "slot_bytes": self.index.slot_bytes,
-                           "num_slots": self.index.num_slots, "region_bytes": self.index.num_slots
-                           * self.index.slot_bytes, "slots_region": self._region,
+                           "num_slots": self.index.num_slots, "region_bytes": self.index.region_bytes,
+                           "slots_region": self._region,
                            "key_table": {"region": self._keys_region, "buckets": self.keys.nbuckets}}}
 
     @staticmethod
@@ -307,9 +307,7 @@ class StoreNode:
             return {"id": rid, "present": "".join("1" if idx.contains(k) else "0" for k in f["keys"])}
         if kind in (Req.RESERVE, Req.RESERVE_PART):
             if f["nbytes"] > idx.slot_bytes:
-                self.num_bad_requests += 1
-                return {"id": rid, "error": "too_large",
-                        "reason": f"objects of {f['nbytes']} B exceed this node's {idx.slot_bytes}-byte slots"}
+                return self._too_large(rid, f["nbytes"])
             out = []
             for k in f["keys"]:
                 if kind == Req.RESERVE:
@@ -318,21 +316,21 @@ class StoreNode:
                 else:
                     code, obj, part = idx.reserve_part(k, f["nbytes"], f["fmt"], *f["heads"], owner, now, self.lease_s)
                     token = part.token if part is not None else 0
-                out.append([code, obj.slot * idx.slot_bytes, token] if obj is not None else [code, 0, 0])
+                out.append([code, obj.offset, token] if obj is not None else [code, 0, 0])
             return {"id": rid, "r": out}
         if kind == Req.SPARE:
+            if f["nbytes"] > idx.slot_bytes:
+                return self._too_large(rid, f["nbytes"])
             out = []
             for _ in range(f["count"]):
-                _, obj = idx.reserve_spare(owner, now, self.lease_s, evict=f["evict"])
+                _, obj = idx.reserve_spare(owner, now, self.lease_s, evict=f["evict"], nbytes=f["nbytes"])
                 if obj is None:
                     break
-                out.append([obj.slot * idx.slot_bytes, obj.token])
+                out.append([obj.offset, obj.token])
             return {"id": rid, "s": out, "lease_s": self.lease_s}
         if kind == Req.COMMIT_SPARE:
             if f["nbytes"] > idx.slot_bytes:
-                self.num_bad_requests += 1
-                return {"id": rid, "error": "too_large",
-                        "reason": f"objects of {f['nbytes']} B exceed this node's {idx.slot_bytes}-byte slots"}
+                return self._too_large(rid, f["nbytes"])
             return {"id": rid, "r": [idx.commit_spare(k, t, f["nbytes"], f["fmt"], crc, owner, now)
                                      for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}
         if kind == Req.COMMIT:
@@ -353,8 +351,7 @@ class StoreNode:
                     out.append([0, 0, 0, 0])
                     continue
                 obj, pin = idx.get(k, f["fmt"], owner, now, self.lease_s)
-                out.append([obj.slot * idx.slot_bytes, obj.nbytes, obj.crc, pin] if obj is not None
-                           else [0, 0, 0, 0])
+                out.append([obj.offset, obj.nbytes, obj.crc, pin] if obj is not None else [0, 0, 0, 0])
             return {"id": rid, "r": out}
         if kind == Req.RELEASE:
             bad = set(f["bad"])
@@ -362,6 +359,11 @@ class StoreNode:
                 idx.release(pin, owner, bad=pin in bad)
             return None
         return {"id": rid, **self.stats()}  # STATS
+
+    def _too_large(self, rid: int, nbytes: int) -> dict:
+        self.num_bad_requests += 1
+        return {"id": rid, "error": "too_large",
+                "reason": f"an object of {nbytes} B exceeds the largest this node holds ({self.index.slot_bytes} B)"}
 
     def _flush(self, c: _Client) -> None:
         if c.out:

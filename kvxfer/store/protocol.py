@@ -17,13 +17,13 @@ ABORT                 ``keys``, ``tokens``                                      
 GET                   ``keys``, ``fmt``                                            ``r``: ``[[offset, nbytes, crc, pin], ...]`` (pin 0: miss)
 RELEASE               ``pins``, ``bad`` (the pins whose bytes failed the checksum)  none
 STATS                 (none)                                                       the node's counters
-SPARE                 ``count``, ``evict``                                         ``s``: ``[[offset, token], ...]``, ``lease_s``
+SPARE                 ``count``, ``evict``, ``nbytes``                             ``s``: ``[[offset, token], ...]``, ``lease_s``
 COMMIT_SPARE          ``keys``, ``tokens``, ``crcs``, ``nbytes``, ``fmt``          ``r``: ``[code, ...]``
 ====================  ===========================================================  =====================================
 
-SPARE reserves up to ``count`` slots for the client under no key (fewer when the node is
-full or the client at its reservation limit; with ``evict`` false, only slots that are
-free now), each held for ``lease_s`` seconds; a
+SPARE reserves up to ``count`` chunks for objects of ``nbytes`` for the client under no
+key (fewer when the node is full or the client at its reservation limit; with ``evict``
+false, only chunks that are free now), each held for ``lease_s`` seconds; a
 COMMIT_SPARE makes the bytes the client wrote into its spare ``tokens[i]`` the object
 ``keys[i]`` (codes ``COMMITTED``, ``PRESENT``, ``BUSY``, ``NO_SPARE`` of
 :mod:`kvxfer.store.index`; a token 0 asks only whether the key is present, and refreshes it
@@ -83,7 +83,7 @@ _SCHEMAS = {
     Req.GET: {"keys": "keys", "fmt": "fmt"},
     Req.RELEASE: {"pins": "ints", "bad": "ints"},
     Req.STATS: {},
-    Req.SPARE: {"count": "count", "evict": "bool"},
+    Req.SPARE: {"count": "count", "evict": "bool", "nbytes": "size"},
     Req.COMMIT_SPARE: {"keys": "keys", "tokens": "ints", "crcs": "crcs", "nbytes": "size", "fmt": "fmt"},
 }
 

@@ -194,3 +194,28 @@ def test_objects_without_checksums_round_trip_on_either_path(node, head_dim):
             assert st.stats()["client"]["put_objects"] == 6
             assert st.stats()["client"]["checksum_failures"] == 0
             assert passes == ([False, True] if backend == "auto" else [])
+
+
+def test_handles_report_what_they_stored_and_loaded_and_too_large_objects_fail(store):
+    """A put's handle says how many objects it stored, found present and skipped; a get's,
+    how many it loaded and missed. An object larger than the node's largest fails the put
+    with a clear error, before anything moves."""
+    from kvxfer.store.results import GetResult, PutResult
+
+    src = make_layout("2 N B H D", 4, seed=12)
+    keys = kvxfer.block_keys(range(16), 4, salt=b"results")
+    h = store.put(keys[:2], src, [0, 1])
+    h.wait(timeout=60)
+    assert h.result == PutResult(stored=2, present=0, skipped=0, conflicts=0)
+    h = store.put(keys, src, range(4))
+    h.wait(timeout=60)
+    assert h.result == PutResult(stored=2, present=2, skipped=0, conflicts=0)
+    dst = make_layout("N 2 H B D", 4)
+    g = store.get(keys, dst, range(4))
+    g.wait(timeout=60)
+    assert g.result == GetResult(loaded=4, from_disk=0, misses=0, checksum_failures=0)
+    big = make_layout("2 N B H D", 1, head_dim=1024)  # 192 KiB objects; the node's largest is 128 KiB
+    h = store.put(kvxfer.block_keys(range(4), 4, salt=b"too-big"), big, [0])
+    with pytest.raises(kvxfer.LimitExceeded, match="exceed the largest"):
+        h.wait(timeout=60)
+    assert h.result.stored == 0 and store.lookup(kvxfer.block_keys(range(4), 4, salt=b"too-big")) == 0

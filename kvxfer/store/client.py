@@ -48,9 +48,11 @@ from ..handle import HandleCompleter
 from . import index as ix
 from .conn import NodeConn, NodeError
 from .key_table import ABSENT, PRESENT, UNKNOWN
-from .keys import MAX_KEY_BYTES
+from .keys import check_keys
+from .members import check_address
 from .objects import ObjectFormat, checksum
 from .placement import Placement
+from .results import OpReport
 from ..transport.base import LOOKUP_MAX_KEYS
 from .protocol import MAX_KEYS, NO_CRC, Req
 
@@ -121,11 +123,12 @@ class KVStore:
         if nodes is not None:
             if isinstance(nodes, str):
                 nodes = [nodes]
-            self._members = sorted({_check_address(a) for a in nodes})
+            self._members = sorted({check_address(a) for a in nodes})
             if not self._members:
                 raise ValueError("nodes must name at least one HOST:PORT")
         self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "put_conflicts": 0, "gets": 0,
-                         "get_objects": 0, "get_misses": 0, "checksum_failures": 0, "node_failures": 0,
+                         "get_objects": 0, "get_disk_objects": 0, "get_misses": 0, "checksum_failures": 0,
+                         "node_failures": 0,
                          "lookup_table_reads": 0, "lookup_requests": 0, "lookup_backend_messages": 0}
         self._backend = make_backend(backend)
         self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
@@ -224,7 +227,7 @@ class KVStore:
         in its progress (csrc/remote_lookup.cpp); a node that cannot tell, or answers no
         such message, gets a request on its socket. Messages and requests are all in
         flight at once. A node that fails counts its keys as absent (and is marked down)."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return 0
         # the answer is the first position that some node does not hold (or cannot answer for)
@@ -399,7 +402,7 @@ class KVStore:
         return self._submit("store_get", lambda done: self._do_get(keys, ids, fmt, done))
 
     def _args(self, keys, layout, block_ids):
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         fmt = self._format(layout)
         if fmt.nbytes > self._staging.numel():
             raise ValueError(f"an object of {fmt.nbytes} B does not fit the {self._staging.numel()}-byte staging buffer")
@@ -429,6 +432,7 @@ class KVStore:
             if done.handle.done():  # cancelled while queued
                 continue
             self._moved = 0
+            done = OpReport(done, self.counters)  # sets handle.result as it ends
             try:
                 fn(done)
             except KVXferError as exc:
@@ -505,6 +509,8 @@ class KVStore:
         import numpy as np
 
         size, psize = fmt.nbytes, fmt.part_nbytes
+        if size > c.slot_bytes:
+            raise LimitExceeded(f"objects of {size} B exceed the largest store node {c.address} holds ({c.slot_bytes} B)")
         # whole objects to a node on this host: into spare slots, one round trip (COMMIT_SPARE)
         spared = fmt.full and c.table is not None and size <= c.slot_bytes and c.spare_slots
         conflicts: list = []
@@ -707,8 +713,9 @@ class KVStore:
             for batch in self._batches(pos, fmt.nbytes, MAX_GET_KEYS):
                 try:
                     with c.lock:
-                        r = c.request(Req.GET, {"keys": [keys[i] for i in batch], "fmt": fmt.fmt},
-                                      self.timeout)["r"]
+                        reply = c.request(Req.GET, {"keys": [keys[i] for i in batch], "fmt": fmt.fmt}, self.timeout)
+                        r = reply["r"]
+                        self.counters["get_disk_objects"] += reply.get("disk", 0)  # read back from its disk tier
                         hits = [(i, off, nb, crc, pin) for i, (off, nb, crc, pin) in zip(batch, r) if pin > 0]
                         bad = []
                         try:
@@ -973,26 +980,3 @@ def _warm_copy_pool(nbytes: int) -> None:
     c = load()
     if nbytes >= c.VM_SPLIT_BYTES:
         c.warm_copy_pool(_WARM_US)
-
-
-def _check_address(a) -> str:
-    from ..agent.peers import split_address
-
-    if not isinstance(a, str):
-        raise TypeError(f"node addresses must be 'HOST:PORT' strings, got {type(a).__name__}")
-    split_address(a)
-    return a
-
-
-def _check_keys(keys) -> list:
-    if isinstance(keys, (bytes, str)):
-        raise TypeError("keys must be a sequence of bytes (e.g. kvxfer.block_keys(...))")
-    out = list(keys)
-    if load().keys_ok(out, MAX_KEY_BYTES):  # the common case, checked natively
-        return out
-    for k in out:
-        if not isinstance(k, (bytes, bytearray)):
-            raise TypeError(f"keys must be bytes, got {type(k).__name__}")
-        if not 0 < len(k) <= MAX_KEY_BYTES:
-            raise ValueError(f"a key must be 1..{MAX_KEY_BYTES} bytes, got {len(k)}")
-    return [bytes(k) for k in out]

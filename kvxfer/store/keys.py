@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["block_keys", "extend_keys", "KEY_BYTES", "MAX_KEY_BYTES"]
+__all__ = ["block_keys", "extend_keys", "check_keys", "KEY_BYTES", "MAX_KEY_BYTES"]
 
 KEY_BYTES = 32  # what block_keys makes
 MAX_KEY_BYTES = 64  # the longest key a store accepts
@@ -87,3 +87,21 @@ def _chain(prev: bytes, data: bytes, block_size: int) -> list[bytes]:
         prev = hashlib.blake2b(prev + data[start:start + step], digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
+
+
+def check_keys(keys) -> list:
+    """``keys`` as a list of ``bytes`` of 1..:data:`MAX_KEY_BYTES` each (a client's
+    argument check); ``TypeError`` / ``ValueError`` otherwise."""
+    from .._native import load
+
+    if isinstance(keys, (bytes, str)):
+        raise TypeError("keys must be a sequence of bytes (e.g. kvxfer.block_keys(...))")
+    out = list(keys)
+    if load().keys_ok(out, MAX_KEY_BYTES):  # the common case, checked natively
+        return out
+    for k in out:
+        if not isinstance(k, (bytes, bytearray)):
+            raise TypeError(f"keys must be bytes, got {type(k).__name__}")
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key must be 1..{MAX_KEY_BYTES} bytes, got {len(k)}")
+    return [bytes(k) for k in out]

@@ -7,7 +7,7 @@ member record's ``address`` is the node's ``HOST:PORT`` (also its name in placem
 """
 from __future__ import annotations
 
-__all__ = ["open_store_discovery", "store_addresses", "SUBPREFIX"]
+__all__ = ["open_store_discovery", "store_addresses", "check_address", "SUBPREFIX"]
 
 SUBPREFIX = "store"
 
@@ -26,3 +26,14 @@ def store_addresses(members: dict) -> list[str]:
     """Addresses of the store nodes among ``members`` (``{name: Member}``), sorted; a
     static list's bare addresses (role ``""``) count as nodes."""
     return sorted({m.address for m in members.values() if m.role in ("store", "")})
+
+
+def check_address(a) -> str:
+    """``a`` if it is a ``"HOST:PORT"`` string (a node given by address), else
+    ``TypeError`` / ``ValueError``."""
+    from ..agent.peers import split_address
+
+    if not isinstance(a, str):
+        raise TypeError(f"node addresses must be 'HOST:PORT' strings, got {type(a).__name__}")
+    split_address(a)
+    return a

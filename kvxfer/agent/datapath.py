@@ -15,6 +15,7 @@ never sees a completion before the bytes.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -35,6 +36,7 @@ from .threads import Worker
 log = logging.getLogger("kvxfer")
 
 INLINE_BYTES = 4 << 20  # zero-copy pieces up to this size are posted by the matching thread (see ship)
+PACK_DEPTH = 2  # chunks of a pack piece in flight; each at most 1/PACK_DEPTH of the smaller staging buffer
 
 
 class _GrantWait:
@@ -43,6 +45,18 @@ class _GrantWait:
         self.event = threading.Event()
         self.region = self.offset = -1
         self.error: KVXferError | None = None
+
+
+class _Chunk:
+    """One staged chunk of a pack piece: its layers and slice of the op's blocks, bytes,
+    tag, D's grant, the local staging offset, the pack's device token, the write's request."""
+
+    __slots__ = ("layers", "sl", "nbytes", "tag", "grant", "off", "packed", "req", "posted_at")
+
+    def __init__(self, layers, sl, nbytes, tag, grant, off) -> None:
+        self.layers, self.sl, self.nbytes, self.tag, self.grant, self.off = layers, sl, nbytes, tag, grant, off
+        self.packed = self.req = None
+        self.posted_at = 0.0
 
 
 class Shipper:
@@ -211,55 +225,111 @@ class Shipper:
         self._sender.visible(op, layers)
 
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
+        """The pack path, pipelined: up to :data:`PACK_DEPTH` chunks in flight, so chunk
+        i+1 packs (on the device, behind the producer) while chunk i is on the wire and D
+        unpacks chunk i-1. Chunks start, are written and finish in order. A chunk is
+        written once D granted its slice and its pack completed; it finishes (slice freed,
+        DATA_DONE) once the write completed. Nothing blocks on a grant while a written
+        chunk of ours is unfinished: D may need that DATA_DONE (an unpack that frees its
+        ring) before it can grant."""
         tile = self._s.layout.block_nbytes(heads)
-        limit = min(self._s.staging_bytes, op.peer.staging_bytes) // 2
-        pieces = pack_chunks(len(op.ids), layers, tile, limit)
+        smaller = min(self._s.staging_bytes, op.peer.staging_bytes)
+        limit = smaller // PACK_DEPTH
+        pieces = collections.deque(pack_chunks(len(op.ids), layers, tile, limit))
         with self._s.lock:
             for lay, _ in pieces:
                 for layer in lay:
                     op.pending[layer] = op.pending.get(layer, 0) + 1
-        for lay, sl in pieces:
-            ids = op.ids[sl]
-            nbytes = len(ids) * len(lay) * tile
-            tag, wait = next(self._tags), _GrantWait(op.peer)
-            with self._s.lock:
-                self._grant_waits[tag] = wait
-            op.peer.send(encode(Msg.STAGE_REQ, tag=tag, nbytes=nbytes))
-            t0 = time.perf_counter()
-            off = self._s.pool.stage_out.alloc(nbytes, self._remaining(op))
-            if off is None:
+        started: collections.deque = collections.deque()  # packing or packed, not yet written
+        posted: collections.deque = collections.deque()  # writes in flight
+        try:
+            while pieces or started or posted:
+                if pieces and len(started) + len(posted) < PACK_DEPTH:
+                    chunk = self._start_chunk(op, *pieces[0], tile, heads, after, block=not (started or posted))
+                    if chunk is not None:
+                        pieces.popleft()
+                        started.append(chunk)
+                        continue
+                if started and (started[0].grant.event.is_set() or not posted):
+                    self._post_chunk(op, started[0])
+                    posted.append(started.popleft())
+                    continue
+                self._finish_chunk(op, posted[0], heads)
+                posted.popleft()
+        except BaseException:
+            for chunk in posted:  # the network may still read these slices: let the writes end first
+                try:
+                    if chunk.req is not None:
+                        self._s.backend.wait(chunk.req, min(5.0, self._s.leases.default_ttl_s))
+                except KVXferError:
+                    pass
+            for chunk in (*posted, *started):
+                self._abandon_chunk(op, chunk)
+            raise
+
+    def _start_chunk(self, op: SendOp, lay: tuple, sl: slice, tile: int, heads: tuple, after: tuple,
+                     block: bool) -> "_Chunk | None":
+        """Take a slice of the local staging buffer (waiting for one only if ``block``, else
+        None when none is free now), ask D for a slice of its ring, queue the pack."""
+        ids = op.ids[sl]
+        nbytes = len(ids) * len(lay) * tile
+        t0 = time.perf_counter()
+        off = self._s.pool.stage_out.alloc(nbytes, self._remaining(op) if block else 0)
+        if off is None:
+            if block:
                 raise TransferTimeout("no room in the local staging buffer")
-            try:
-                # queued on the device behind the producer's events; a slice freed early on
-                # failure is only reused by later packs of the same (in-order) device stream
-                # ids as the int64 array: pack keys its cached plan by the array's bytes (a list
-                # of numpy ints would be validated element by element on every chunk)
-                packed = self._s.device.pack(self._s.layout, ids, list(lay), heads,
+            return None
+        chunk = _Chunk(lay, sl, nbytes, next(self._tags), _GrantWait(op.peer), off)
+        with self._s.lock:
+            self._grant_waits[chunk.tag] = chunk.grant
+        op.peer.send(encode(Msg.STAGE_REQ, tag=chunk.tag, nbytes=nbytes))
+        # queued on the device behind the producer's events; a slice freed early on
+        # failure is only reused by later packs of the same (in-order) device stream
+        chunk.packed = self._s.device.pack(self._s.layout, ids, list(lay), heads,
                                            self._s.pool.stage_out_t[off:off + nbytes], after)
-                self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
-                if not wait.event.wait(self._remaining(op)):
-                    raise TransferTimeout("the receiver granted no staging space in time")
-                if wait.error is not None:
-                    raise wait.error
-                self._s.device.wait(packed, self._remaining(op))  # the slice holds the packed bytes
-                self._remaining(op)
-                self._post_and_wait(op, "write", np.array(
-                    [[self._s.pool.stage_out_region, off, wait.region, wait.offset, nbytes]], dtype=np.int64))
-            except BaseException:
-                with self._s.lock:
-                    self._grant_waits.pop(tag, None)
-                    if wait.offset >= 0:
-                        op.peer.send(encode(Msg.STAGE_RELEASE, tag=tag))
-                raise
-            finally:
-                self._s.pool.stage_out.free(off)
-            with self._s.lock:
-                self._grant_waits.pop(tag, None)
-                self._acks[tag] = (op, lay)
-            self._s.metrics.inc("bytes_sent", nbytes, path="pack")
-            op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=tag, pack=True,
-                                blocks=list(op.post.blocks[sl]), layers=list(lay), heads=heads,
-                                offset=wait.offset, nbytes=nbytes))
+        self._s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="pack")
+        return chunk
+
+    def _post_chunk(self, op: SendOp, chunk: "_Chunk") -> None:
+        """Wait for D's grant and the pack, then post the write (not waited for here)."""
+        wait = chunk.grant
+        if not wait.event.wait(self._remaining(op)):
+            raise TransferTimeout("the receiver granted no staging space in time")
+        if wait.error is not None:
+            raise wait.error
+        self._s.device.wait(chunk.packed, self._remaining(op))  # the slice holds the packed bytes
+        self._remaining(op)
+        descs = np.array([[self._s.pool.stage_out_region, chunk.off, wait.region, wait.offset, chunk.nbytes]],
+                         dtype=np.int64)
+        if self._s.pool.parts or op.peer.parts:
+            descs = split_descs(descs, self._s.pool.parts, op.peer.parts)
+        chunk.posted_at = time.perf_counter()
+        chunk.req = self._s.backend.post(op.peer.bconn, "write", descs)
+
+    def _finish_chunk(self, op: SendOp, chunk: "_Chunk", heads: tuple) -> None:
+        """Wait for the write, free the local slice, tell D to unpack it (DATA_DONE)."""
+        self._wait(chunk.req, self._remaining(op), op.key[1], f"write to {op.peer.name!r}")
+        self._s.metrics.observe("post_seconds", time.perf_counter() - chunk.posted_at)
+        chunk.req = None
+        self._s.pool.stage_out.free(chunk.off)
+        chunk.off = -1
+        with self._s.lock:
+            self._grant_waits.pop(chunk.tag, None)
+            self._acks[chunk.tag] = (op, chunk.layers)
+        self._s.metrics.inc("bytes_sent", chunk.nbytes, path="pack")
+        op.peer.send(encode(Msg.DATA_DONE, req=op.wire_req, xid=op.post.xid, tag=chunk.tag, pack=True,
+                            blocks=list(op.post.blocks[chunk.sl]), layers=list(chunk.layers), heads=heads,
+                            offset=chunk.grant.offset, nbytes=chunk.nbytes))
+
+    def _abandon_chunk(self, op: SendOp, chunk: "_Chunk") -> None:
+        """A chunk that will not finish: give its grant back to D, free its local slice."""
+        with self._s.lock:
+            self._grant_waits.pop(chunk.tag, None)
+            if chunk.grant.offset >= 0:
+                op.peer.send(encode(Msg.STAGE_RELEASE, tag=chunk.tag))
+        if chunk.off >= 0:
+            self._s.pool.stage_out.free(chunk.off)
+            chunk.off = -1
 
     def read(self, peer, completer, ids, remote, layers) -> None:
         """A one-sided read, on the send worker (it waits for the backend)."""

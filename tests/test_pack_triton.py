@@ -240,7 +240,7 @@ def test_gpu_repeated_calls_launch_the_compiled_kernel():
     layout = make("vllm", device="cuda", layers=2, blocks=8, bs=2, heads=2, hd=16)
     kvxfer.pack(layout, [2, 4])
     plan = next(iter(PoolTables.of(layout)._plans.values()))
-    assert any(state.kernels for state in plan.by_word.values())
+    assert any(launch.runner for launch in plan.by_word.values())
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # tables built on the default stream, used on another
         wire = kvxfer.pack(layout, [2, 4])

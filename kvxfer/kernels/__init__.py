@@ -98,10 +98,16 @@ def unpack(layout, buf, block_ids, *, layers=None, heads=None, backend=None) -> 
 
 def _triton(layout, block_ids, layers, heads, buf, to_wire: bool):
     """The Triton path: a cached plan per call, launched under the pool's device
-    (:func:`kvxfer.kernels.triton_pack.run`)."""
-    from .triton_pack import run
+    (:func:`kvxfer.kernels.triton_pack.run`, imported on first use)."""
+    run = _TRITON_RUN[0]
+    if run is None:
+        from .triton_pack import run
 
+        _TRITON_RUN[0] = run
     return run(layout, block_ids, layers, heads, buf, to_wire=to_wire)
+
+
+_TRITON_RUN: list = [None]
 
 
 def copy_blocks(src, src_ids, dst, dst_ids, *, layers=None, heads=None, backend=None) -> None:

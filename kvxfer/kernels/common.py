@@ -21,10 +21,16 @@ def device_guard(device):
 
 
 def check_layout(layout) -> None:
+    if type(layout) is _LAYOUT[0]:  # the hot path: one type check, no import
+        return
     from ..layout import KVLayout
 
+    _LAYOUT[0] = KVLayout
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a kvxfer.KVLayout, got {type(layout).__name__}")
+
+
+_LAYOUT: list = [None]  # kvxfer.KVLayout once check_layout imported it
 
 
 def prepare_pack(layout, block_ids, layers, heads, out):

@@ -62,8 +62,8 @@ class _Entry:
 
 class Plan:
     """One validated call: ``ids`` (int64 numpy ``[n]``), ``layers`` and ``heads`` (resolved
-    tuples), ``nbytes`` (wire bytes), and per (word, vector) size the device table and ids
-    entries and the compiled kernels launched for it (filled by :mod:`kvxfer.kernels.triton_pack`);
+    tuples), ``nbytes`` (wire bytes), and ``by_word``: per direction and wire alignment the
+    launch (device table and ids entries, the compiled kernel; :mod:`kvxfer.kernels.triton_pack`);
     ``copies``: per destination plan, the pool-to-pool launch (:mod:`kvxfer.kernels.triton_copy`).
     Plans hash by identity."""
 

@@ -17,7 +17,11 @@ import math
 import triton
 import triton.language as tl
 
+import torch as _torch
+
 from ..runs import TileCopy
+from .common import check_buffer, device_guard
+from .tables import PoolTables
 
 _WORD_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
 _MAX_BLOCK_BYTES = 8192
@@ -101,24 +105,36 @@ def _consts(ptable, word: int, vec: int) -> dict:
     return dict(S0=s0, S1=s1, S2=s2, ROW=ptable.row_bytes // word, TILE=tile, BLOCK=block, VEC=vec)
 
 
-class _WordState:
-    """What a :class:`~kvxfer.kernels.tables.Plan` launches with for one (word, vector) size."""
+class _Launch:
+    """What a :class:`~kvxfer.kernels.tables.Plan` launches with, per direction and wire
+    alignment (the low 4 bits of the wire address fix the word and vector size): the
+    device table and ids entries, the Triton arguments and, once compiled, the kernel's
+    runner for this grid with the raw pointers of everything but the wire, so a repeated
+    call allocates nothing and converts no tensor."""
 
-    __slots__ = ("table_entry", "table", "ids_entry", "ids", "dtype", "consts", "const_values", "kernels",
-                 "direct")
+    __slots__ = ("table_entry", "ids_entry", "dtype", "consts", "grid", "head", "tail", "runner", "word")
 
-    def __init__(self, tables, plan, word: int, vec: int, stream) -> None:
+    def __init__(self, tables, plan, word: int, vec: int, to_wire: bool, num_kv: int, stream) -> None:
         import torch
 
         ptable = tables.plane_table(plan.heads)
-        self.table_entry, self.table = tables.table_entry(plan.heads, word, plan.layers, stream)
+        self.word = word
+        self.table_entry, table = tables.table_entry(plan.heads, word, plan.layers, stream)
         self.ids_entry = tables.ids_entry(plan.ids, stream)
-        self.ids = self.ids_entry.tensor
         self.dtype = getattr(torch, _WORD_DTYPES[word])
         self.consts = _consts(ptable, word, vec)
-        self.const_values = tuple(self.consts[name] for name in _CONST_NAMES)  # the launcher's order
-        self.kernels: dict = {}  # (TO_WIRE, wire 16-byte aligned) -> compiled kernel
-        self.direct = True  # launch the compiled kernels directly (False once a launcher refused)
+        pool = tables.pool_words(word, self.dtype)
+        self.grid = (plan.ids.size, len(plan.layers) * num_kv, 1)  # a compiled kernel's launcher reads all three
+        self.head = (pool,)  # the kernel's arguments before the wire ...
+        self.tail = (table, self.ids_entry.tensor, plan.ids.size)  # ... and after it
+        self.runner = None  # the compiled kernel's runner, set after the first (bound) launch
+
+    def compiled(self, kernel, to_wire: bool) -> None:
+        """Launch ``kernel`` directly from now on, with raw pointers (ints skip the launcher's
+        ``data_ptr`` calls and pointer checks; the tensors stay alive in this object)."""
+        (pool,), (table, ids, n) = self.head, self.tail
+        consts = tuple(self.consts[name] for name in _CONST_NAMES)  # the launcher's order
+        self.runner = (kernel[self.grid], (pool.data_ptr(),), (table.data_ptr(), ids.data_ptr(), n, *consts, to_wire))
 
 
 def run(layout, block_ids, layers, heads, buf, *, to_wire: bool):
@@ -133,60 +149,57 @@ def run(layout, block_ids, layers, heads, buf, *, to_wire: bool):
     :class:`~kvxfer.kernels.tables.Plan`: no validation, no table, no host->device copy,
     and the compiled kernel launches directly, without Triton's argument binding.
     """
-    import torch
-
-    from .common import device_guard
-    from .tables import PoolTables
-
-    tables = PoolTables.of(layout)
+    tables = layout.__dict__.get("_kvx_tables") or PoolTables.of(layout)
     plan = tables.plan(block_ids, layers, heads, unique=not to_wire)
-    cuda = tables.cuda
-    if cuda and torch.cuda.current_device() == layout.device.index:
-        return _run(tables, plan, layout, buf, to_wire, cuda)
-    with device_guard(layout.device):
-        return _run(tables, plan, layout, buf, to_wire, cuda)
+    if not tables.cuda:
+        return _run(tables, plan, layout, buf, to_wire, False)
+    if _torch.cuda.current_device() == tables.device.index:
+        return _run(tables, plan, layout, buf, to_wire, True)
+    with device_guard(tables.device):
+        return _run(tables, plan, layout, buf, to_wire, True)
 
 
 def _run(tables, plan, layout, buf, to_wire: bool, cuda: bool):
-    import torch
-
-    from .common import check_buffer
-
+    torch = _torch
+    nbytes = plan.nbytes
     if buf is None:
-        buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=layout.device)
-    else:
-        check_buffer(layout, plan.nbytes, buf, "out" if to_wire else "buf")
-        if buf.dim() != 1 or buf.numel() != plan.nbytes:
-            buf = buf.reshape(-1)[:plan.nbytes]
-    n = plan.ids.size
-    if n == 0:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=tables.device)
+    elif (type(buf) is not torch.Tensor or buf.dtype is not torch.uint8 or buf.device != tables.device
+          or not buf.is_contiguous() or buf.numel() < nbytes):
+        check_buffer(layout, nbytes, buf, "out" if to_wire else "buf")  # raises what is wrong (a subclass passes)
+    if buf.dim() != 1 or buf.numel() != nbytes:
+        buf = buf.reshape(-1)[:nbytes]
+    if plan.ids.size == 0:
         return buf
-    ptable = tables.plane_table(plan.heads)
     wire_ptr = buf.data_ptr()
-    word, vec = _word(ptable.align, wire_ptr, ptable.base_nbytes)
-    raw = torch._C._cuda_getCurrentRawStream(layout.device.index) if cuda else 0
+    key = (to_wire, wire_ptr & 15)
+    launch = plan.by_word.get(key)
     stream = None  # the torch stream object, fetched only when a table is built or moves streams
-    state = plan.by_word.get((word, vec))
-    if state is None:
-        stream = torch.cuda.current_stream(layout.device) if cuda else None
-        state = _WordState(tables, plan, word, vec, stream)
-        plan.by_word[(word, vec)] = state
-    if cuda and (raw != state.table_entry.raw or raw != state.ids_entry.raw):
-        stream = stream or torch.cuda.current_stream(layout.device)
-        tables._use(state.table_entry, stream)
-        tables._use(state.ids_entry, stream)
-    grid = (n, len(plan.layers) * layout.num_kv, 1)  # a compiled kernel's launcher reads all three
-    args = (tables.pool_words(word, state.dtype), buf.view(state.dtype), state.table, state.ids, n)
-    spec = (to_wire, wire_ptr % 16 == 0)
-    kernel = state.kernels.get(spec)
-    if kernel is not None:
+    if launch is None:
+        ptable = tables.plane_table(plan.heads)
+        word, vec = _word(ptable.align, wire_ptr, ptable.base_nbytes)
+        stream = torch.cuda.current_stream(tables.device) if cuda else None
+        launch = _Launch(tables, plan, word, vec, to_wire, layout.num_kv, stream)
+        plan.by_word[key] = launch
+    if not cuda:
+        copy_tiles_kernel[launch.grid](*launch.head, buf.view(launch.dtype), *launch.tail, **launch.consts,
+                                       TO_WIRE=to_wire, num_warps=4)
+        return buf
+    raw = torch._C._cuda_getCurrentRawStream(tables.device.index)
+    if raw != launch.table_entry.raw or raw != launch.ids_entry.raw:
+        stream = stream or torch.cuda.current_stream(tables.device)
+        tables._use(launch.table_entry, stream)
+        tables._use(launch.ids_entry, stream)
+    runner = launch.runner
+    if runner:
+        fn, head, tail = runner
         try:
-            kernel[grid](*args, *state.const_values, to_wire, stream=raw)
+            fn(*head, wire_ptr, *tail, stream=raw)
             return buf
         except (TypeError, IndexError, AttributeError):  # a Triton whose launcher differs: bind as usual
-            state.direct = False
-            state.kernels.clear()
-    compiled = copy_tiles_kernel[grid](*args, **state.consts, TO_WIRE=to_wire, num_warps=4)
-    if cuda and state.direct and compiled is not None and hasattr(compiled, "packed_metadata"):
-        state.kernels[spec] = compiled
+            launch.runner = False
+    compiled = copy_tiles_kernel[launch.grid](*launch.head, buf.view(launch.dtype), *launch.tail, **launch.consts,
+                                              TO_WIRE=to_wire, num_warps=4)
+    if runner is None and compiled is not None and hasattr(compiled, "packed_metadata"):
+        launch.compiled(compiled, to_wire)
     return buf

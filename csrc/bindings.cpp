@@ -7,8 +7,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <system_error>
+
 #include "checksum.h"
 #include "copy.h"
+#include "disk_io.h"
 #include "errors.h"
 #include "key_table.h"
 #include "shared_mem.h"
@@ -192,6 +195,50 @@ PYBIND11_MODULE(_C, m) {
                 return py::bytes(out);
             }, py::arg("base"), py::arg("nbuckets"), py::arg("keys"),
             "Per key (a list or tuple of bytes) a byte: 1 present, 0 absent, 2 unknown (ask the node).");
+    }
+
+    // ---- the store's disk tier: one data file, a few I/O threads (disk_io.h; kvxfer/store/disk.py) ----
+    {
+        using kvxfer::DiskFile;
+        py::class_<DiskFile>(m, "DiskFile", "A disk tier's data file and its I/O threads (see disk_io.h)")
+            .def(py::init([](const std::string& path, uint64_t size, int threads, bool direct) {
+                     try {
+                         return std::make_unique<DiskFile>(path, size, threads, direct);
+                     } catch (const std::system_error& e) {
+                         PyErr_SetObject(PyExc_OSError,
+                                         py::make_tuple(e.code().value(), std::string(e.what()), path).ptr());
+                         throw py::error_already_set();
+                     }
+                 }),
+                 py::arg("path"), py::arg("size"), py::arg("threads"), py::arg("direct"))
+            .def_property_readonly("direct", &DiskFile::direct)
+            .def_property_readonly("align", &DiskFile::align)
+            .def_property_readonly("event_fd", &DiskFile::event_fd)
+            .def_property_readonly("size", &DiskFile::size)
+            .def_property_readonly("queued", &DiskFile::queued)
+            .def_property_readonly("bytes_read", &DiskFile::bytes_read)
+            .def_property_readonly("bytes_written", &DiskFile::bytes_written)
+            .def_property_readonly("busy_read_ns", &DiskFile::busy_read_ns)
+            .def_property_readonly("busy_write_ns", &DiskFile::busy_write_ns)
+            .def("submit",
+                 [](DiskFile& f, uint64_t id, int op, uint64_t offset, uintptr_t addr, uint64_t length,
+                    uint64_t hash_len, bool sync) {
+                     if (op != kvxfer::kDiskWrite && op != kvxfer::kDiskRead && op != kvxfer::kDiskSync)
+                         throw py::value_error("DiskFile.submit: op must be 0 (write), 1 (read) or 2 (sync)");
+                     f.submit(kvxfer::DiskJob{id, op, offset, addr, length, hash_len, sync});
+                 },
+                 py::arg("id"), py::arg("op"), py::arg("offset") = 0, py::arg("addr") = 0, py::arg("length") = 0,
+                 py::arg("hash_len") = 0, py::arg("sync") = false)
+            .def("drain",
+                 [](DiskFile& f) {
+                     py::list out;
+                     for (const auto& d : f.drain()) out.append(py::make_tuple(d.id, d.err, d.crc, d.direct));
+                     return out;
+                 })
+            .def("close", &DiskFile::close, py::arg("finish") = true, py::call_guard<py::gil_scoped_release>());
+        m.attr("DISK_WRITE") = static_cast<int>(kvxfer::kDiskWrite);
+        m.attr("DISK_READ") = static_cast<int>(kvxfer::kDiskRead);
+        m.attr("DISK_SYNC") = static_cast<int>(kvxfer::kDiskSync);
     }
 
     // ---- bounded busy-polling for the control plane's latency path (spin.h) ----

@@ -46,6 +46,38 @@ def key_table_find(base: int, nbuckets: int, keys: list[bytes] | tuple[bytes, ..
 def spin_readable(fd: int, ns: int, contended_ns: int = 0) -> int: ...  # busy-poll fd up to ns (GIL released,
 # yields): 1 readable, 0 time ran out, -1 a yield took over contended_ns (> 0): the CPU is contended
 
+# ---- the store's disk tier (kvxfer/store/disk.py wraps it; csrc/disk_io.h) ----
+DISK_WRITE: int
+DISK_READ: int
+DISK_SYNC: int
+
+class DiskFile:
+    """A data file (created, sized sparse) and I/O threads: O_DIRECT for aligned jobs, else buffered."""
+
+    def __init__(self, path: str, size: int, threads: int, direct: bool) -> None: ...  # OSError(errno) if it cannot
+    @property
+    def direct(self) -> bool: ...  # O_DIRECT was taken
+    @property
+    def align(self) -> int: ...  # what direct I/O needs of offsets, lengths and addresses
+    @property
+    def event_fd(self) -> int: ...  # readable while completions wait
+    @property
+    def size(self) -> int: ...
+    @property
+    def queued(self) -> int: ...  # jobs queued or running
+    @property
+    def bytes_read(self) -> int: ...
+    @property
+    def bytes_written(self) -> int: ...
+    @property
+    def busy_read_ns(self) -> int: ...
+    @property
+    def busy_write_ns(self) -> int: ...
+    def submit(self, id: int, op: int, offset: int = 0, addr: int = 0, length: int = 0, hash_len: int = 0,
+               sync: bool = False) -> None: ...  # ValueError: a range outside the file, or closed
+    def drain(self) -> list[tuple[int, int, int, bool]]: ...  # (id, errno or 0, XXH3-64 of the hashed bytes, direct)
+    def close(self, finish: bool = True) -> None: ...  # run (finish) or cancel (ECANCELED) the queued jobs
+
 # ---- registration and transfer engine (kvxfer/memory.py, kvxfer/transport/ucx.py wrap it) ----
 # Errors: RegistrationError, InvalidDescriptor, PeerDisconnected, TransferTimeout,
 # ProtocolError, KVXferError (kvxfer.errors); argument mistakes raise ValueError.

@@ -6,9 +6,14 @@ it in size classes; ``--slot-size`` is the largest object: one block, every laye
 head, of the largest model you pool), listens on ``--listen`` and publishes itself
 under a lease (``--ttl``; under ``{prefix}/store``). The shared secret comes from
 ``KVXFER_SECRET`` or ``--secret-file`` (never the command line, never etcd). It serves
-until SIGTERM or Ctrl-C, then withdraws from discovery and exits. Objects are not
-persisted: a restarted node starts empty. ``--metrics HOST:PORT`` serves Prometheus
-metrics (:mod:`kvxfer.store.metrics`) at ``/metrics``.
+until SIGTERM or Ctrl-C, then withdraws from discovery and exits. ``--metrics HOST:PORT``
+serves Prometheus metrics (:mod:`kvxfer.store.metrics`) at ``/metrics``.
+
+``--disk PATH --disk-capacity SIZE`` adds a disk tier (:mod:`kvxfer.store.disk`): objects
+DRAM evicts are written there (write-back, bounded by ``--writeback-queue``), gets read
+them back, and a node restarted on the same PATH serves what it held. SIGTERM first
+writes DRAM's objects to disk (for up to ``--flush-timeout`` seconds). Without ``--disk``
+nothing is persisted: a restarted node starts empty.
 """
 from __future__ import annotations
 
@@ -41,6 +46,20 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "ucx", "vm"))
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port)")
+    p.add_argument("--disk", default=None, metavar="PATH",
+                   help="a directory for the disk tier (created if absent; one node per directory)")
+    p.add_argument("--disk-capacity", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes of the disk tier's data file (with --disk; e.g. 1T, 200G)")
+    p.add_argument("--disk-threads", type=int, default=4, metavar="N", help="disk I/O threads (default 4)")
+    p.add_argument("--disk-sync", choices=("none", "commit"), default="none",
+                   help="commit: fdatasync an object's data and its journal record before it counts as written "
+                        "(survives power loss); none (default): a killed node loses nothing written, a host's "
+                        "power loss may lose the last records")
+    p.add_argument("--no-direct-io", action="store_true", help="buffered disk I/O even where O_DIRECT works")
+    p.add_argument("--writeback-queue", type=parse_size, default=None, metavar="SIZE",
+                   help="DRAM write-back may hold at once, and keeps free (default: 1/8 of --capacity, at most 1G)")
+    p.add_argument("--flush-timeout", type=float, default=30.0, metavar="S",
+                   help="at SIGTERM, seconds to spend writing DRAM's objects to disk (default 30; 0: none)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -57,13 +76,25 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvxfer store: {exc}") from None
     if args.replicas < 1:
         raise SystemExit("kvxfer store: --replicas must be >= 1")
+    disk = None
+    if (args.disk is None) != (args.disk_capacity is None):
+        raise SystemExit("kvxfer store: --disk and --disk-capacity go together")
+    if args.disk is not None:
+        from kvxfer.store.disk import DiskConfig
+
+        try:
+            disk = DiskConfig(args.disk, args.disk_capacity, threads=args.disk_threads, sync=args.disk_sync == "commit",
+                              direct=not args.no_direct_io, queue_bytes=args.writeback_queue,
+                              flush_s=args.flush_timeout)
+        except ValueError as exc:
+            raise SystemExit(f"kvxfer store: {exc}") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         node = StoreNode(args.listen, args.capacity, secret=secret, slot_bytes=args.slot_size,
                          high_watermark=args.high_watermark, lease_s=args.lease, backend=args.backend,
-                         name=args.name)
+                         name=args.name, disk=disk)
     except (ValueError, TypeError, OSError) as exc:
         raise SystemExit(f"kvxfer store: {exc}") from None
     reg = disc = metrics = None
@@ -86,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
                                             "replicas": args.replicas}), ttl_s=args.ttl)
         log.info("store node %s listening on %s: %d slots of %d B", node.name, node.address,
                  node.index.num_slots, node.index.slot_bytes)
+        st = node.stats()
+        if disk is not None:  # what the disk tier holds (recovered), or why there is none
+            print(f"kvxfer store disk tier {disk.path}: " + (
+                f"{st['disk_recovered']} objects ({st['disk_recovered_bytes'] / 1e6:.1f} MB) recovered in "
+                f"{st['disk_recovery_s']:.3f} s, {st['disk_capacity_bytes'] / 1e9:.2f} GB, "
+                f"{'O_DIRECT' if st['disk_direct'] else 'buffered I/O'}" if st["disk_state"] == "ok"
+                else f"unavailable ({st.get('disk_error') or st['disk_state']}): serving DRAM only"), flush=True)
         print(f"kvxfer store listening on {node.address}", flush=True)
         if metrics is not None:
             print(f"kvxfer store metrics on http://{args.metrics.rpartition(':')[0]}:{mport}/metrics", flush=True)

@@ -25,7 +25,7 @@ are bytes from the start of the buffer or file. Not thread-safe (its owner's thr
 """
 from __future__ import annotations
 
-__all__ = ["ChunkAllocator", "chunk_bytes", "ALIGN_LARGE", "ALIGN_SMALL", "LARGE", "PAGE_OBJECTS"]
+__all__ = ["ChunkAllocator", "chunk_bytes", "victims_for", "ALIGN_LARGE", "ALIGN_SMALL", "LARGE", "PAGE_OBJECTS"]
 
 ALIGN_LARGE = 4096
 ALIGN_SMALL = 64
@@ -38,6 +38,38 @@ def chunk_bytes(nbytes: int) -> int:
     :data:`ALIGN_LARGE` from :data:`LARGE` bytes, else to :data:`ALIGN_SMALL`."""
     align = ALIGN_LARGE if nbytes >= LARGE else ALIGN_SMALL
     return -(-nbytes // align) * align
+
+
+# an eviction for a chunk of another class looks at this many LRU objects and pages at most
+SCAN_OBJECTS, SCAN_PAGES = 4096, 64
+
+
+def victims_for(alloc: "ChunkAllocator", lru, nbytes: int, can_go) -> list:
+    """The eviction policy of both tiers when a chunk for ``nbytes`` is needed now and
+    ``alloc`` has none: the objects to evict, ``[]`` if none will do.
+
+    ``lru``: the owner's objects, least recently used first (each with an ``offset``);
+    ``can_go(obj)``: it may be evicted now (committed, unpinned). The first LRU object
+    that can go is the victim if its chunk is of the class wanted; else every object of
+    the page holding it, if all of them can go (the page then takes the new class).
+    """
+    want, page_bytes = chunk_bytes(nbytes), alloc.page_bytes
+    seen: set = set()  # pages passed over
+    for scanned, obj in enumerate(lru):
+        if scanned >= SCAN_OBJECTS or len(seen) >= SCAN_PAGES:
+            break
+        if not can_go(obj):
+            continue
+        if alloc.class_of(obj.offset) == want:
+            return [obj]
+        page = obj.offset // page_bytes
+        if page in seen:
+            continue
+        seen.add(page)
+        owners = alloc.page_owners(obj.offset)
+        if all(can_go(o) for o in owners):
+            return owners
+    return []
 
 
 class _Page:

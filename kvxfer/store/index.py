@@ -61,13 +61,11 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .alloc import ChunkAllocator, chunk_bytes
+from .alloc import ChunkAllocator, chunk_bytes, victims_for
 
 __all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT", "COMMITTED",
            "NO_SPARE"]
 
-# an eviction for a chunk of another class looks at this many LRU objects and pages at most
-_SCAN_OBJECTS, _SCAN_PAGES = 4096, 64
 
 # reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply), and
 # commit_spare()'s own two (with PRESENT and BUSY, the wire codes of a COMMIT_SPARE reply)
@@ -102,6 +100,10 @@ class Obj:
     parts: list | None = None  # multi-part objects: their Parts, sorted by head (never overlapping)
     by_token: dict | None = None  # multi-part objects: token -> Part
     covered: int = 0  # multi-part objects: heads of the committed parts
+
+
+def _evictable(obj: Obj) -> bool:
+    return obj.committed and not obj.pins and not obj.dropped
 
 
 @dataclass(eq=False)
@@ -338,6 +340,28 @@ class SlotIndex:
         self._publish(spare)
         return COMMITTED
 
+    # ---- objects the node fills itself (read back from a second tier) -------------------
+    def stage(self, key: bytes, nbytes: int, fmt: str):
+        """A pending object of no client (owner 0, no lease) in a chunk free now, for the
+        node to fill; None when no chunk is free (:meth:`make_room`, then retry). Until
+        :meth:`publish_staged` it is invisible, as a reservation is."""
+        obj = Obj(key, -1, nbytes, fmt, 0, next(self._tokens), float("inf"))
+        if key in self._pending or key in self._objects or not self._place_free(obj):
+            return None
+        self._pending[key] = obj
+        self._pending_by[0] = self._pending_by.get(0, 0) + 1
+        return obj
+
+    def publish_staged(self, obj: Obj, crc) -> None:
+        """Make staged ``obj`` readable with checksum ``crc`` (most recent; may trim)."""
+        obj.crc = crc
+        self._publish(obj)
+        self._trim()
+
+    def unstage(self, obj: Obj) -> None:
+        """Give staged ``obj`` up (its chunk is freed)."""
+        self._unreserve(obj)
+
     # ---- get -------------------------------------------------------------------------
     def get(self, key: bytes, fmt: str, owner: int, now: float, lease_s: float):
         """``(obj, pin_id)`` for a committed object of this ``fmt`` (pinned until
@@ -435,30 +459,18 @@ class SlotIndex:
                 return True
         return False
 
-    def _evict_for(self, nbytes: int) -> bool:
-        """A chunk for ``nbytes`` is needed now: evict the LRU unpinned object if it is of
-        that class; else empty the page of the first LRU object whose page holds only
-        unpinned committed objects (it then takes the new class). False: nothing can go."""
-        want, page_bytes = chunk_bytes(nbytes), self.alloc.page_bytes
-        seen: set = set()  # pages passed over
-        for scanned, obj in enumerate(self._objects.values()):
-            if scanned >= _SCAN_OBJECTS or len(seen) >= _SCAN_PAGES:
-                break
-            if obj.pins:
-                continue
-            if self.alloc.class_of(obj.offset) == want:
-                self._evict(obj, hold=False)
-                return True
-            page = obj.offset // page_bytes
-            if page in seen:
-                continue
-            seen.add(page)
-            owners = self.alloc.page_owners(obj.offset)
-            if all(o.committed and not o.pins and not o.dropped for o in owners):
-                for o in owners:
-                    self._evict(o, hold=False)
-                return True
-        return False
+    def _evict_for(self, nbytes: int, *, hold: bool = False) -> bool:
+        """Evict what a chunk for ``nbytes`` needs now (:func:`~kvxfer.store.alloc.victims_for`);
+        False: nothing can go."""
+        victims = victims_for(self.alloc, self._objects.values(), nbytes, _evictable)
+        for obj in victims:
+            self._evict(obj, hold=hold)
+        return bool(victims)
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evict, ahead of need, what a chunk for ``nbytes`` needs (a second tier may hold
+        the chunks a while: retry the allocation as they come back); False: nothing can go."""
+        return self._evict_for(nbytes, hold=True)
 
     def _remove(self, obj: Obj) -> None:
         """Take a committed object out of the index; free its chunk unless pinned."""

@@ -12,9 +12,14 @@ node send its backend metadata (the memory keys). The bytes of objects never cro
 socket: clients write and read slots one-sided, and the socket carries the requests of
 :mod:`kvxfer.store.protocol`.
 
+With a disk tier (``disk=DiskConfig(...)``, :mod:`kvxfer.store.disk`) objects DRAM lets
+go are written to disk and read back for gets, and a restarted node serves what its disk
+held (:mod:`kvxfer.store.tiers`); a directory that cannot be used (another node's, read-only)
+leaves the node serving DRAM only, with the reason in its stats and log.
+
 One I/O thread does everything (accepts, handshakes, requests, lapsed reservations and
-pins, driving the backend where a transport needs the target's progress), so the index
-needs no lock. Per client the node bounds what it buffers: a request frame of at most
+pins, driving the backend where a transport needs the target's progress, the disk tier's
+completions), so the index needs no lock. Per client the node bounds what it buffers: a request frame of at most
 ``MAX_REQUEST_BYTES`` (larger ones are skipped and answered with an error), replies
 queued up to ``MAX_QUEUED_BYTES`` (past that it stops reading that client until it
 drains them), and the index's per-client reservation and pin limits.
@@ -38,8 +43,10 @@ from ..agent.protocol import Msg, decode
 from ..agent.peers import split_address
 from ..errors import KVXferError, LayoutMismatch, ProtocolError
 from . import index as ix
+from .disk import DiskConfig, DiskTier
 from .key_table import KeyTable
 from .protocol import REPLY, Req, RequestReader, encode, parse_request
+from .tiers import Tiers
 
 log = logging.getLogger("kvxfer.store")
 
@@ -54,10 +61,11 @@ MAX_CLIENTS = 1024
 # 4,096 keys with 16,384 part checksums stay well inside a 1 MiB reply frame
 MAX_REPLY_PARTS = 16384
 _TICK_S = 0.2
+_DEFERRED = object()  # a request whose reply comes later (a GET waiting for its disk reads)
 
 
 class _Client:
-    __slots__ = ("sock", "addr", "owner", "hs", "frames", "reader", "out", "deadline", "events", "backlog")
+    __slots__ = ("sock", "addr", "owner", "hs", "frames", "reader", "out", "deadline", "events", "backlog", "waiting")
 
     def __init__(self, sock, addr, owner: int, hs: ServerHandshake) -> None:
         self.sock, self.addr, self.owner, self.hs = sock, addr, owner, hs
@@ -67,6 +75,7 @@ class _Client:
         self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         self.events = selectors.EVENT_READ
         self.backlog: list = []  # frames read but not served yet (replies queued past the limit)
+        self.waiting = None  # a GET whose reply waits for disk reads: nothing after it is served meanwhile
 
 
 class StoreNode:
@@ -76,12 +85,15 @@ class StoreNode:
     the fraction of slots in use above which LRU objects are evicted. ``lease_s``: how
     long a reservation may stay uncommitted and a pin unreleased before the node takes
     it back. ``backend``: as for :class:`kvxfer.Agent` (``"auto"``, ``"ucx"``, ``"vm"``).
-    Starts serving at once; :meth:`close` stops (idempotent).
+    ``disk``: a :class:`~kvxfer.store.disk.DiskConfig` for a disk tier (None: DRAM only).
+    Starts serving at once; :meth:`close` stops (idempotent; with a disk tier, it first
+    writes DRAM's objects to disk for up to ``disk.flush_s``).
     """
 
     def __init__(self, listen: str, capacity_bytes: int, *, secret, slot_bytes: int = 2 << 20,
                  high_watermark: float = 0.98, lease_s: float = 30.0, backend: str = "auto",
-                 name: str | None = None, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+                 name: str | None = None, max_queued_bytes: int = MAX_QUEUED_BYTES,
+                 disk: DiskConfig | None = None) -> None:
         import kvxfer
         from ..transport import make_backend
 
@@ -90,19 +102,28 @@ class StoreNode:
                 raise TypeError(f"{label} must be an int, got {type(value).__name__}")
         if slot_bytes < 1 or capacity_bytes < slot_bytes:
             raise ValueError(f"capacity ({capacity_bytes} B) must hold at least one slot of {slot_bytes} B")
+        if disk is not None and not isinstance(disk, DiskConfig):
+            raise TypeError(f"disk must be a kvxfer.store.disk.DiskConfig, got {type(disk).__name__}")
         self._secret = normalize_secret(secret)
         num_slots = capacity_bytes // slot_bytes
-        nbuckets = KeyTable.buckets_for(num_slots)
+        # the key table covers both tiers: at least a bucket per largest object either holds
+        nbuckets = KeyTable.buckets_for(num_slots + (disk.capacity_bytes // slot_bytes if disk else 0))
         self._keys_buffer = kvxfer.shared_empty(KeyTable.nbytes(nbuckets))  # uint8 [table bytes]
         self.keys = KeyTable(self._keys_buffer.data_ptr(), nbuckets)
         self.keys.init()
         self.index = ix.SlotIndex(capacity_bytes, slot_bytes, high_watermark=high_watermark, mirror=self.keys)
+        self.disk_config, self.disk_error = disk, ""
         self.lease_s = float(lease_s)
         self.max_queued_bytes = int(max_queued_bytes)
         self.queued_peak = 0  # the most reply bytes ever queued for one client
         self.node_id = uuid.uuid4().hex
         host, port = split_address(listen)
         self.buffer = kvxfer.shared_empty(self.index.region_bytes)  # uint8 [region_bytes]: the chunks
+        queue = (disk.queue_bytes if disk and disk.queue_bytes is not None else min(self.index.region_bytes // 8, 1 << 30))
+        self.tiers = Tiers(self.index, self.buffer.data_ptr(), self.keys, self._open_disk(disk, slot_bytes),
+                           queue_bytes=queue, promote_timeout_s=disk.promote_timeout_s if disk else 1.0)
+        if self.tiers.disk is not None:  # evictions run a write-back queue ahead: that much is kept free
+            self.index.watermark = max(1, min(self.index.watermark, self.index.region_bytes - queue))
         self._backend = make_backend(backend, listen_host=host)
         try:
             self._region = self._backend.register_tensor(self.buffer)
@@ -112,6 +133,7 @@ class StoreNode:
             self._lsock = socket.create_server((host, port), backlog=128)
         except BaseException:
             self._backend.close()
+            self.tiers.close()
             raise
         self._lsock.setblocking(False)
         self.address = f"{host}:{self._lsock.getsockname()[1]}"
@@ -126,12 +148,30 @@ class StoreNode:
         fd = self._backend.event_fd()
         if fd is not None:
             self._sel.register(fd, selectors.EVENT_READ, "backend")
+        self._waiting: list = []  # GETs whose replies wait for disk reads (tiers.PendingGet)
+        if self.tiers.disk is not None:
+            self._sel.register(self.tiers.disk.file.event_fd, selectors.EVENT_READ, "disk")
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-store-{self.address}", daemon=True)
         self._thread.start()
 
+    def _open_disk(self, disk: DiskConfig | None, slot_bytes: int) -> DiskTier | None:
+        if disk is None:
+            return None
+        try:
+            tier = DiskTier(disk.path, disk.capacity_bytes, slot_bytes, threads=disk.threads, sync=disk.sync,
+                            direct=disk.direct)
+        except (OSError, ValueError) as exc:
+            log.error("store node: the disk tier at %s cannot be used (%s): serving DRAM only", disk.path, exc)
+            self.disk_error = str(exc)
+            return None
+        if not tier.file.direct:
+            log.warning("disk tier %s: the file system refuses O_DIRECT: buffered I/O", tier.path)
+        return tier
+
     # ---- lifecycle -------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the I/O thread, close every client, release the buffer's registration."""
+        """Stop the I/O thread, close every client, write DRAM to the disk tier (if any,
+        within its ``flush_s``), release the buffer's registration."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -139,6 +179,9 @@ class StoreNode:
         self.keys.beat(alive=False)  # same-host clients stop reading the key table now
         for c in list(self._clients.values()):
             self._drop(c)
+        if self.disk_config is not None:
+            self.tiers.flush(self.disk_config.flush_s)
+        self.tiers.close()
         self._sel.close()
         self._lsock.close()
         self._backend.close()
@@ -152,7 +195,9 @@ class StoreNode:
     def stats(self) -> dict:
         """The index's counters (see :meth:`SlotIndex.stats`) plus this node's (a snapshot
         read without the I/O thread's cooperation: counts may be a step apart)."""
-        return {**self.index.stats(), "name": self.name, "address": self.address,
+        disk_state = {} if self.tiers.disk is not None or self.disk_config is None else {
+            "disk_state": "unavailable", "disk_error": self.disk_error}
+        return {**self.index.stats(), **self.tiers.stats(), **disk_state, "name": self.name, "address": self.address,
                 "clients": sum(1 for c in self._clients.values() if c.reader is not None),
                 "requests": self.num_requests, "bad_requests": self.num_bad_requests,
                 "queued_peak_bytes": self.queued_peak, "key_table_overflows": self.keys.num_overflows,
@@ -170,6 +215,9 @@ class StoreNode:
                         self._accept()
                     elif key.data == "backend":
                         self._drive_backend()
+                    elif key.data == "disk":
+                        self.tiers.poll()
+                        self._answer_waiting(self.tiers.take_ready())
                     else:
                         self._on_events(key.data, events)
                 except Exception:  # noqa: BLE001 - one client's failure must not stop the node
@@ -180,6 +228,8 @@ class StoreNode:
             if now >= next_tick:
                 next_tick = now + _TICK_S
                 self.index.expire(now)
+                self.tiers.tick(now)
+                self._answer_waiting([w for w in self._waiting if w.deadline <= now])
                 if not self._stop.is_set():
                     self.keys.beat()
                 for c in [c for c in self._clients.values() if c.reader is None and c.deadline <= now]:
@@ -282,12 +332,12 @@ class StoreNode:
     def _serve_backlog(self, c: _Client) -> None:
         now = time.monotonic()
         served = 0
-        while served < len(c.backlog) and len(c.out) < self.max_queued_bytes:
+        while served < len(c.backlog) and len(c.out) < self.max_queued_bytes and c.waiting is None:
             msg_type, payload = c.backlog[served]
             served += 1
             self.num_requests += 1
             reply = self._serve(c, msg_type, payload, now)
-            if reply is not None:
+            if reply is not None and reply is not _DEFERRED:
                 c.out += encode(REPLY, reply)
         del c.backlog[:served]
         self.queued_peak = max(self.queued_peak, len(c.out))
@@ -304,7 +354,7 @@ class StoreNode:
             return {"id": getattr(exc, "request_id", None), "error": "bad_request", "reason": str(exc)[:200]}
         idx, owner = self.index, c.owner
         if kind == Req.LOOKUP:
-            return {"id": rid, "present": "".join("1" if idx.contains(k) else "0" for k in f["keys"])}
+            return {"id": rid, "present": "".join("1" if self.tiers.contains(k) else "0" for k in f["keys"])}
         if kind in (Req.RESERVE, Req.RESERVE_PART):
             if f["nbytes"] > idx.slot_bytes:
                 return self._too_large(rid, f["nbytes"])
@@ -341,24 +391,53 @@ class StoreNode:
                 idx.abort(k, t, owner)
             return {"id": rid}
         if kind == Req.GET:
-            out, budget = [], MAX_REPLY_PARTS
-            for k in f["keys"]:
-                # the reply must fit a frame: objects whose part checksums would overflow it miss
-                seen = idx.peek(k)
-                budget -= len(seen.crc) if seen is not None and isinstance(seen.crc, list) else 1
-                if budget < 0:
-                    idx.misses += 1
-                    out.append([0, 0, 0, 0])
-                    continue
-                obj, pin = idx.get(k, f["fmt"], owner, now, self.lease_s)
-                out.append([obj.offset, obj.nbytes, obj.crc, pin] if obj is not None else [0, 0, 0, 0])
-            return {"id": rid, "r": out}
+            pending = self.tiers.start_get(c, rid, f, now)
+            if pending is None:
+                return self._get_reply(c, rid, f, now, ())
+            c.waiting = pending
+            self._waiting.append(pending)
+            return _DEFERRED
         if kind == Req.RELEASE:
             bad = set(f["bad"])
             for pin in f["pins"]:
                 idx.release(pin, owner, bad=pin in bad)
             return None
         return {"id": rid, **self.stats()}  # STATS
+
+    def _get_reply(self, c: _Client, rid: int, f: dict, now: float, promoted) -> dict:
+        """A GET's reply: each key pinned (in DRAM by now) or missed; ``disk``: how many of
+        its hits were read back from the disk tier for it (``promoted``)."""
+        idx = self.index
+        out, budget, from_disk = [], MAX_REPLY_PARTS, 0
+        for k in f["keys"]:
+            if not idx.contains(k):
+                self.tiers.rescue(k)  # evicted while the reply waited: still in its chunk
+            # the reply must fit a frame: objects whose part checksums would overflow it miss
+            seen = idx.peek(k)
+            budget -= len(seen.crc) if seen is not None and isinstance(seen.crc, list) else 1
+            if budget < 0:
+                idx.misses += 1
+                out.append([0, 0, 0, 0])
+                continue
+            obj, pin = idx.get(k, f["fmt"], c.owner, now, self.lease_s)
+            out.append([obj.offset, obj.nbytes, obj.crc, pin] if obj is not None else [0, 0, 0, 0])
+            from_disk += obj is not None and k in promoted
+        self.tiers.disk_hits += from_disk
+        return {"id": rid, "r": out, "disk": from_disk}
+
+    def _answer_waiting(self, ready) -> None:
+        """Reply to the GETs in ``ready`` (their disk reads ended, or their time ran out)."""
+        now = time.monotonic()
+        for w in ready:
+            if w not in self._waiting:
+                continue
+            self._waiting.remove(w)
+            c = w.client
+            if self._clients.get(c.owner) is not c or c.waiting is not w:
+                continue
+            c.waiting = None
+            c.out += encode(REPLY, self._get_reply(c, w.rid, w.fields, now, w.promoted))
+            self._flush(c)
 
     def _too_large(self, rid: int, nbytes: int) -> dict:
         self.num_bad_requests += 1
@@ -394,4 +473,6 @@ class StoreNode:
         except (KeyError, ValueError):
             pass
         c.sock.close()
+        if c.waiting is not None and c.waiting in self._waiting:
+            self._waiting.remove(c.waiting)
         self.index.forget_owner(c.owner)

@@ -4,7 +4,7 @@
 
 The trace is :mod:`shifting_trace`'s (a long-prompt phase, then a long-output phase;
 ``--seed``, phase lengths and rates as there), replayed on the virtual clock
-(``kvxfer simulate``'s :func:`~kvxfer.cli.simulate.run_config`) with every static split
+(``kvxfer simulate``'s :func:`~kvxfer.sim.replay.run_config`) with every static split
 ``xP(16-x)D`` and with ``adaptive:xPyD`` from ``--adaptive-from`` starting splits and
 from the best static one. Profile ``h100-llama2-7b-vidur``, 6,000 blocks a GPU, the
 engine's default batch limits, SLO TTFT 2.5 s / TPOT 0.15 s (as
@@ -21,7 +21,6 @@ import os
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shifting_trace  # noqa: E402
@@ -32,7 +31,7 @@ _SHARED: dict = {}
 
 
 def _run(name: str) -> dict:
-    from kvxfer.cli.simulate import run_config
+    from kvxfer.sim.replay import run_config
 
     args, profile, slo, requests = (_SHARED[k] for k in ("args", "profile", "slo", "requests"))
     t0 = time.perf_counter()
@@ -55,7 +54,7 @@ def _run(name: str) -> dict:
 
 
 def main() -> int:
-    from kvxfer.cli.simulate import arrivals
+    from kvxfer.sim.replay import RunOptions, TraceSlice
     from kvxfer.loadgen.metrics import SLO as Slo
     from kvxfer.sim.profile import load_profile
 
@@ -78,16 +77,12 @@ def main() -> int:
         rows = shifting_trace.generate(args)
         with open(trace, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        sim_args = SimpleNamespace(trace=trace, start=0, max_requests=None, time_scale=1.0,
-                                   length_scale=1.0, output_scale=None, arrival_jitter_ms=0.0,
-                                   seed=0, routing="least-loaded", num_blocks=args.num_blocks,
-                                   max_num_seqs=None, max_num_batched_tokens=None)
         from kvxfer.serving.engine.config import EngineConfig
 
-        sim_args.max_num_seqs = EngineConfig.max_num_seqs
-        sim_args.max_num_batched_tokens = EngineConfig.max_num_batched_tokens
-        _SHARED.update(args=sim_args, profile=load_profile(args.profile), slo=Slo.parse(SLO),
-                       requests=arrivals(sim_args), split_s=args.prompt_phase_s)
+        options = RunOptions(num_blocks=args.num_blocks, max_num_seqs=EngineConfig.max_num_seqs,
+                             max_num_batched_tokens=EngineConfig.max_num_batched_tokens)
+        _SHARED.update(args=options, profile=load_profile(args.profile), slo=Slo.parse(SLO),
+                       requests=TraceSlice(trace).arrivals(), split_s=args.prompt_phase_s)
     n = args.gpus
     statics = [f"{x}P{n - x}D" for x in range(1, n)]
     ctx = multiprocessing.get_context("fork")

@@ -8,7 +8,7 @@
 For each ``--blocks`` (KV blocks a GPU) and ``--time-scales`` (arrival rate) it replays
 the first ``--max-requests`` requests of the Mooncake conversation trace on
 ``colocated:16`` with ``--routing least-loaded`` and ``--routing kv`` (``kvxfer
-simulate``'s :func:`~kvxfer.cli.simulate.run_config`, ``--profile``, by default
+simulate``'s :func:`~kvxfer.sim.replay.run_config`, ``--profile``, by default
 ``h100-llama2-7b-vidur``, SLO 2.5 s / 0.15 s as ``benchmarks/vclock_scale.py``) and reports goodput and the local
 prefix-hit ratio two ways: the workers' block managers' (``prefix_hit_ratio``; a
 preempted request allocating again counts again) and the router's (``routed_hit_ratio``:
@@ -24,7 +24,6 @@ import argparse
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vclock_scale import write_doc  # noqa: E402  (benchmarks/)
@@ -54,7 +53,7 @@ def ceiling(requests, num_blocks: int, pool_tokens: int) -> float:
 
 
 def main() -> int:
-    from kvxfer.cli.simulate import arrivals, run_config
+    from kvxfer.sim.replay import RunOptions, TraceSlice, run_config
     from kvxfer.loadgen.metrics import SLO as Slo
     from kvxfer.serving.engine.config import EngineConfig
     from kvxfer.sim.profile import load_profile
@@ -78,12 +77,8 @@ def main() -> int:
     began, results, ceilings = time.perf_counter(), [], {}
     for num_blocks in (int(b) for b in args.blocks.split(",")):
         for scale in (float(s) for s in args.time_scales.split(",")):
-            sim = SimpleNamespace(trace=args.trace, start=args.start, max_requests=args.max_requests,
-                                  time_scale=scale, length_scale=1.0, output_scale=None,
-                                  arrival_jitter_ms=0.0, seed=0, num_blocks=num_blocks,
-                                  max_num_seqs=EngineConfig.max_num_seqs,
-                                  max_num_batched_tokens=EngineConfig.max_num_batched_tokens)
-            requests = arrivals(sim)
+            requests = TraceSlice(args.trace, start=args.start, max_requests=args.max_requests,
+                                  time_scale=scale).arrivals()
             if num_blocks not in ceilings:
                 pool = num_blocks * 16
                 ceilings[num_blocks] = {"cluster_lru": ceiling(requests, GPUS * num_blocks, pool),
@@ -92,8 +87,10 @@ def main() -> int:
                    "rate_rps": len(requests) / requests[-1][0], **{
                        f"ceiling_{k}": v for k, v in ceilings[num_blocks].items()}}
             for routing in ("least-loaded", "kv"):
-                sim.routing = routing
-                r = run_config(f"colocated:{GPUS}", sim, profile, slo, requests)
+                options = RunOptions(routing=routing, num_blocks=num_blocks,
+                                     max_num_seqs=EngineConfig.max_num_seqs,
+                                     max_num_batched_tokens=EngineConfig.max_num_batched_tokens)
+                r = run_config(f"colocated:{GPUS}", options, profile, slo, requests)
                 row[routing] = {k: r[k] for k in ("goodput_rps", "slo_attainment", "ttft_p50_ms",
                                                   "ttft_p99_ms", "tpot_p99_ms", "prefix_hit_ratio",
                                                   "routed_hit_ratio")}

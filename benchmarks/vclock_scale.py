@@ -2,14 +2,12 @@
 
     python benchmarks/vclock_scale.py --out benchmarks/results/vclock_scale.json
 
-For each cluster size N it replays the Mooncake conversation trace (the first
-``--per-gpu`` x N requests, the arrival rate scaled by N / 8 so that each GPU sees
-the same offered load) through ``kvxfer plan`` (its pruned search) with
-least-loaded and with KV-aware routing, each with the KV store off and on, and
-reports, per size, routing and store, the
-goodput of the best colocated configuration, the best static xPyD split, the best
-conditional and the best adaptive one, with SLO attainment and the colocated
-prefix-hit ratio. SLO: DistServe (OSDI'24) Table 1, chatbot on OPT-66B: TTFT 2.5 s,
+For each cluster size N it gives the Mooncake conversation trace (the first
+``--per-gpu`` x N requests) to ``kvxfer plan`` (its pruned search of every configuration
+of at most N GPUs, each at the highest rate it serves within the SLO) with least-loaded
+and with KV-aware routing, each with the KV store off and on, and reports, per size,
+routing and store, the capacity per GPU of the best colocated configuration, the best
+static xPyD split, the best conditional and the best adaptive one. SLO: DistServe (OSDI'24) Table 1, chatbot on OPT-66B: TTFT 2.5 s,
 TPOT 0.15 s (its 13B row, 0.25 s, is below the modelled prefill time of the trace's
 median prompt on one H100). The store (``--store``): one node per 8 GPUs (a host),
 each of ``--store-blocks`` one-block slots (default 131,072: 1 TiB of 8 MiB blocks, half
@@ -33,18 +31,18 @@ SLO = "2500,150"
 
 
 def _classes(rows: list[dict]) -> dict:
+    """The best configuration of each kind by capacity per GPU (``kvxfer plan``'s rows)."""
     def best(pred):
-        cands = [r for r in rows if pred(r["name"])]
-        return max(cands, key=lambda r: r["goodput_rps"]) if cands else None
+        cands = [r for r in rows if pred(r["name"]) and r["per_gpu_rate_rps"] is not None]
+        return max(cands, key=lambda r: r["per_gpu_rate_rps"]) if cands else None
 
     out = {"colocated": best(lambda n: n.startswith("colocated")),
            "static": best(lambda n: n[0].isdigit()),
            "conditional": best(lambda n: n.startswith("conditional")),
            "adaptive": best(lambda n: n.startswith("adaptive"))}
-    return {k: None if r is None else {"name": r["name"], "goodput_rps": r["goodput_rps"],
-                                       "slo_attainment": r["slo_attainment"],
-                                       "prefix_hit_ratio": r["prefix_hit_ratio"],
-                                       "store_hit_tokens": r.get("store_hit_tokens")}
+    return {k: None if r is None else {"name": r["name"], "gpus": r["gpus"],
+                                       "max_rate_rps": r["max_rate_rps"],
+                                       "per_gpu_rate_rps": r["per_gpu_rate_rps"]}
             for k, r in out.items()}
 
 
@@ -60,11 +58,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="8,16,32")
     ap.add_argument("--per-gpu", type=int, default=25, help="requests per GPU in the slice")
-    ap.add_argument("--time-scale-8", type=float, default=0.75,
-                    help="--time-scale at 8 GPUs (N GPUs: this x 8 / N)")
-    ap.add_argument("--num-blocks", type=int, default=6000,
-                    help="KV blocks of 16 tokens per GPU (Llama-2-7B fp16 on an 80 GB H100 "
-                         "at 0.9 memory use: ~55 GB of 8 MiB blocks)")
+    ap.add_argument("--tp", default="1", help="kvxfer plan --tp")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks of 16 tokens per worker (default: the profile's capacity)")
     ap.add_argument("--store-blocks", type=int, default=131072,
                     help="one-block slots of each store node (one node per 8 GPUs)")
     ap.add_argument("--trace", default=TRACE)
@@ -81,10 +77,10 @@ def main() -> int:
                 path = os.path.join(tmp, "plan.json")
                 cmd = [sys.executable, "-m", "kvxfer.cli", "plan", "--trace", args.trace,
                        "--profile", args.profile, "--slo", SLO, "--gpus", str(n),
-                       "--max-requests", str(args.per_gpu * n),
-                       "--time-scale", f"{args.time_scale_8 * 8 / n:g}",
-                       "--num-blocks", str(args.num_blocks), "--routing", routing,
-                       "--variants", "1", "--jobs", str(args.jobs), "--json", path]
+                       "--max-requests", str(args.per_gpu * n), "--tp", args.tp,
+                       "--routing", routing, "--variants", "1", "--jobs", str(args.jobs),
+                       "--json", path]
+                cmd += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
                 cmd += ["--store", store] if store else []
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT,
@@ -92,18 +88,17 @@ def main() -> int:
                 with open(path) as f:
                     doc = json.load(f)
             row = {"gpus": n, "routing": routing, "store": store or "off", "num_requests": doc["num_requests"],
-                   "rate_rps": doc["base_rate_rps"], "best": doc["best"], "runs": doc["runs"],
-                   "plan_s": time.perf_counter() - t0, **_classes(doc["configs"])}
+                   "best": doc["best"], "best_per_gpu_rate_rps": doc["best_per_gpu_rate_rps"],
+                   "runs": doc["runs"], "plan_s": time.perf_counter() - t0,
+                   **_classes(doc["configs"])}
             results.append(row)
-            c, s = row["colocated"], row["static"]
-            print(f"{n:>3} GPUs {routing:>12} store {row['store']}: {row['rate_rps']:.1f} req/s; best {row['best']}; "
-                  f"colocated {c['goodput_rps']:.2f} ({100 * c['slo_attainment']:.1f}%, hits "
-                  f"{100 * c['prefix_hit_ratio']:.1f}%), {s['name']} {s['goodput_rps']:.2f}, "
-                  + ", ".join(f"{row[k]['name']} {row[k]['goodput_rps']:.2f}"
-                              for k in ("conditional", "adaptive") if row[k]), flush=True)
+            print(f"{n:>3} GPUs {routing:>12} store {row['store']}: best {row['best']}; "
+                  + ", ".join(f"{k} {row[k]['name']} {row[k]['per_gpu_rate_rps']:.3f}/GPU"
+                              for k in ("colocated", "static", "conditional", "adaptive")
+                              if row[k]), flush=True)
     doc = {"command": "python benchmarks/vclock_scale.py " + " ".join(sys.argv[1:]),
            "slo": SLO, "slo_source": "DistServe (OSDI'24) Table 1, chatbot, OPT-66B",
-           "profile": args.profile, "num_blocks": args.num_blocks,
+           "profile": args.profile, "num_blocks": args.num_blocks, "tp": args.tp,
            "store_blocks_per_node": args.store_blocks,
            "elapsed_s": time.perf_counter() - began, "results": results}
     write_doc(args.out, doc)

@@ -13,7 +13,7 @@ configuration stands for (:mod:`kvxfer.sim.configs`: ``--colocated 8``, ``--pref
 --decode 6``, plus ``--local-prefill-tokens``/``--local-prefill-queue`` or ``--adaptive
 --adaptive-slo``) and the same engine flags as the virtual clock, replays the trace slice
 with ``kvxfer loadgen``, stops it; then runs the virtual clock
-(:func:`kvxfer.cli.simulate.run_config`) on the same requests: the same slice, jitter
+(:func:`kvxfer.sim.replay.run_config`) on the same requests: the same slice, jitter
 seed, time scale, prompt lengths and ``max_tokens``. Both are scored by
 :func:`kvxfer.loadgen.metrics.summarize_run` under the same SLO. It prints goodput and SLO
 attainment of both and the vclock/wall ratio, with the load average beside each run.
@@ -50,7 +50,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -245,12 +244,11 @@ def fit_slice(args, path: str) -> dict:
 def arrivals(args) -> list[tuple[float, list[int], int]]:
     """The slice as loadgen sends it (same jitter, time scale, lengths), read as
     ``kvxfer simulate`` reads a slice; prompts as ids."""
-    from kvxfer.cli.simulate import arrivals as simulate_arrivals
+    from kvxfer.sim.replay import TraceSlice
 
-    return simulate_arrivals(types.SimpleNamespace(
-        trace=args.slice, start=0, max_requests=args.max_requests, time_scale=args.time_scale,
-        length_scale=args.length_scale, output_scale=args.output_scale,
-        arrival_jitter_ms=args.arrival_jitter_ms, seed=args.seed))
+    return TraceSlice(args.slice, max_requests=args.max_requests, time_scale=args.time_scale,
+                      length_scale=args.length_scale, output_scale=args.output_scale,
+                      jitter_ms=args.arrival_jitter_ms, seed=args.seed).arrivals()
 
 
 def tokens_vs_words(args) -> dict:
@@ -272,17 +270,17 @@ def tokens_vs_words(args) -> dict:
 
 
 def vclock_run(name: str, args, requests, slo: SLO) -> dict:
-    from kvxfer.cli.simulate import run_config
     from kvxfer.sim.profile import load_profile
+    from kvxfer.sim.replay import RunOptions, run_config
 
-    ns = types.SimpleNamespace(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens,
-                               routing=args.routing,
-                               adaptive_interval=ADAPTIVE_INTERVAL_S * args.dilate,
-                               adaptive_dwell=ADAPTIVE_DWELL_S * args.dilate)
+    options = RunOptions(routing=args.routing, num_blocks=args.num_blocks,
+                         max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         adaptive=AdaptivePolicy(interval_s=ADAPTIVE_INTERVAL_S * args.dilate,
+                                                 min_dwell_s=ADAPTIVE_DWELL_S * args.dilate))
     load0 = os.getloadavg()
     began = time.monotonic()
-    row = run_config(name, ns, load_profile(args.profile), slo, requests)
+    row = run_config(name, options, load_profile(args.profile), slo, requests)
     return {"label": "vclock-" + name.replace(":", "-"), "run_s": time.monotonic() - began,
             "load_start": load0, "load_end": os.getloadavg(), **row}
 

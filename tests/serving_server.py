@@ -33,12 +33,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *serve_args: str, env: dict | None = None):
+    def __init__(self, *serve_args: str, env: dict | None = None, num_blocks: int | None = 256):
+        """``num_blocks`` None: the server's own default pool."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvxfer.cli", "serve", "--port", str(self.port),
-               "--threads", "1", "--num-blocks", "256", "--transfer-timeout", "20",
-               "--log-level", "warning", *serve_args]
+               "--threads", "1", "--transfer-timeout", "20", "--log-level", "warning",
+               *(() if num_blocks is None else ("--num-blocks", str(num_blocks))), *serve_args]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
                                      start_new_session=True, stdin=subprocess.DEVNULL)
         self.client = httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S)

@@ -34,8 +34,9 @@ OPEN = {
     "serving": ("kvxfer.sim",),  # --engine sim: the simulated engine core
     "integrations": ("kvxfer.serving.model",),  # export-hf: the embedded model's GGUF reader
     # the real scheduler, block manager and runtime, forward pass modelled; the store
-    # nodes' own index and placement, no bytes moved (kvxfer simulate --store)
-    "sim": ("kvxfer.serving", "kvxfer.store"),
+    # nodes' own index and placement, no bytes moved (kvxfer simulate --store); a trace
+    # slice read and scored as kvxfer loadgen reads and scores it (kvxfer plan)
+    "sim": ("kvxfer.serving", "kvxfer.store", "kvxfer.loadgen"),
 }
 CLIENTS = tuple(OPEN)
 

@@ -144,3 +144,24 @@ def test_sequence_takes_a_copy_of_plain_ints_and_converts_the_rest():
         assert s.token_ids == ([1, 6, 7] if given[0] is True else [5, 6, 7])
     with pytest.raises(ValueError):
         Sequence([])
+
+
+def test_prefill_first_takes_whole_prompts_and_holds_back_decodes():
+    # vLLM without chunked prefill: whole prompts up to the budget, a longer one alone
+    sched, bm = make(num_blocks=64, budget=8, schedule="prefill-first")
+    a, b, c = Sequence(range(5)), Sequence(range(50, 54)), Sequence(range(100, 120))
+    for s in (a, b, c):
+        sched.add(s)
+    chunks, is_prefill = run_step(sched, bm)
+    assert is_prefill and [(ch.seq, ch.start, ch.num_tokens) for ch in chunks] == [(a, 0, 5)]
+    chunks, is_prefill = run_step(sched, bm)  # b fits with nothing else; c (20 > 8) waits
+    assert is_prefill and [(ch.seq, ch.num_tokens) for ch in chunks] == [(b, 4)]
+    chunks, is_prefill = run_step(sched, bm)  # c alone, whole, past the budget; a and b wait
+    assert is_prefill and [(ch.seq, ch.start, ch.num_tokens) for ch in chunks] == [(c, 0, 20)]
+    chunks, is_prefill = run_step(sched, bm)
+    assert not is_prefill and [ch.seq for ch in chunks] == [a, b, c]
+    d = Sequence(range(200, 203))
+    sched.add(d)  # a waiting prompt runs before every decode
+    chunks, is_prefill = run_step(sched, bm)
+    assert is_prefill and [ch.seq for ch in chunks] == [d]
+    bm.check_invariants()

@@ -303,3 +303,50 @@ def test_sim_server_workers_share_the_devices_file_it_makes():
     finally:
         server.stop()
     assert not os.path.exists(path) and not glob.glob(f"/dev/shm/kvxfer-sim-devices-{server.proc.pid}-*")
+
+
+def test_serve_cli_takes_the_config_grammar_and_the_profiles_engine():
+    import argparse
+
+    from kvxfer.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    config = serve.config_from_args(parser.parse_args(
+        ["serve", "--config", "1P2D@2,1", "--engine", "sim", "--profile", "a100-opt13b-vllm",
+         "--no-enable-chunked-prefill"]))
+    assert [(s.role, s.tp) for s in config.worker_specs()] == [("prefill", 2), ("decode", 1),
+                                                                ("decode", 1)]
+    # whole prompts first, with the profiled engine's budgets; the pool: its capacity
+    assert (config.schedule, config.max_num_seqs, config.max_num_batched_tokens,
+            config.num_blocks) == ("prefill-first", 1024, 16384, None)
+    config = serve.config_from_args(parser.parse_args(["serve", "--config", "conditional:1P1D"]))
+    assert config.local_prefill_tokens > 0 and (config.max_num_seqs, config.num_blocks) == (16, None)
+    for argv, message in ((["--config", "1P1D@2"], "--engine sim only"),
+                          (["--config", "1P1D", "--prefill", "2"], "excludes"),
+                          (["--config", "2X"], "unknown configuration")):
+        with pytest.raises(ValueError, match=message):
+            serve.config_from_args(parser.parse_args(["serve", *argv]))
+
+
+def test_sim_server_with_tp_degrees_holds_the_profiles_capacity():
+    # an A100 with Llama-2-7B holds ~118k tokens of KV (the profile's capacity at TP 1), not
+    # the CPU engine's 16,384: a 30k-token prompt is served; the router's limit is the
+    # smaller worker's pool (the TP-1 decode worker's, not the TP-2 prefill worker's)
+    from serving_server import Server
+
+    prof = load_profile("a100-llama2-7b-vidur")
+    server = Server("--config", "1P1D@2,1", "--engine", "sim", "--profile", prof.name,
+                    "--sim-kv-scale", "4096", "--no-enable-chunked-prefill", num_blocks=None)
+    try:
+        body = server.complete("the quick brown fox " * 7500, max_tokens=2, ignore_eos=True)
+        assert body["usage"]["prompt_tokens"] > 16384 and body["usage"]["completion_tokens"] == 2
+        blocks = -(-body["usage"]["prompt_tokens"] // prof.block_size)
+        # two GPUs' links send it: the transfer takes at least the bytes over twice the link
+        assert body["kvxfer"]["kv_transfer_ms"] >= 1e3 * prof.link.wide(2).seconds(
+            blocks * prof.block_bytes) * (1 - 1e-6)
+        r = server.client.post("/v1/completions", json={"prompt": "a " * 120000, "max_tokens": 2})
+        limit = prof.at_tp(1).default_num_blocks(0) * prof.block_size
+        assert r.status_code == 400 and f"KV pool ({limit} tokens)" in r.json()["error"]["message"]
+    finally:
+        server.stop()

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvxfer.cli.plan import search, split_grid
 from kvxfer.loadgen.prompts import PromptBuilder
 from kvxfer.loadgen.trace import TraceRequest
 from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
@@ -58,7 +57,9 @@ def test_config_names_parse_to_serve_configs():
 
 
 @pytest.mark.parametrize("name", ["colocated:0", "colocated:x", "3X", "0P2D", "2P0D",
-                                  "mixed:2P2D", "colocated:2P2D", "adaptive:1P1D", ""])
+                                  "mixed:2P2D", "colocated:2P2D", "adaptive:1P1D", "",
+                                  "colocated:2@0", "1P1D@0", "1P1D@2,0", "1P1D@", "1P1D@1,2,3",
+                                  "colocated:2@1,2"])
 def test_bad_config_names_raise_config_error(name):
     with pytest.raises(ConfigError):
         parse_config(name)
@@ -373,63 +374,6 @@ def test_a_static_run_answers_for_its_adaptive_twin_until_it_would_move(arrivals
         simulate(static, _profile(), arrivals, twin=parse_config("adaptive:2P2D", num_blocks=4096))
 
 
-def test_plan_runs_an_adaptive_variant_only_where_its_twin_moved(trace):
-    from argparse import Namespace
-
-    from kvxfer.cli import plan
-    from kvxfer.cli.simulate import arrivals, run_config
-    from kvxfer.loadgen.metrics import SLO
-    from kvxfer.sim.vclock import prompt_hashes as hashes_of
-
-    args = Namespace(trace=str(trace), start=0, max_requests=None, time_scale=1.0,
-                     length_scale=0.1, output_scale=None, arrival_jitter_ms=0.0, seed=0,
-                     routing="least-loaded", num_blocks=128, max_num_seqs=16,
-                     max_num_batched_tokens=512)
-    requests = arrivals(args)
-    profile, slo = _profile(), SLO.parse("5000,400")
-    plan._SHARED.update(args=args, profile=profile, slo=slo, requests=requests,
-                        hashes=hashes_of(requests, 16))
-    try:
-        runner = plan._Runner(1)
-        names = ["1P2D", "adaptive:1P2D", "2P1D", "adaptive:2P1D", "conditional:1P2D"]
-        rows = runner(names)
-        for name, row in zip(names, rows):
-            direct = run_config(name, args, profile, slo, requests, routed_hits=False)
-            direct.pop("records")
-            assert row == direct, name
-        assert runner.runs == 3 and set(runner.twins) == {"1P2D", "2P1D"}
-        runner.twins["1P2D"] = None  # as if its rebalancer had moved: the variant runs
-        assert runner(["adaptive:1P2D", "adaptive:2P1D"])[0]["name"] == "adaptive:1P2D"
-        assert runner.runs == 4
-    finally:
-        plan._SHARED.clear()
-
-
-# ---- kvxfer plan's search ----------------------------------------------------------
-def test_split_grid_spans_the_splits():
-    assert split_grid(2) == [1] and split_grid(4) == [1, 2, 3]
-    assert split_grid(16) == [4, 8, 12] and split_grid(8) == [2, 4, 6] and split_grid(7) == [2, 4, 5]
-
-
-@pytest.mark.parametrize("peak", [1, 5, 11, 15])
-def test_search_finds_the_best_split_of_a_unimodal_goodput(peak):
-    runs = []
-
-    def evaluate(names):
-        runs.extend(names)
-        rows = []
-        for n in names:
-            x = int(n.split(":")[-1].split("P")[0]) if "P" in n else 0
-            g = 0.5 if n.startswith("colocated") else 10 - abs(x - peak)
-            rows.append({"name": n, "goodput_rps": g + (0.1 if n.startswith("conditional") else 0)})
-        return rows
-
-    rows = search(16, evaluate, variants=2)
-    best = max(rows, key=lambda r: r["goodput_rps"])
-    assert best["name"] == f"conditional:{peak}P{16 - peak}D"
-    assert len(runs) == len(set(runs)) and len(runs) <= 12  # of 46
-
-
 # ---- the CLIs ----------------------------------------------------------------------
 @pytest.fixture
 def trace(tmp_path):
@@ -468,38 +412,23 @@ def test_simulate_cli_writes_the_json_schema(trace, tmp_path):
     assert still.returncode != 0 and "interval_s must be > 0" in still.stderr
 
 
-def test_plan_cli_prunes_and_agrees_with_the_exhaustive_sweep(trace, tmp_path):
-    common = ("plan", "--trace", trace, "--profile", "cpu-smollm2", "--length-scale", "0.1",
-              "--slo", "5000,400", "--gpus", "4", "--num-blocks", "128", "--jobs", "2")
-    docs = {}
-    for mode in ("pruned", "exhaustive"):
-        out = tmp_path / f"{mode}.json"
-        p = _kvxfer(*common, *(["--exhaustive"] if mode == "exhaustive" else []), "--json", out)
-        assert p.returncode == 0, p.stderr
-        docs[mode] = json.loads(out.read_text())
-    assert len(docs["exhaustive"]["configs"]) == len(configs_for(4))
-    assert docs["pruned"]["runs"] <= len(configs_for(4))
-    full = {c["name"]: c["goodput_rps"] for c in docs["exhaustive"]["configs"]}
-    for c in docs["pruned"]["configs"]:  # the same runs give the same figures
-        assert c["goodput_rps"] == full[c["name"]]
-    assert full[docs["pruned"]["best"]] >= 0.95 * max(full.values())
-
-
 def test_simulate_reads_the_slice_as_loadgen_does(trace):
-    from argparse import Namespace
+    from kvxfer.sim.replay import TraceSlice
 
-    from kvxfer.cli.simulate import arrivals
+    base = dict(path=str(trace), start=2, max_requests=10, time_scale=0.5, length_scale=0.1,
+                output_scale=0.5, jitter_ms=0.0, seed=0)
 
-    base = dict(trace=str(trace), start=2, max_requests=10, time_scale=0.5, length_scale=0.1,
-                output_scale=0.5, arrival_jitter_ms=0.0, seed=0)
-    plain = arrivals(Namespace(**base))
+    def arrivals(kw):
+        return TraceSlice(**kw).arrivals()
+
+    plain = arrivals(base)
     assert [t for t, _, _ in plain] == pytest.approx([0.2 * i for i in range(10)])  # 400 ms, x0.5
     assert all(m == 20 for _, _, m in plain)  # 40 output tokens x0.5
-    spread = arrivals(Namespace(**{**base, "arrival_jitter_ms": 300.0, "seed": 1}))
+    spread = arrivals({**base, "jitter_ms": 300.0, "seed": 1})
     times = [t for t, _, _ in spread]
     assert times == sorted(times) and times != [t for t, _, _ in plain]
     assert all(0 <= a - b < 0.15 for a, b in zip(times, [t for t, _, _ in plain]))
-    assert arrivals(Namespace(**{**base, "arrival_jitter_ms": 300.0, "seed": 1})) == spread
+    assert arrivals({**base, "jitter_ms": 300.0, "seed": 1}) == spread
 
 
 def test_the_table_prints_without_rich(monkeypatch, capsys):

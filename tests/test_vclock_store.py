@@ -15,7 +15,8 @@ from kvxfer.serving.workers.pool import PrefillPool
 from kvxfer.sim.configs import parse_config
 from kvxfer.sim.link import Link, NicQueue
 from kvxfer.sim.store import StoreSpec, VirtualStore, VirtualStoreClient
-from kvxfer.sim.vclock import VirtualCluster, VirtualRuntime, simulate
+from kvxfer.sim.vclock import VirtualCluster, simulate
+from kvxfer.sim.virtual_worker import VirtualRuntime
 from kvxfer.store import block_keys
 
 from test_vclock import LINK, _profile

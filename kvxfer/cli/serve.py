@@ -52,6 +52,10 @@ def add_parser(sub) -> None:
                    help="decode workers (default 1; with --discovery: local workers to start, default 0)")
     p.add_argument("--colocated", type=int, default=0, metavar="N",
                    help="N workers that prefill and decode themselves (the baseline)")
+    p.add_argument("--config", default=None, metavar="NAME",
+                   help="the workers as kvxfer simulate names them, instead of --prefill/--decode/"
+                        "--colocated: colocated:N[@K], xPyD[@A[,B]] (@: tensor-parallel degrees, "
+                        "--engine sim), conditional:xPyD, adaptive:xPyD (docs/simulate.md)")
     p.add_argument("--model", default=None, metavar="PATH.gguf",
                    help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--cpus", nargs="+", default=(), metavar="LIST",
@@ -60,13 +64,19 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="T",
                    help="torch threads per worker (default: its CPU group's size)")
     p.add_argument("--on-transfer-failure", choices=("fail", "recompute"), default="recompute")
-    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV blocks per worker")
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per worker (default 1024; --engine sim: the profile's KV "
+                        "capacity at the worker's tensor-parallel degree)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences a step (default 16; --engine sim: the profiled engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens a step (default 512; --engine sim: the profiled engine's)")
     p.add_argument("--schedule", choices=SCHEDULES, default=EngineConfig.schedule,
                    help="mixed: decode tokens and prompt chunks share each step (chunked "
-                        "prefill); separate: prefill steps and decode steps apart")
+                        "prefill); separate: prefill steps and decode steps apart; "
+                        "prefill-first: whole prompts first (--no-enable-chunked-prefill)")
+    p.add_argument("--no-enable-chunked-prefill", dest="schedule", action="store_const",
+                   const="prefill-first", help="whole prompts, run before any decode (vLLM's flag)")
     p.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=EngineConfig.matmul_dtype,
                    help="projection dtype of every worker: auto (bf16 where the CPU has AMX, "
                         "else fp32), fp32 or bf16; P and D must agree")
@@ -155,28 +165,66 @@ def add_engine_args(p) -> None:
                         "seconds) to DIR/NAME.jsonl: what kvxfer profile --from-steps fits")
 
 
+def _layout(args: argparse.Namespace) -> dict:
+    """``--config NAME``'s worker counts, TP degrees and conditional/adaptive flags."""
+    from kvxfer.sim.configs import LOCAL_PREFILL_QUEUE, LOCAL_PREFILL_TOKENS, layout_of
+
+    if args.prefill or args.decode or args.colocated:
+        raise ValueError("--config excludes --prefill/--decode/--colocated")
+    lay = layout_of(args.config)  # ConfigError (a ValueError) naming the grammar
+    if max(lay.prefill_tp, lay.decode_tp) > 1 and args.engine != "sim":
+        raise ValueError(f"{args.config}: tensor-parallel degrees are modelled by --engine sim only")
+    if lay.kind == "colocated":
+        return {"num_prefill": 0, "num_decode": 0, "num_colocated": lay.num_prefill,
+                "tp_degrees": (lay.prefill_tp,)}
+    out = {"num_prefill": lay.num_prefill, "num_decode": lay.num_decode, "num_colocated": 0,
+           "tp_degrees": (lay.prefill_tp,) * lay.num_prefill + (lay.decode_tp,) * lay.num_decode}
+    if lay.kind == "conditional":
+        out.update(local_prefill_tokens=LOCAL_PREFILL_TOKENS, local_prefill_queue=LOCAL_PREFILL_QUEUE)
+    if lay.kind == "adaptive":
+        args.adaptive = True
+    return out
+
+
+def _budgets(args: argparse.Namespace) -> dict:
+    """``--max-num-seqs`` and ``--max-num-batched-tokens``, where not given the profiled
+    engine's (``--engine sim``, as kvxfer simulate takes them) or the engine's defaults."""
+    engine = {}
+    if args.engine == "sim" and args.profile:
+        from kvxfer.sim.profile import load_profile
+
+        engine = load_profile(args.profile).engine  # ProfileError: a ValueError
+    whole = args.schedule != "mixed"
+    budget = engine.get("max_num_batched_tokens" if whole else "chunked_prefill_tokens",
+                        EngineConfig.max_num_batched_tokens)
+    return {"max_num_seqs": args.max_num_seqs or engine.get("max_num_seqs", EngineConfig.max_num_seqs),
+            "max_num_batched_tokens": args.max_num_batched_tokens or budget}
+
+
 def config_from_args(args: argparse.Namespace):
     from kvxfer.serving.engine.config import parse_cpu_group
     from kvxfer.serving.server.serve_config import ServeConfig
 
+    layout = _layout(args) if args.config else {}
+    budgets = _budgets(args)
     if args.colocated and (args.prefill or args.decode):
         raise SystemExit("kvxfer serve: --colocated excludes --prefill/--decode")
     if args.discovery and args.colocated:
         raise SystemExit("kvxfer serve: --discovery serves prefill/decode workers only")
     default = 0 if args.colocated or args.discovery else 1
     spawned = 0 if args.colocated or args.discovery else None  # discovery: see _local_workers
+    counts = {"num_prefill": spawned if spawned is not None else (args.prefill or default),
+              "num_decode": spawned if spawned is not None else (args.decode or default),
+              "num_colocated": args.colocated,
+              "local_prefill_tokens": args.local_prefill_tokens,
+              "local_prefill_queue": args.local_prefill_queue, **layout}
     return ServeConfig(
         host=args.host, port=args.port, discovery=args.discovery, secret_file=args.secret_file,
-        num_prefill=spawned if spawned is not None else (args.prefill or default),
-        num_decode=spawned if spawned is not None else (args.decode or default),
-        num_colocated=args.colocated, model_path=args.model, store=args.store,
+        model_path=args.model, store=args.store,
         cpu_groups=tuple(parse_cpu_group(g) for g in args.cpus),
         on_transfer_failure=args.on_transfer_failure, num_threads=args.threads,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        schedule=args.schedule, matmul_dtype=args.matmul_dtype,
-        local_prefill_tokens=args.local_prefill_tokens,
-        local_prefill_queue=args.local_prefill_queue, prefill_nice=args.prefill_nice,
+        num_blocks=args.num_blocks, **budgets, **counts,
+        schedule=args.schedule, matmul_dtype=args.matmul_dtype, prefill_nice=args.prefill_nice,
         transfer_timeout_s=args.transfer_timeout, log_level=args.log_level,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes, retries=args.retries,
@@ -270,13 +318,14 @@ def _local_workers(args: argparse.Namespace, config):
         argv = [sys.executable, "-m", "kvxfer.cli", "worker", "--role", role,
                 "--listen", f"{host}:0", "--discovery", args.discovery,
                 "--name", f"{role}-{os.uname().nodename}-{os.getpid()}-{i}",
-                "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--max-num-seqs", str(config.max_num_seqs),
+                "--max-num-batched-tokens", str(config.max_num_batched_tokens),
                 "--matmul-dtype", args.matmul_dtype,
                 "--transfer-timeout", str(args.transfer_timeout),
                 "--on-transfer-failure", args.on_transfer_failure, "--log-level", args.log_level]
         argv += sim_args(config)
-        for flag, value in (("--model", args.model), ("--secret-file", args.secret_file), ("--store", args.store),
+        for flag, value in (("--num-blocks", args.num_blocks and str(args.num_blocks)),
+                            ("--model", args.model), ("--secret-file", args.secret_file), ("--store", args.store),
                             ("--threads", args.threads and str(args.threads)),
                             ("--cpus", args.cpus[i if len(groups) > 1 else 0] if groups else None)):
             if value:

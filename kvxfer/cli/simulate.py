@@ -2,11 +2,14 @@
 
     kvxfer simulate --trace T.jsonl --profile h100-llama2-7b-vidur --config colocated:8 \\
         --config 2P6D --config conditional:2P6D --config adaptive:2P6D --slo 2500,150 --json s.json
+    kvxfer simulate --trace T.jsonl --profile a100-opt13b-distserve --config 1P1D@2,1 \\
+        --no-enable-chunked-prefill --slo 200,100
 
-Each ``--config`` (``colocated:N``, ``xPyD``, ``conditional:xPyD``, ``adaptive:xPyD``;
-docs/simulate.md) runs the real scheduler, block manager, router and rebalancer
-decisions with the profile's modelled step and transfer times (:mod:`kvxfer.sim.vclock`).
-Goodput and SLO attainment are ``kvxfer loadgen``'s (:mod:`kvxfer.loadgen.metrics`).
+Each ``--config`` (``colocated:N[@K]``, ``xPyD[@A[,B]]``, ``conditional:xPyD``,
+``adaptive:xPyD``; docs/simulate.md) runs the real scheduler, block manager, router and
+rebalancer decisions with the profile's modelled step and transfer times
+(:mod:`kvxfer.sim.vclock`, :mod:`kvxfer.sim.replay`). Goodput and SLO attainment are
+``kvxfer loadgen``'s (:mod:`kvxfer.loadgen.metrics`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
 
 def add_common(p) -> None:
     """The trace, profile, engine and SLO options ``simulate`` and ``plan`` share."""
-    from ..serving.engine.config import EngineConfig
     from .serve import add_adaptive_timing
 
     p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake jsonl trace")
@@ -46,11 +48,17 @@ def add_common(p) -> None:
     p.add_argument("--sim-devices", type=int, default=None, metavar="K",
                    help="the workers share K devices (a step runs at min(1, K/busy workers) "
                         "speed), as kvxfer serve --sim-devices; default: a device each")
-    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks,
-                   help="KV blocks per worker")
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: the profile's KV capacity at the "
+                        "worker's TP degree, else 1024)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences a step (default: the profiled engine's, else 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens a step (default: the profiled engine's, with or without "
+                        "chunked prefill, else 512)")
+    p.add_argument("--no-enable-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="whole prompts, run before any decode (vLLM's flag; default: chunked "
+                        "prefill, prompt chunks beside the decodes)")
     p.add_argument("--json", metavar="FILE", help="write {best, configs: [...]} and the records")
 
 
@@ -59,119 +67,44 @@ def add_parser(sub) -> None:
                        description=__doc__.splitlines()[0])
     add_common(p)
     p.add_argument("--config", action="append", required=True, metavar="CONFIG",
-                   help="colocated:N, xPyD, conditional:xPyD or adaptive:xPyD (repeatable)")
+                   help="colocated:N[@K], xPyD[@A[,B]], conditional:xPyD or adaptive:xPyD "
+                        "(repeatable)")
     p.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS", help="SLO for goodput")
     p.set_defaults(func=run)
 
 
-def arrivals(args, time_scale: float | None = None) -> list[tuple[float, list[int], int]]:
-    """The trace slice as ``(arrival_s, prompt_ids, max_tokens)``, prompts built as
-    ``kvxfer loadgen`` builds them (:class:`kvxfer.loadgen.prompts.PromptBuilder`)."""
-    from ..loadgen.prompts import PromptBuilder
-    from ..loadgen.trace import jitter, read_trace
+def trace_slice(args):
+    """The ``--trace`` slice options as a :class:`kvxfer.sim.replay.TraceSlice`."""
+    from ..sim.replay import TraceSlice
 
-    scale = args.time_scale if time_scale is None else time_scale
-    if not scale > 0:
-        raise ValueError(f"--time-scale must be > 0, got {scale}")
-    try:
-        reqs = read_trace(args.trace, start=args.start, max_requests=args.max_requests)
-    except OSError as exc:
-        raise ValueError(f"cannot read trace {args.trace}: {exc.strerror}") from None
-    if args.arrival_jitter_ms:  # as kvxfer loadgen spreads them (sorted by the new time)
-        reqs = jitter(reqs, args.arrival_jitter_ms, seed=args.seed)
-    prompts = PromptBuilder(length_scale=args.length_scale, output_scale=args.output_scale)
-    return [(r.timestamp_ms * scale / 1e3, prompts.prompt_ids(r), prompts.max_tokens(r))
-            for r in reqs]
+    return TraceSlice(args.trace, start=args.start, max_requests=args.max_requests,
+                      time_scale=args.time_scale, length_scale=args.length_scale,
+                      output_scale=args.output_scale, jitter_ms=args.arrival_jitter_ms,
+                      seed=args.seed)
 
 
-def routing_knobs(args) -> dict:
-    """The kv policy's knobs given on the command line (none for least-loaded)."""
-    if args.routing != "kv":
-        return {}
-    knobs = {"load_gap": getattr(args, "routing_load_gap", None),
-             "overlap_weight": getattr(args, "routing_overlap_weight", None)}
-    return {k: v for k, v in knobs.items() if v is not None}
-
-
-def adaptive_policy(args):
-    """The rebalancer's policy of adaptive configurations: default thresholds, with
-    ``--adaptive-interval`` and ``--adaptive-dwell`` where ``args`` has them."""
+def run_options(args):
+    """The engine, routing, store and rebalancer options as :class:`kvxfer.sim.replay.RunOptions`."""
     from ..serving.server.adaptive_policy import AdaptivePolicy
-
-    default = AdaptivePolicy()
-    return AdaptivePolicy(interval_s=getattr(args, "adaptive_interval", default.interval_s),
-                          min_dwell_s=getattr(args, "adaptive_dwell", default.min_dwell_s))
-
-
-def store_spec(args):
-    """The ``--store`` pool (:class:`kvxfer.sim.store.StoreSpec`), or None."""
+    from ..sim.replay import RunOptions
     from ..sim.store import StoreSpec
 
-    text = getattr(args, "store", None)
-    return None if text is None else StoreSpec.parse(text)
-
-
-def run_config(name: str, args, profile, slo, requests, hashes=None, *, twin: bool = False,
-               routed_hits: bool = True) -> dict:
-    """One configuration on the virtual clock: ``{"name", "goodput_rps", "slo_attainment",
-    "summary", ...}``; ``goodput_rps`` and attainment are None without an SLO. ``hashes``:
-    :func:`kvxfer.sim.vclock.prompt_hashes` of ``requests`` (computed once for many runs).
-    ``twin`` (a static ``xPyD`` of >= 3 workers): the run also watches ``adaptive:xPyD``'s
-    rebalancer (:func:`kvxfer.sim.vclock.simulate`); ``row["twin"]`` is that configuration's
-    row where its rebalancer never moved a worker (the same run), else None.
-    ``routed_hits=False``: ``routed_hit_ratio`` is None where the policy does not pick by
-    prefix (:func:`kvxfer.sim.vclock.simulate`; a cheaper run)."""
-    from ..loadgen.metrics import summarize_run
-    from ..sim.configs import parse_config
-    from ..sim.vclock import simulate
-
-    engine = dict(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-    if getattr(args, "sim_devices", None) is not None:
-        engine.update(engine="sim", profile=profile.name, sim_devices=args.sim_devices)
-    slo_ms = (slo.ttft_ms, slo.tpot_ms) if slo else None
-    policy = adaptive_policy(args)
-    config = parse_config(name, slo_ms=slo_ms, adaptive=policy, **engine)
-    twin_config = (parse_config(f"adaptive:{name}", slo_ms=slo_ms, adaptive=policy, **engine)
-                   if twin else None)
-    result = simulate(config, profile, requests, routing=args.routing, prompt_hashes=hashes,
-                      twin=twin_config, routed_hits=routed_hits, store=store_spec(args),
-                      **routing_knobs(args))
-    summary = summarize_run(result.records, slo)
-    row = _row(name, summary, result, result.end_s)
-    if twin:
-        row["twin"] = (None if result.twin_end_s is None
-                       else _row(f"adaptive:{name}", summary, result, result.twin_end_s,
-                                 dict(result.counters)))
-    return row
-
-
-def _row(name: str, summary: dict, result, end_s: float, counters: dict | None = None) -> dict:
-    counts = result.counters if counters is None else counters
-    return {"name": name, "goodput_rps": summary.get("goodput"),
-            "slo_attainment": summary.get("slo_attainment"),
-            "request_throughput": summary["request_throughput"],
-            "ttft_p50_ms": summary["ttft_ms"]["median"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
-            "tpot_p50_ms": summary["tpot_ms"]["median"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
-            "prefix_hit_ratio": (counts["hit_tokens"] / counts["query_tokens"]
-                                 if counts.get("query_tokens") else 0.0),
-            "routed_hit_ratio": (None if "routed_prompt_blocks" not in counts
-                                 else counts["routed_hit_blocks"] / counts["routed_prompt_blocks"]
-                                 if counts["routed_prompt_blocks"] else 0.0),
-            # prompt tokens prefill workers loaded from the KV pool (--store), else None
-            "store_hit_tokens": counts.get("store_hit_tokens"),
-            "virtual_s": end_s, "counters": counts, "records": result.records}
-
-
-def best_of(rows: list[dict]) -> str:
-    """The name of the row with the highest goodput (request throughput without an SLO)."""
-    key = "goodput_rps" if rows[0]["goodput_rps"] is not None else "request_throughput"
-    return max(rows, key=lambda r: r[key])["name"]
+    knobs = {}
+    if args.routing == "kv":
+        knobs = {k: v for k, v in (("load_gap", args.routing_load_gap),
+                                   ("overlap_weight", args.routing_overlap_weight)) if v is not None}
+    default = AdaptivePolicy()
+    policy = AdaptivePolicy(interval_s=getattr(args, "adaptive_interval", default.interval_s),
+                            min_dwell_s=getattr(args, "adaptive_dwell", default.min_dwell_s))
+    return RunOptions(routing=args.routing, routing_knobs=tuple(sorted(knobs.items())),
+                      store=None if args.store is None else StoreSpec.parse(args.store),
+                      sim_devices=args.sim_devices, num_blocks=args.num_blocks,
+                      max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      chunked_prefill=args.chunked_prefill, adaptive=policy)
 
 
 def print_rows(title: str, rows: list[dict], best: str) -> None:
-    from .. import report
-
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
@@ -185,18 +118,25 @@ def print_rows(title: str, rows: list[dict], best: str) -> None:
     cols = [("config", "config"), ("goodput req/s", "goodput"), ("SLO met %", "attain"),
             ("req/s", "rps"), ("TTFT p50 ms", "ttft50"), ("TTFT p99", "ttft99"),
             ("TPOT p50 ms", "tpot50"), ("TPOT p99", "tpot99"), ("prefix hit %", "hits")]
+    print_table(title, cols, table, f"best: {best}")
+
+
+def print_table(title: str, cols: list[tuple[str, str]], table: list[dict], caption: str) -> None:
+    """``table`` (dicts of strings) under ``cols`` ``(header, key)``: rich where installed."""
+    from .. import report
+
     try:
-        report.print_table(title, cols, table, caption=f"best: {best}")
+        report.print_table(title, cols, table, caption=caption)
     except ImportError:  # rich is in the bench extra; the virtual clock needs none of it
         widths = [max(len(head), *(len(row[key]) for row in table)) for head, key in cols]
         print(title)
         print("  ".join(head.rjust(w) for (head, _), w in zip(cols, widths)))
         for row in table:
             print("  ".join(row[key].rjust(w) for (_, key), w in zip(cols, widths)))
-        print(f"best: {best}")
+        print(caption)
 
 
-def write_json(path: str, best: str, rows: list[dict], extra: dict) -> None:
+def write_json(path: str, best: str | None, rows: list[dict], extra: dict) -> None:
     doc = {"best": best, "configs": rows, **extra}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -204,41 +144,50 @@ def write_json(path: str, best: str, rows: list[dict], extra: dict) -> None:
 
 
 def load_inputs(args):
-    """(profile, slo or None, requests); ``SystemExit`` with a clear message on bad input."""
+    """(profile, slo or None, the slice, run options, requests); ``SystemExit`` with a clear
+    message on bad input."""
     from ..loadgen.metrics import SLO
     from ..sim.profile import ProfileError, load_profile
 
     try:
         slo = SLO.parse(args.slo) if args.slo else None
-        store_spec(args)  # checked before the trace is read
-        adaptive_policy(args)
+        options = run_options(args)  # checked before the trace is read
         profile = load_profile(args.profile)
-        requests = arrivals(args)
+        sliced = trace_slice(args)
+        requests = sliced.arrivals()
     except (ProfileError, ValueError) as exc:
         raise SystemExit(f"kvxfer {args.command}: {exc}") from None
-    return profile, slo, requests
+    return profile, slo, sliced, options, requests
 
 
 def run(args) -> int:
-    from ..sim.configs import ConfigError, parse_config
+    from ..sim.configs import ConfigError, layout_of
+    from ..sim.plan import attainment
+    from ..sim.replay import best_of, run_config
     from ..sim.vclock import prompt_hashes
 
     try:
         for name in args.config:  # every name checked before anything runs
-            parse_config(name)
+            layout_of(name)
     except ConfigError as exc:
         raise SystemExit(f"kvxfer simulate: {exc}") from None
-    profile, slo, requests = load_inputs(args)
+    profile, slo, _, options, requests = load_inputs(args)
     hashes = prompt_hashes(requests, profile.block_size)  # once for every configuration
     try:
-        rows = [run_config(name, args, profile, slo, requests, hashes) for name in args.config]
-    except (ValueError, RuntimeError) as exc:
+        rows = [run_config(name, options, profile, slo, requests, hashes) for name in args.config]
+    except (ValueError, RuntimeError) as exc:  # ProfileError, ConfigError among them
         raise SystemExit(f"kvxfer simulate: {exc}") from None
+    if slo is not None:
+        for row in rows:  # DistServe's two counts: each SLO on its own
+            recs = row["records"]
+            row["ttft_attainment"] = attainment(recs, type(slo)(slo.ttft_ms, float("inf")), "both")
+            row["tpot_attainment"] = attainment(recs, type(slo)(float("inf"), slo.tpot_ms), "both")
     best = best_of(rows)
     print_rows(f"virtual clock: {len(requests)} requests, profile {profile.name}", rows, best)
     if args.json:
         write_json(args.json, best, rows, {"profile": profile.name, "routing": args.routing,
                                            "store": args.store, "slo": args.slo,
                                            "sim_devices": args.sim_devices,
+                                           "chunked_prefill": args.chunked_prefill,
                                            "num_requests": len(requests)})
     return 0

@@ -38,7 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, metavar="PATH.gguf")
     p.add_argument("--cpus", default=None, metavar="LIST", help="pin to these CPUs, e.g. 0-3")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs pinned)")
-    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default 1024; --engine sim: the profile's KV capacity at --tp)")
+    p.add_argument("--tp", type=int, default=1, metavar="K",
+                   help="--engine sim: the tensor-parallel degree the worker models")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens)
@@ -60,14 +63,15 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     cpus = parse_cpu_group(args.cpus) if args.cpus else None
     threads = args.threads or (len(cpus) if cpus else max(1, os.cpu_count() or 1))
     argv = ["--name", name, "--role", args.role, "--listen", args.listen,
-            "--threads", str(threads), "--num-blocks", str(args.num_blocks),
+            "--threads", str(threads), "--tp", str(args.tp),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--matmul-dtype", args.matmul_dtype,
             "--transfer-timeout", str(args.transfer_timeout),
             "--on-transfer-failure", args.on_transfer_failure, "--ttl", str(args.ttl),
             "--log-level", args.log_level, "--engine", args.engine]
-    for flag, value in (("--discovery", args.discovery), ("--agent-listen", args.agent_listen),
+    for flag, value in (("--num-blocks", args.num_blocks and str(args.num_blocks)),
+                        ("--discovery", args.discovery), ("--agent-listen", args.agent_listen),
                         ("--secret-file", args.secret_file), ("--model", args.model),
                         ("--cpus", args.cpus), ("--store", args.store), ("--profile", args.profile),
                         ("--sim-kv-scale", args.sim_kv_scale and str(args.sim_kv_scale)),

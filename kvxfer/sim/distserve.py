@@ -21,6 +21,13 @@ each term comes from in the profile's ``terms``:
   ``d_decode_batch`` = decode ``c``; the large-batch fit likewise, from its threshold;
 - ``a_mixed`` = 0 (neither engine ran mixed steps).
 
+The engines' scheduling (the profile's ``engine``) is as their evaluation ran them:
+DistServe's prefill instance batches whole prompts (8,192 tokens at most), its decode
+instance runs every admitted request each step (1,024 at most), takes a prompt's KV
+once prefilled when it has the blocks, and swaps the newest request out when it runs
+out (over PCIe, 25 GB/s a GPU); vLLM (early 2024) runs whole prompts first, 16,384
+tokens a step, and recomputes the newest request when out of blocks.
+
 A coefficient published negative (vLLM's OPT-66B TP-2 prefill ``c``) is held at 0,
 and the profile's ``terms`` say so. Pipeline-parallel degrees > 1 are not imported.
 """
@@ -42,15 +49,18 @@ RAY_S, RAY_PER_TOKEN_S, PIPELINE_S = 2e-3, 1e-7, 1e-3  # DistServe simulator's o
 # (layers, hidden size) of the models DistServe profiles; fp16 KV: 2 x layers x hidden x 2 B
 MODEL_SHAPES = {"facebook/opt-13b": (40, 5120), "facebook/opt-66b": (64, 9216),
                 "facebook/opt-175b": (96, 12288)}
+PCIE_BYTES_PER_S = 25e9  # one A100's PCIe 4.0 x16 to host, of 32 GB/s peak: DistServe's swap
 # the engines the two files profile, as their evaluation ran them
 # (evaluation/2-benchmark-serving/2-start-api-server.py)
 ENGINES = {
     "distserve": {"name": "DistServe (OSDI'24): prefill and decode instances", "modes": ["split"],
                   "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
-                  "chunked_prefill_tokens": 2048, "handoff": "after-prefill"},
+                  "chunked_prefill_tokens": 2048, "handoff": "after-prefill",
+                  "preemption": "swap", "swap_bytes_per_s": PCIE_BYTES_PER_S},
     "vllm": {"name": "vLLM of early 2024 (no chunked prefill)", "modes": ["colocated", "split"],
              "max_num_seqs": 1024, "max_num_batched_tokens": 16384,
-             "chunked_prefill_tokens": 2048, "handoff": "reserve-first"},
+             "chunked_prefill_tokens": 2048, "handoff": "reserve-first",
+             "preemption": "recompute"},
 }
 # one A100-80GB SXM's links (Vidur's measurements, the ones a100-*-vidur profiles use)
 _VIDUR = "microsoft/vidur@7d47513363ec data/profiling/network/a100_dgx/send_recv.csv"

@@ -35,6 +35,11 @@ class Link:
         if self.bandwidth_bytes_per_s == 0:
             raise ValueError("link bandwidth must be > 0")
 
+    def wide(self, tp: int) -> "Link":
+        """This link on ``tp`` GPUs side by side (a TP group moves its KV slices in parallel)."""
+        return self if tp == 1 else Link(self.bandwidth_bytes_per_s * tp, self.latency_s,
+                                         f"{tp} x {self.source}")
+
     def seconds(self, nbytes: int) -> float:
         """Uncontended time of one transfer of ``nbytes``."""
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s

@@ -43,9 +43,12 @@ HANDOFFS = ("reserve-first", "after-prefill")
 #   handoff: reserve-first (kvxfer: the decode worker reserves the prompt's blocks before
 #   the prefill starts) or after-prefill (DistServe: the decode instance takes the KV
 #   once prefilled, when it has room; the prefill instance holds it meanwhile)
+#   preemption: what a decode out of blocks does (recompute, or swap over swap_bytes_per_s,
+#   one GPU's host link)
 ENGINE_FIELDS = ("name", "modes", "max_num_seqs", "max_num_batched_tokens",
-                 "chunked_prefill_tokens", "handoff")
-DEFAULT_ENGINE = {"name": "kvxfer", "modes": list(MODES), "handoff": "reserve-first"}
+                 "chunked_prefill_tokens", "handoff", "preemption", "swap_bytes_per_s")
+DEFAULT_ENGINE = {"name": "kvxfer", "modes": list(MODES), "handoff": "reserve-first",
+                  "preemption": "recompute"}
 
 
 class ProfileError(KVXferError, ValueError):
@@ -75,6 +78,11 @@ def check_engine(raw: dict) -> dict:
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill_tokens"):
         if key in out:
             _positive_int(out[key], f"engine {key}")
+    if out["preemption"] not in ("recompute", "swap"):
+        raise ValueError(f"profile engine preemption is recompute or swap, got {out['preemption']!r}")
+    if out["preemption"] == "swap" and not (isinstance(out.get("swap_bytes_per_s"), (int, float))
+                                           and out["swap_bytes_per_s"] > 0):
+        raise ValueError("profile engine preemption swap needs swap_bytes_per_s > 0")
     return out
 
 

@@ -49,6 +49,7 @@ def next_token(previous: int, position: int, stop_ids=()) -> int:
 class SimRuntime(Runtime):
     def __init__(self, config: EngineConfig, profile: Profile,
                  kv_scale: float = DEFAULT_KV_SCALE, devices: SharedDevices | None = None) -> None:
+        """``profile`` at the worker's tensor-parallel degree (:meth:`Profile.at_tp`)."""
         if config.block_size != profile.block_size:
             raise ValueError(f"the profile {profile.name!r} was fitted with block size "
                              f"{profile.block_size}, the engine uses {config.block_size}")
@@ -57,7 +58,7 @@ class SimRuntime(Runtime):
                             tag=f"sim-{profile.name}")
         super().__init__(None, config, cache=self.pool.cache)
         self.matmul_dtype = f"sim:{profile.name}"
-        self.nic = NicQueue(profile.link)
+        self.nic = NicQueue(profile.link.wide(profile.tp))  # its tp GPUs' links
         self.devices = devices  # None: a device of its own
         self.modelled_s = 0.0  # total modelled forward time
         self.overrun_s = 0.0  # time steps ran past their modelled end (host too slow)

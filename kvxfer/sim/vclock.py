@@ -12,9 +12,19 @@ scores. What runs is the serving code itself, each worker with its own:
   a share of K devices common to all workers: while B workers are in a step, each
   step advances at ``min(1, K/B)`` of its modelled speed (:mod:`kvxfer.sim.devices`;
   every step's end is recomputed when a step starts or ends);
-- :class:`~kvxfer.sim.link.NicQueue` for the P->D transfer (egress on the prefill worker
-  frees its blocks at the modelled end; ingress on the decode worker, booked when the
-  send is posted, decides when decoding starts: as ``--engine sim`` does);
+- its tensor-parallel degree (``ServeConfig.tp_degrees``, the configuration's ``@K``
+  suffix): the profile's fit at that degree (:meth:`~kvxfer.sim.profile.Profile.at_tp`)
+  and, unless ``config.num_blocks`` is set, its KV capacity as the pool;
+- :class:`~kvxfer.sim.link.NicQueue` for the P->D transfer, ``tp`` GPUs' links wide, over
+  the profile's ``node_link`` (NVLink) between workers on one node and its ``link``
+  across nodes (workers' GPUs laid out on nodes in order,
+  :func:`~kvxfer.sim.virtual_worker.place_on_nodes`): egress on the prefill worker frees
+  its blocks at the modelled end; ingress on the decode worker, booked when the send is
+  posted, decides when decoding starts, as ``--engine sim`` does. The decode worker
+  reserves the prompt's blocks before its prefill starts (kvxfer's order), or, with a
+  profile whose engine hands KV over ``after-prefill`` (DistServe's), is picked once the
+  prompt is prefilled and takes the KV when it has the blocks, the prefill worker
+  holding them meanwhile;
 - with a KV pool (``store``, as ``kvxfer serve --store``): the workers' own
   :class:`~kvxfer.serving.workers.pool.PrefillPool` over :mod:`kvxfer.sim.store` (the
   store nodes' real index and placement): a prompt admitted on a prefill worker loads
@@ -33,7 +43,9 @@ worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and t
 rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
 ``policy.interval_s`` of virtual time, a moved worker drained first as the rebalancer does.
 
-Times are virtual seconds from the first arrival. A step changes the scheduler's state
+A ``watch(request, done)``, called at each request's first token and end, may stop a
+run early (``kvxfer plan`` stops a run once too many requests missed the SLO to reach
+its attainment). Times are virtual seconds from the first arrival. A step changes the scheduler's state
 when it starts and delivers its tokens when it ends. Not modelled: HTTP, IPC and
 tokenization times (the wall-clock engine has them; the validation measures the gap),
 the router's per-message costs, the time a role switch takes.
@@ -41,18 +53,15 @@ the router's per-message costs, the time a role switch takes.
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
 import heapq
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ..serving.channel.ipc import kv_event_batches
 from ..serving.engine.block_manager import HashChain
 from ..serving.engine.config import EngineConfig
-from ..serving.engine.runtime import Runtime, finish_reason
+from ..serving.engine.runtime import finish_reason
 from ..serving.engine.sampling import SamplingParams
-from ..serving.engine.scheduler import ScheduledChunk
 from ..serving.engine.sequence import Sequence, SequenceStatus
 from ..serving.server.adaptive_policy import Observation, PolicyState, attainment, changed, decide
 from ..serving.server.dispatch import prefill_queue_full, usable
@@ -60,104 +69,10 @@ from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
 from ..serving.server.routing import make_policy
 from ..serving.server.pool_lookup import lookup_keys
-from ..serving.server.worker_ref import WorkerRef
 from ..serving.workers.pool import PrefillPool
-from .link import NicQueue
 from .profile import Profile
-from .runtime import next_token
 from .store import StoreSpec, VirtualStore, VirtualStoreClient
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """The cyclic garbage collector off inside (restored after). The virtual clock makes
-    many short-lived containers and no reference cycles: the collector would only scan
-    them, about a tenth of a run's time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-class VirtualRuntime(Runtime):
-    """The engine core with no model and no pool: a step's time is the profile's model
-    (:attr:`last_step_s`), its tokens :func:`kvxfer.sim.runtime.next_token`'s."""
-
-    def __init__(self, config: EngineConfig, profile: Profile) -> None:
-        if config.block_size != profile.block_size:
-            raise ValueError(f"the profile {profile.name!r} was fitted with block size "
-                             f"{profile.block_size}, the engine uses {config.block_size}")
-        super().__init__(None, config)
-        self.profile = profile
-        self.last_step_s = 0.0
-        self._step_seconds = profile.fit.step_seconds
-
-    def _forward(self, chunks: list[ScheduledChunk]):
-        self.last_step_s = self._step_seconds([(c.num_tokens, c.start) for c in chunks])
-        return self._pick
-
-    @staticmethod
-    def _pick(row: int, seq: Sequence) -> tuple[int, None]:
-        ids = seq.token_ids
-        return next_token(ids[-1], len(ids), seq.params.stop_token_ids), None
-
-
-class SimWorker(WorkerRef):
-    """One simulated worker: the router's view (:class:`WorkerRef`) and its engine."""
-
-    def __init__(self, name: str, role: str, config: EngineConfig, profile: Profile) -> None:
-        super().__init__(name, role)
-        self.is_alive = True
-        self.runtime = VirtualRuntime(config, profile)
-        self.nic = NicQueue(profile.link)
-        self.is_stepping = False
-        self.admit_queue: collections.deque = collections.deque()  # decode: remote admits
-        # decode: admitted remote prompts (blocks allocated) before their first token
-        self.awaiting_kv: dict[str, Sequence] = {}
-        self.seqs: dict[str, Sequence] = {}  # what this worker holds, by request id
-        self.busy_s = 0.0
-        self.step_end_s = 0.0  # when its current (or last) step ends
-        # shared devices (config.sim_devices): the current step's modelled seconds still to
-        # run, its share of the devices since ``rate_since``, its tokens, and the token of
-        # the end event that stands (earlier ones were rescheduled)
-        self.work_left = 0.0
-        self.rate = 0.0
-        self.rate_since = 0.0
-        self.produced: list = []
-        self.step_token = 0
-        self.pool: PrefillPool | None = None  # with a KV pool: its PrefillPool
-
-
-@dataclass
-class _Request:
-    rid: str
-    arrival_s: float
-    prompt_ids: list[int]
-    max_tokens: int
-    prompt_hashes: list[int] | None = None  # its full blocks' hashes, if given to run()
-    token_times: list[float] = field(default_factory=list)
-    prefill: SimWorker | None = None
-    decode: SimWorker | None = None
-    cached_blocks: int = 0  # decode worker's prefix hits (blocks not sent)
-    prefill_hit_blocks: int = 0
-    mode: str = "local"
-    kv_transfer_ms: float | None = None
-    done_s: float | None = None
-
-
-@dataclass
-class SimResult:
-    """What :func:`simulate` measured: per-request records (loadgen's form) and counters.
-    ``twin_end_s``: with a ``twin``, where its rebalancer never moved a worker (then its run
-    is this one, ending at ``twin_end_s``), else None."""
-
-    records: list[dict]
-    counters: dict
-    end_s: float
-    twin_end_s: float | None = None
+from .virtual_worker import SimRequest, SimResult, SimWorker, gc_paused, place_on_nodes
 
 
 class VirtualCluster:
@@ -165,7 +80,7 @@ class VirtualCluster:
 
     def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
                  twin: ServeConfig | None = None, routed_hits: bool = True,
-                 store: StoreSpec | None = None, **routing_knobs) -> None:
+                 store: StoreSpec | None = None, watch=None, **routing_knobs) -> None:
         if twin is not None and (config.adaptive is not None or twin.adaptive is None
                                  or replace(twin, adaptive=None, adaptive_slo_ms=None) != config):
             raise ValueError("twin: the adaptive configuration of this static split")
@@ -176,11 +91,27 @@ class VirtualCluster:
         self.twin_moved = False
         self.profile = profile
         self.routing = make_policy(routing, profile.block_size, **routing_knobs)
-        engine = EngineConfig(num_blocks=config.num_blocks, block_size=profile.block_size,
-                              max_num_seqs=config.max_num_seqs,
+        self.handoff_after_prefill = profile.engine["handoff"] == "after-prefill"
+        if self.handoff_after_prefill and (config.adaptive or twin or config.local_prefill_tokens
+                                           or config.local_prefill_queue):
+            raise ValueError(f"profile {profile.name!r} hands KV over after prefill "
+                             f"({profile.engine['name']}): conditional and adaptive "
+                             f"configurations are not modelled with it")
+        engine = EngineConfig(num_blocks=config.num_blocks or EngineConfig.num_blocks,
+                              block_size=profile.block_size, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
-                              schedule=config.schedule)
-        self.workers = [SimWorker(s.name, s.role, engine, profile) for s in config.worker_specs()]
+                              schedule=config.schedule,
+                              preemption=profile.engine["preemption"])
+        specs = config.worker_specs()
+        nodes = place_on_nodes([s.tp for s in specs], profile.gpus_per_node)
+        self.workers = []
+        for spec, node in zip(specs, nodes):
+            at_tp = profile.at_tp(spec.tp)  # ProfileError naming the degrees it has
+            blocks = config.num_blocks or at_tp.default_num_blocks(EngineConfig.num_blocks)
+            self.workers.append(SimWorker(spec.name, spec.role, replace(engine, num_blocks=blocks),
+                                          at_tp, node))
+        self.watch = watch  # watch(request, done) at its first token and end; True: stop
+        self.stopped = False
         self.num_devices = config.sim_devices  # None: a device per worker
         self._on_device: list[SimWorker] = []  # shared devices: the workers in a step
         # the cache events feed the router's prefix index; a policy that does not pick by
@@ -189,7 +120,7 @@ class VirtualCluster:
         for w in self.workers:
             if self.publishes_events:
                 w.runtime.blocks.record_events()
-            self.routing.set_capacity(w.name, engine.num_blocks)
+            self.routing.set_capacity(w.name, w.runtime.blocks.num_blocks)
         self.store = None if store is None else VirtualStore(store, profile, self._clock)
         # the router weighs the pool's blocks where it has a pool and picks by prefix
         self.router_looks_up = (self.store is not None and self.routing.chooses_by_prefix
@@ -205,11 +136,12 @@ class VirtualCluster:
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
-        self.requests: dict[str, _Request] = {}  # unfinished
+        self.requests: dict[str, SimRequest] = {}  # unfinished
         self.num_waiting = 0  # of them, those without their first token
-        self.finished: list[_Request] = []
-        self.rejected: list[_Request] = []  # longer than a worker's pool, as the router refuses
-        self.pool_tokens = engine.num_blocks * engine.block_size
+        self.finished: list[SimRequest] = []
+        self.rejected: list[SimRequest] = []  # longer than a worker's pool, as the router refuses
+        # a request must fit every worker's pool (the router's check, against the smallest)
+        self.pool_tokens = min(w.runtime.blocks.num_blocks for w in self.workers) * engine.block_size
         self.counters = collections.Counter()
         self.num_steps = 0  # counted apart from ``counters``: one a step
         self.recent: collections.deque = collections.deque(maxlen=SLO_WINDOW)
@@ -248,7 +180,7 @@ class VirtualCluster:
                                      f"{len(ids) // size} full blocks")
             elif set(map(type, ids)) != {int}:  # checked once: its sequences skip the check
                 ids = list(map(int, ids))
-            requests.append(_Request(f"r{i}", t, ids, max_tokens, hashes))
+            requests.append(SimRequest(f"r{i}", t, ids, max_tokens, hashes))
         # arrival i is event (t, i), as if all were queued first, but enters the queue only
         # when the one before it in that order leaves: the same events, a short queue
         self._incoming = requests
@@ -263,20 +195,23 @@ class VirtualCluster:
         events, last_work_s = self._events, 0.0
         try:
             with gc_paused():
-                while events:
+                while events and not self.stopped:
                     self.now, _, fn, args = heapq.heappop(events)
                     fn(*args)
                     if fn is not observe:
                         last_work_s = self.now
         finally:
             del self._observe_event  # a bound method of self: no cycle left behind
+        if self.stopped:  # the watch's call: what finished so far, the rest left running
+            return SimResult([self._record(r) for r in self.finished], dict(self.counters),
+                             self.now, stopped=True)
         stuck = [w.name for w in self.workers if w.runtime.scheduler.has_work() or w.admit_queue
                  or (w.pool is not None and w.pool.queue)]
         if self._num_left or stuck:
             raise RuntimeError(f"virtual clock ended with {self._num_left} requests unfinished "
                                f"(workers with work: {stuck}): nothing left could move them, "
                                f"e.g. a request that cannot fit a KV pool of "
-                               f"{self.config.num_blocks} blocks")
+                               f"{self.pool_tokens // self.profile.block_size} blocks")
         if self.num_steps:
             self.counters["steps"] += self.num_steps
         for w in self.workers:  # the prefix cache's effect, as each worker's BlockManager counts it
@@ -304,7 +239,7 @@ class VirtualCluster:
                              None if self.twin_moved else self.now)
         return SimResult(records, dict(self.counters), self.now)
 
-    def _record(self, r: _Request) -> dict:
+    def _record(self, r: SimRequest) -> dict:
         return {"ok": True, "sent_s": r.arrival_s, "ttft_s": r.token_times[0] - r.arrival_s,
                 "e2e_s": r.token_times[-1] - r.arrival_s, "output_tokens": len(r.token_times),
                 "tpot_s": ((r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
@@ -318,7 +253,7 @@ class VirtualCluster:
     def role(self, role: str) -> list[SimWorker]:
         return [w for w in self.workers if w.role == role]
 
-    def _pick(self, role: str, r: _Request, pool_hit_blocks: int = 0) -> SimWorker | None:
+    def _pick(self, role: str, r: SimRequest, pool_hit_blocks: int = 0) -> SimWorker | None:
         """The routing policy's pick among the workers of ``role`` taking requests (as
         :meth:`kvxfer.serving.server.launcher.Cluster.route`), ``r`` booked on it as the
         dispatcher books it."""
@@ -337,7 +272,7 @@ class VirtualCluster:
         for part_stored, part_removed in kv_event_batches(stored, removed):  # as workers send
             self.routing.on_kv_event(worker.name, part_stored, part_removed)
 
-    def _sequence(self, r: _Request, params: SamplingParams) -> Sequence:
+    def _sequence(self, r: SimRequest, params: SamplingParams) -> Sequence:
         """A sequence of ``r``'s prompt; its chain starts from the prompt's known hashes."""
         seq = Sequence(r.prompt_ids, params, r.rid, ints_checked=True)
         if r.prompt_hashes is not None:
@@ -351,12 +286,13 @@ class VirtualCluster:
             r = self._incoming[i]
             heapq.heappush(self._events, (r.arrival_s, i, self._arrive, (r,)))
 
-    def _arrive(self, r: _Request) -> None:
+    def _arrive(self, r: SimRequest) -> None:
         self._queue_arrival()
         if len(r.prompt_ids) + r.max_tokens > self.pool_tokens:  # the router's HTTP 400
             self.counters["rejected_too_long"] += 1
             self.rejected.append(r)
             self._num_left -= 1
+            self._watched(r, True)
             return
         self.requests[r.rid] = r
         self.num_waiting += 1
@@ -364,6 +300,10 @@ class VirtualCluster:
         if not self.config.is_disaggregated:
             r.decode = self._pick("colocated", r)
             self._admit_local(r, params)
+            return
+        if self.handoff_after_prefill:  # DistServe: the decode instance is picked once prefilled
+            r.prefill, r.mode = self._pick("prefill", r), "remote"
+            self._submit_prefill(r.prefill, r, self._sequence(r, params))
             return
         r.decode = self._pick("decode", r)
         pool_hit_blocks = 0
@@ -383,7 +323,7 @@ class VirtualCluster:
         r.decode.admit_queue.append(seq)
         self._try_admit_remote(r.decode)
 
-    def _admit_local(self, r: _Request, params: SamplingParams) -> None:
+    def _admit_local(self, r: SimRequest, params: SamplingParams) -> None:
         worker = r.decode
         worker.inflight.add(r.rid)
         seq = worker.seqs[r.rid] = self._sequence(r, params)
@@ -399,6 +339,9 @@ class VirtualCluster:
             blocks.allocate(seq)
             seq.status = SequenceStatus.PREFILLING
             r.cached_blocks = seq.num_cached_tokens // blocks.block_size
+            if r.prefilled is not None:  # after-prefill handoff: its KV waited for these blocks
+                self._send(r.prefill, r, *r.prefilled)
+                continue
             if seq.num_prompt_tokens - seq.num_cached_tokens < self.config.local_prefill_tokens:
                 worker.runtime.scheduler.add_allocated(seq)
                 self.routing.release(r.rid, r.prefill.name)
@@ -411,15 +354,19 @@ class VirtualCluster:
                 self.routing.release(r.rid, prefill.name)
                 prefill = r.prefill = self._pick("prefill", r)
             worker.awaiting_kv[r.rid] = seq
-            prefill.inflight.add(r.rid)
-            pseq = prefill.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
+            pseq = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
             pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
-            if prefill.pool is None:  # as PrefillWorker.on_prefill
-                prefill.runtime.scheduler.add(pseq)
-            else:
-                prefill.pool.submit(pseq)
-            self._kick(prefill)
+            self._submit_prefill(prefill, r, pseq)
         self._publish(worker)
+
+    def _submit_prefill(self, prefill: SimWorker, r: SimRequest, pseq: Sequence) -> None:
+        prefill.inflight.add(r.rid)
+        prefill.seqs[r.rid] = pseq
+        if prefill.pool is None:  # as PrefillWorker.on_prefill
+            prefill.runtime.scheduler.add(pseq)
+        else:
+            prefill.pool.submit(pseq)
+        self._kick(prefill)
 
     # ---- workers ------------------------------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
@@ -494,6 +441,8 @@ class VirtualCluster:
                     self.routing.prefilled(r.rid)
             seq.token_ids.append(token)
             r.token_times.append(self.now)
+            if len(r.token_times) == 1:
+                self._watched(r, False)
             reason = finish_reason(seq, token)
             if reason is not None:
                 worker.runtime.scheduler.finish(seq, reason)
@@ -502,19 +451,41 @@ class VirtualCluster:
         if worker.admit_queue:
             self._try_admit_remote(worker)
 
-    def _prefilled(self, worker: SimWorker, r: _Request, seq: Sequence, token: int) -> None:
+    def _prefilled(self, worker: SimWorker, r: SimRequest, seq: Sequence, token: int) -> None:
         """Token 0 on the prefill worker: streamed at once; the prompt's uncached blocks go
-        to the decode worker over the two NICs (module docstring)."""
+        to the decode worker over the two NICs (module docstring), with the after-prefill
+        handoff once a decode worker has taken them (it holds them meanwhile)."""
         worker.runtime.scheduler.running.remove(seq)
         r.token_times.append(self.now)
         self.num_waiting -= 1
-        del r.decode.awaiting_kv[r.rid]
         self.routing.prefilled(r.rid)
         r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
+        self._watched(r, False)
+        if not self.handoff_after_prefill:
+            self._send(worker, r, seq, token)
+        elif seq.params.max_tokens == 1:  # finished at token 0: nothing to hand over
+            worker.runtime.release(seq, "length")
+            r.decode = worker
+            self._done(worker, r)
+            self._kick(worker)
+        else:  # DistServe's global scheduler picks the decode instance now
+            r.prefilled, r.decode = (seq, token), self._pick("decode", r)
+            r.decode.inflight.add(r.rid)
+            dseq = r.decode.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
+            dseq.hash_chain = seq.hash_chain
+            r.decode.admit_queue.append(dseq)
+            self._try_admit_remote(r.decode)
+
+    def _send(self, worker: SimWorker, r: SimRequest, seq: Sequence, token: int) -> None:
+        """The prompt's uncached blocks from ``worker`` to ``r.decode``: over NVLink within a
+        node, the network across (module docstring)."""
+        r.decode.awaiting_kv.pop(r.rid, None)
+        r.prefilled = None
         num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
         nbytes = num_blocks * self.profile.block_bytes
-        _, sent_at = worker.nic.reserve(self.now, nbytes)
-        _, landed_at = r.decode.nic.reserve(self.now, nbytes)
+        same_node = worker.node == r.decode.node
+        _, sent_at = (worker.node_nic if same_node else worker.nic).reserve(self.now, nbytes)
+        _, landed_at = (r.decode.node_nic if same_node else r.decode.nic).reserve(self.now, nbytes)
         r.kv_transfer_ms = (sent_at - self.now) * 1e3
         self.counters["kv_bytes"] += nbytes
         if worker.pool is not None:  # as PrefillWorker.tick: the put is posted after the send
@@ -522,7 +493,7 @@ class VirtualCluster:
         self.at(sent_at, self._sent, worker, r, seq)
         self.at(landed_at, self._landed, r, token)
 
-    def _sent(self, worker: SimWorker, r: _Request, seq: Sequence) -> None:
+    def _sent(self, worker: SimWorker, r: SimRequest, seq: Sequence) -> None:
         if worker.pool is None or not worker.pool.release(seq):  # else once its put ended
             self._free_sent(worker, seq)
         self.routing.release(r.rid, worker.name)
@@ -544,7 +515,7 @@ class VirtualCluster:
             self._kick(worker)
             self._maybe_switch(worker)
 
-    def _landed(self, r: _Request, token: int) -> None:
+    def _landed(self, r: SimRequest, token: int) -> None:
         worker = r.decode
         seq = worker.seqs[r.rid]
         seq.num_computed_tokens = seq.num_prompt_tokens
@@ -560,7 +531,7 @@ class VirtualCluster:
             worker.runtime.scheduler.add_running(seq)
         self._kick(worker)
 
-    def _done(self, worker: SimWorker, r: _Request) -> None:
+    def _done(self, worker: SimWorker, r: SimRequest) -> None:
         del self.requests[r.rid]
         del worker.seqs[r.rid]
         worker.inflight.discard(r.rid)
@@ -571,7 +542,14 @@ class VirtualCluster:
         times = r.token_times
         self.recent.append((times[0] - r.arrival_s,
                             (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0))
+        self._watched(r, True)
         self._maybe_switch(worker)
+
+    def _watched(self, r: SimRequest, done: bool) -> None:
+        """``r`` got its first token (``done`` False) or ended: the watch may stop the run."""
+        if self.watch is not None and not self.stopped and self.watch(r, done):
+            self.stopped = True
+            self._events.clear()
 
     # ---- the rebalancer -----------------------------------------------------------
     def _observe(self) -> None:
@@ -654,7 +632,7 @@ def prompt_hashes(arrivals: list[tuple[float, list[int], int]], block_size: int)
 def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, list[int], int]],
              *, routing: str = "least-loaded", prompt_hashes: list[list[int]] | None = None,
              twin: ServeConfig | None = None, routed_hits: bool = True,
-             store: StoreSpec | None = None, **routing_knobs) -> SimResult:
+             store: StoreSpec | None = None, watch=None, **routing_knobs) -> SimResult:
     """Run ``arrivals`` (``(arrival_s, prompt_ids, max_tokens)``, sorted by time) on the
     cluster ``config`` describes, on the virtual clock, the router's picks by the routing
     policy ``routing`` (:func:`kvxfer.serving.server.routing.make_policy`).
@@ -681,5 +659,5 @@ def simulate(config: ServeConfig, profile: Profile, arrivals: list[tuple[float, 
     ``store_*`` and the nodes' ``store_node_*``."""
     with gc_paused():  # its workers' blocks: many objects, no cycles
         cluster = VirtualCluster(config, profile, routing=routing, twin=twin,
-                                 routed_hits=routed_hits, store=store, **routing_knobs)
+                                 routed_hits=routed_hits, store=store, watch=watch, **routing_knobs)
     return cluster.run(arrivals, prompt_hashes)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ..model.config import MATMUL_DTYPES, check_positive
 
-SCHEDULES = ("mixed", "separate")
+SCHEDULES = ("mixed", "separate", "prefill-first")
+PREEMPTIONS = ("recompute", "swap")
 
 
 def parse_cpu_group(text: str) -> tuple[int, ...]:
@@ -40,8 +41,12 @@ class EngineConfig:
     (longer prompts are prefilled in chunks); a decode step at most
     ``max_num_seqs`` sequences. ``schedule``: ``"mixed"`` puts the decode
     tokens and prompt chunks in the same step (the budget counts both),
-    ``"separate"`` runs prefill steps and decode steps apart (see
-    :mod:`kvxfer.serving.engine.scheduler`). ``num_threads`` (if set) is applied with
+    ``"separate"`` runs prefill steps and decode steps apart, ``"prefill-first"``
+    too, with whole prompts (vLLM without chunked prefill; see
+    :mod:`kvxfer.serving.engine.scheduler`). ``preemption``: what a decode that
+    runs out of blocks does to the newest sequence, ``"recompute"`` (vLLM's default)
+    or ``"swap"`` (DistServe's decode instance; the simulated engines only, which
+    model the swap's time). ``num_threads`` (if set) is applied with
     ``torch.set_num_threads`` when the engine starts. ``matmul_dtype``: the
     projections' dtype, ``"auto"`` (bf16 on CPUs with AMX, else fp32), ``"fp32"``
     or ``"bf16"`` (see :mod:`kvxfer.serving.model.linear`); a prefill/decode pair
@@ -57,11 +62,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     schedule: str = "mixed"
     matmul_dtype: str = "auto"
+    preemption: str = "recompute"  # a decode out of blocks: recompute the newest, or swap it out
 
     def __post_init__(self) -> None:
         check_positive(self, "num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.preemption not in PREEMPTIONS:
+            raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {self.preemption!r}")
         if self.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, "
                              f"got {self.matmul_dtype!r}")

@@ -153,7 +153,8 @@ class Runtime:
 
     def release(self, seq: Sequence, reason: str = "abort") -> None:
         """Free ``seq``'s blocks, wherever it is (scheduler queues or held by the worker)."""
-        if seq in self.scheduler.running or seq in self.scheduler.waiting:
+        sched = self.scheduler
+        if seq in sched.running or seq in sched.waiting or seq in sched.swapped:
             self.scheduler.finish(seq, reason)
         elif seq.block_table:
             self.blocks.deallocate(seq)

@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # no blocks
     PREFILLING = "prefilling"  # blocks allocated, prompt (or recompute) chunks remain
     DECODING = "decoding"  # all tokens but the last are in the cache
+    SWAPPED = "swapped"  # preempted by swapping: no blocks, its KV held off the device
     FINISHED = "finished"
 
 

@@ -90,7 +90,6 @@ class WorkerProcess(WorkerRef):
                 "--name", self.name, "--role", self.role,
                 "--ipc-fd", str(child.fileno()),
                 "--threads", str(self.spec.num_threads),
-                "--num-blocks", str(config.num_blocks),
                 "--max-num-seqs", str(config.max_num_seqs),
                 "--max-num-batched-tokens", str(config.max_num_batched_tokens),
                 "--schedule", config.schedule,
@@ -99,6 +98,10 @@ class WorkerProcess(WorkerRef):
                 "--request-timeout", str(config.request_timeout_s),
                 "--on-transfer-failure", config.on_transfer_failure,
                 "--log-level", config.log_level]
+        if config.num_blocks is not None:  # else the worker's default (its profile's capacity)
+            args += ["--num-blocks", str(config.num_blocks)]
+        if self.spec.tp != 1:  # --engine sim: the GPUs it models
+            args += ["--tp", str(self.spec.tp)]
         if self.spec.cpus is not None:
             args += ["--cpus", ",".join(map(str, self.spec.cpus))]
         if self.role == "prefill" and config.prefill_nice:

@@ -219,10 +219,10 @@ class Router:
         vocab = self.codec.tokenizer.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestFailed(f"token ids must lie in [0, {vocab})", "invalid_request_error", 400)
-        for w in self.dispatcher.cluster.workers:  # a restarting worker has no info yet
-            if w.info:
-                self._pool_tokens = w.info.get("num_blocks", 0) * w.info.get("block_size", 0)
-                break
+        pools = [w.info.get("num_blocks", 0) * w.info.get("block_size", 0)  # a restarting
+                 for w in self.dispatcher.cluster.workers if w.info]  # worker has no info yet
+        if pools:  # the smallest: workers of other TP degrees hold other amounts
+            self._pool_tokens = min(pools)
         pool_tokens = self._pool_tokens  # 0 until a worker reported: submit() then says 503
         for limit, what in ((self.max_position, "the context length"),
                             (pool_tokens, "a worker's KV pool")):

@@ -22,12 +22,14 @@ ENGINES = ("real", "sim")
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker process: its name, role, pinned CPUs (None: not pinned), threads."""
+    """One worker process: its name, role, pinned CPUs (None: not pinned), threads, and
+    the tensor-parallel degree it models (``--engine sim``: GPUs it stands for)."""
 
     name: str
     role: str  # "prefill" | "decode" | "colocated"
     cpus: tuple[int, ...] | None
     num_threads: int
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class ServeConfig:
 
     ``cpu_groups``: one CPU group per worker (in :meth:`worker_specs` order), or
     a single group shared by all, or empty (no pinning; threads split the
-    machine's cores evenly).
+    machine's cores evenly). ``tp_degrees``: the same for the tensor-parallel degree
+    each simulated worker models (empty: 1). ``num_blocks`` None: each worker's pool
+    is its profile's KV capacity at its degree (``--engine sim``), else the engine's default.
     """
 
     host: str = "127.0.0.1"
@@ -48,7 +52,8 @@ class ServeConfig:
     cpu_groups: tuple[tuple[int, ...], ...] = ()
     on_transfer_failure: str = "recompute"
     num_threads: int | None = None  # torch threads per worker; None: sized to its CPUs
-    num_blocks: int = EngineConfig.num_blocks
+    num_blocks: int | None = None  # None: the profile's capacity (--engine sim), else the engine's
+    tp_degrees: tuple[int, ...] = ()  # --engine sim: per worker (or one for all)
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     schedule: str = EngineConfig.schedule  # of every worker
@@ -156,6 +161,12 @@ class ServeConfig:
                                  "workers between roles: not both")
         if self.adaptive_slo_ms is not None and not all(v > 0 for v in self.adaptive_slo_ms):
             raise ValueError("adaptive SLO values must be > 0")
+        if len(self.tp_degrees) not in (0, 1, num_workers) or any(
+                type(k) is not int or k < 1 for k in self.tp_degrees):
+            raise ValueError(f"tp_degrees: ints >= 1, one or one per worker ({num_workers}), "
+                             f"got {self.tp_degrees!r}")
+        if self.num_blocks is not None and (type(self.num_blocks) is not int or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be an int >= 1 or None, got {self.num_blocks!r}")
         if len(self.cpu_groups) not in (0, 1, num_workers):
             raise ValueError(f"--cpus: give 1 group or one per worker ({num_workers}), "
                              f"got {len(self.cpu_groups)}")
@@ -182,7 +193,8 @@ class ServeConfig:
                 threads = len(cpus)
             if self.num_threads is not None:
                 threads = self.num_threads
-            specs.append(WorkerSpec(name, name.rsplit("-", 1)[0], cpus, threads))
+            tp = self.tp_degrees[i if len(self.tp_degrees) > 1 else 0] if self.tp_degrees else 1
+            specs.append(WorkerSpec(name, name.rsplit("-", 1)[0], cpus, threads, tp))
         return specs
 
     def routing_policy(self):

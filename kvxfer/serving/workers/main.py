@@ -59,7 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="N",
                    help="add this much nice (0-19: lower priority), before any thread starts")
-    p.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: --engine sim, the profile's KV capacity at --tp; "
+                        "else 1024)")
+    p.add_argument("--tp", type=int, default=1, metavar="K",
+                   help="--engine sim: the tensor-parallel degree modelled (the profile's fit "
+                        "and KV capacity at K, K GPUs' links)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens)
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--listen workers are prefill or decode")
     if (args.engine == "sim") != (args.profile is not None):
         p.error("--engine sim needs --profile NAME|FILE (and --profile needs --engine sim)")
+    if args.tp != 1 and args.engine != "sim":
+        p.error("--tp is modelled by the simulated engine only: --engine sim")
     if (args.sim_devices is None) != (args.sim_share is None) or (
             args.sim_devices is not None and args.engine != "sim"):
         p.error("--sim-devices and --sim-share go together, with --engine sim")
@@ -146,12 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         pin_threads(args.cpus, args.threads)
         from .loop import WorkerContext
 
-        config = EngineConfig(model_path=args.model, num_blocks=args.num_blocks,
+        profile = None
+        if args.engine == "sim":
+            from ...sim.profile import load_profile
+
+            profile = load_profile(args.profile).at_tp(args.tp)
+        num_blocks = args.num_blocks or (EngineConfig.num_blocks if profile is None else
+                                         profile.default_num_blocks(EngineConfig.num_blocks))
+        config = EngineConfig(model_path=args.model, num_blocks=num_blocks,
                               max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               schedule=args.schedule, matmul_dtype=args.matmul_dtype,
                               num_threads=args.threads)
-        runtime = _runtime(config, args)
+        runtime = _runtime(config, args, profile)
         if args.step_log:
             runtime.step_log = _step_log(args, runtime)
         released: queue.SimpleQueue = queue.SimpleQueue()
@@ -237,11 +251,11 @@ def _open_pool(args, secret: bytes, runtime):
     return PrefillPool(store, runtime, salt)
 
 
-def _runtime(config: EngineConfig, args):
-    """The engine core: the model (``--engine real``) or the simulated engine."""
+def _runtime(config: EngineConfig, args, profile=None):
+    """The engine core: the model (``--engine real``) or the simulated engine (``profile``
+    at its degree)."""
     if args.engine == "sim":
         from ...sim.pool import DEFAULT_KV_SCALE
-        from ...sim.profile import load_profile
         from ...sim.runtime import SimRuntime
 
         devices = None
@@ -250,7 +264,7 @@ def _runtime(config: EngineConfig, args):
 
             path, _, slot = args.sim_share.rpartition(":")
             devices = SharedDevices(path, int(slot), args.sim_devices)
-        runtime = SimRuntime(config, load_profile(args.profile),
+        runtime = SimRuntime(config, profile,
                              args.sim_kv_scale or DEFAULT_KV_SCALE, devices)
         logging.info("simulated engine: profile %s (%s, %s); KV pool %d B/block = real %d B / "
                      "%.1f", runtime.profile.name, runtime.profile.model,

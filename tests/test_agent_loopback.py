@@ -125,6 +125,8 @@ class _GatedBackend(LoopbackBackend):
 
 
 def test_receiver_timeout_mid_write_keeps_blocks_until_writer_quiet():
+    """D's recv times out while P is inside the write: the recv ends (its handle fails)
+    only once P is quiet, so its blocks are free when ``wait()`` returns."""
     released = []
     p_backend = _GatedBackend()
     p = Agent("p", secret=SECRET, backend=p_backend, config=AgentConfig(path="pack"))
@@ -136,19 +138,24 @@ def test_receiver_timeout_mid_write_keeps_blocks_until_writer_quiet():
         hs = p.send(peer, "slow", [1, 2])
         hr = d.recv("slow", [3, 4], timeout=0.5)
         assert p_backend.entered.wait(T)  # P is inside the write
+        for _ in range(2000):  # until the recv's timeout ended it on D
+            if "slow" not in d._receiver.recvs:
+                break
+            threading.Event().wait(0.01)
+        assert "slow" not in d._receiver.recvs
+        assert not hr.done()  # a late write may still land: the handle waits for the writer
+        assert released == [] and d.held_blocks() == {"slow": (3, 4)}
+        p_backend.gate.set()
         with pytest.raises(TransferTimeout):
             hr.wait(T)
-        threading.Event().wait(0.2)
-        assert released == [] and d.held_blocks() == {"slow": (3, 4)}  # a late write may still land
-        p_backend.gate.set()
+        assert released == [("slow", "expired")] and d.held_blocks() == {}  # free when wait() returned
         with pytest.raises(TransferCancelled):
             hs.wait(T)
         for _ in range(500):
-            if released:
+            if not p.held_blocks():
                 break
             threading.Event().wait(0.01)
-        assert released == [("slow", "expired")] and d.held_blocks() == {} and p.held_blocks() == {}
-        assert d._state.pool.stage_in.used_bytes == 0
+        assert p.held_blocks() == {} and d._state.pool.stage_in.used_bytes == 0
     finally:
         p_backend.gate.set()
         p.close()

@@ -195,13 +195,8 @@ class Shipper:
         self._s.device.wait(after, self._remaining(op))
         self._remaining(op)  # stop here if cancelled meanwhile
         self._post_and_wait(op, "write", descs)
-        op.peer.send(done_frame)
-        with self._s.lock:
-            pending = op.pending
-            for layer in layers:
-                pending[layer] = pending.get(layer, 0) + 1
+        self._written(op, layers, done_frame)
         self._s.metrics.inc("bytes_sent", nbytes, path="zero_copy")
-        self._sender.visible(op, layers)
 
     def _ship_peer(self, op: SendOp, layers: tuple, heads: tuple, nbytes: int, pool, after: tuple = ()) -> None:
         """One launch reads our blocks and writes D's, in D's pool mapped here (``pool``:
@@ -216,13 +211,21 @@ class Shipper:
         s.metrics.observe("prepare_seconds", time.perf_counter() - t0, path="cuda_peer")
         s.device.wait(copied, timeout)
         s.metrics.observe("post_seconds", time.perf_counter() - t0)
-        op.peer.send(done_frame)
-        with s.lock:
+        self._written(op, layers, done_frame)
+        s.metrics.inc("bytes_sent", nbytes, path="cuda_peer")
+
+    def _written(self, op: SendOp, layers: tuple, done_frame: bytes) -> None:
+        """A direct piece (zero-copy, cuda_peer) is in D's blocks: tell D and count it visible,
+        in one hold of the lock, so the lease timer either ends the op before (D is told
+        that, never DATA_DONE) or finds it done: both sides agree on how it ended."""
+        with self._s.lock:
+            if op.ended is not None:
+                raise TransferCancelled(f"{op.key[1]!r} ended ({op.ended}) while its bytes were landing")
+            op.peer.send(done_frame)
             pending = op.pending
             for layer in layers:
                 pending[layer] = pending.get(layer, 0) + 1
-        s.metrics.inc("bytes_sent", nbytes, path="cuda_peer")
-        self._sender.visible(op, layers)
+            self._sender.visible(op, layers)
 
     def _ship_pack(self, op: SendOp, layers: tuple, heads: tuple, after: tuple = ()) -> None:
         """The pack path, pipelined: up to :data:`PACK_DEPTH` chunks in flight, so chunk

@@ -151,29 +151,48 @@ class Receiver:
             self._s.leases.release(("recv", req, xid), "done")
             op.completer.succeed()
 
-    def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str) -> None:
-        """Fail (or, with ``error=None``, cancel) a recv, then quiesce its writers."""
+    def _end_recv(self, op: RecvOp, error: KVXferError | None, reason: str, quiet=None) -> None:
+        """Fail (or, with ``error=None``, cancel) a recv: tell every peer that may still
+        write, and once all of them are quiet release the blocks, then fail the handle, so a
+        failed recv's blocks are free when its ``wait()`` returns. ``quiet``: the sender that
+        ended it (a sender's CANCEL/FAIL comes once it no longer writes: no answer needed)."""
         with self._s.lock:
             if self.recvs.get(op.req) is not op:
                 return
             del self.recvs[op.req]
             stop_timer(op)
             op.reason = reason
-            op.quiescing = {p for p in op.posted_to if p.is_connected}
+            op.error = error
+            op.quiescing = {p for p in op.posted_to if p.is_connected and p is not quiet}
             code = None if error is None else code_of(error)
             frame = (encode(Msg.CANCEL, req=op.req, xid=op.xid, to_sender=True) if code is None else
                      encode(Msg.FAIL, req=op.req, xid=op.xid, to_sender=True, code=code, reason=str(error)[:200]))
             for peer in op.quiescing:
                 peer.send(frame)
             self.quiet_wait[(op.req, op.xid)] = op
-            self._maybe_quiet(op)
             if error is not None and not op.handle.done():
                 self._s.metrics.inc("failures", kind="recv", error=type(error).__name__)
-                op.completer.fail(error)
+            if op.quiescing:  # a peer that never answers is disconnected once a lease has passed
+                op.timer = self._s.loop.call_later(self._s.config.lease_timeout, lambda: self._force_quiet(op))
+            self._maybe_quiet(op)
 
     def _maybe_quiet(self, op: RecvOp) -> None:
         if not op.quiescing and not op.unpacking and self.quiet_wait.pop((op.req, op.xid), None) is op:
+            stop_timer(op)
             self._s.leases.release(("recv", op.req, op.xid), op.reason)
+            if op.error is not None:
+                op.completer.fail(op.error)
+
+    def _force_quiet(self, op: RecvOp) -> None:
+        """Peers that did not confirm a lease after the recv ended: disconnect them (their
+        pending writes into these blocks end with the connection)."""
+        with self._s.lock:
+            if self.quiet_wait.get((op.req, op.xid)) is not op:
+                return
+            stuck = list(op.quiescing)
+        for peer in stuck:
+            self._s.loop.close_conn(peer.conn, TransferTimeout(
+                f"no answer to the end of {op.req!r} within {self._s.config.lease_timeout:g} s"))
 
     # ---- messages from P (I/O thread) -----------------------------------------------------
     def _on_matched(self, peer, f) -> None:
@@ -319,9 +338,10 @@ class Receiver:
             op = self.recvs.get(f["req"])
         if op is not None and op.xid == f["xid"] and peer in op.posted_to:
             if "code" in f:
-                self._end_recv(op, error_from(f, f"sender {peer.name!r}"), "failed")
+                self._end_recv(op, error_from(f, f"sender {peer.name!r}"), "failed", quiet=peer)
             else:
-                self._end_recv(op, TransferCancelled(f"sender {peer.name!r} cancelled {f['req']!r}"), "cancelled")
+                self._end_recv(op, TransferCancelled(f"sender {peer.name!r} cancelled {f['req']!r}"), "cancelled",
+                               quiet=peer)
 
     def _on_cancel_ack(self, peer, f) -> None:
         with self._s.lock:
@@ -352,12 +372,19 @@ class Receiver:
         return op.coverage.heads_landed(max(lo, 0), hi)
 
     def close(self, err: KVXferError) -> None:
+        """Fail every recv, also those still waiting for their writers (the agent is
+        closing: its backend ends every endpoint before a lease is released)."""
         with self._s.lock:
             ops = list(self.recvs.values())
         for op in ops:
             self._end_recv(op, err, "closed")
         with self._s.lock:
+            waiting = list(self.quiet_wait.values())
             self.quiet_wait.clear()
+        for op in waiting:
+            stop_timer(op)
+            if op.error is not None:
+                op.completer.fail(op.error)
 
     def stop(self) -> None:
         """End the receive worker (after :meth:`close` and the staging rings closed)."""

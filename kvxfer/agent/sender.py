@@ -262,17 +262,19 @@ class Sender:
         op.completer.succeed()
 
     def failed(self, op: SendOp, error: KVXferError, reason: str) -> None:
-        """End ``op`` with ``error`` and tell D (any thread; takes the lock). Datapath interface."""
+        """End ``op`` with ``error`` and tell D (any thread; takes the lock). Datapath interface.
+        D is told once no job of the op still writes (:meth:`quiesce`), so a CANCEL or FAIL
+        from a sender always means it is quiet: D frees the blocks without a round trip."""
         with self._s.lock:
             if op.ended is not None or op.handle.state == "done":
                 return
             op.ended = reason
             if op.post is not None and op.wire_req and op.peer.is_connected:
                 code = code_of(error)
-                op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False)
-                             if code is None else
-                             encode(Msg.FAIL, req=op.post.req, xid=op.post.xid, to_sender=False, code=code,
-                                    reason=str(error)[:200]))
+                op.told = (encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False)
+                           if code is None else
+                           encode(Msg.FAIL, req=op.post.req, xid=op.post.xid, to_sender=False, code=code,
+                                  reason=str(error)[:200]))
             self.quiesce(op)
             if not op.handle.done():
                 self._s.metrics.inc("failures", kind=op.handle.kind, error=type(error).__name__)
@@ -284,16 +286,20 @@ class Sender:
                 return
             op.ended = "cancelled"
             if op.post is not None and op.wire_req and op.peer.is_connected:
-                op.peer.send(encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False))
+                op.told = encode(Msg.CANCEL, req=op.post.req, xid=op.post.xid, to_sender=False)
             self.quiesce(op)
 
     def quiesce(self, op: SendOp) -> None:
-        """Release the lease once no shipping job still reads the blocks."""
+        """Once no shipping job still reads the blocks or writes D's: tell D how the op
+        ended, answer its cancel, release the lease."""
         if op.inflight > 0 or op.ended is None:
             return
         if self.sends.get(op.key) is op:
             del self.sends[op.key]
         stop_timer(op)
+        if op.told is not None and not op.ack_owed:  # D ended it itself: its CANCEL_ACK says enough
+            op.peer.send(op.told)
+        op.told = None
         if op.ack_owed and op.post is not None:
             op.peer.send(encode(Msg.CANCEL_ACK, req=op.post.req, xid=op.post.xid))
             op.ack_owed = False
@@ -306,9 +312,24 @@ class Sender:
             self.quiesce(op)
 
     def _expire(self, op: SendOp) -> None:
-        if not op.handle.done():
-            self.failed(op, TransferTimeout(f"lease of {op.key[1]!r} expired before the receiver had it"),
-                      "expired")
+        """The lease ran out. Where every piece is written and only D's unpack ACKs are
+        outstanding, they get :data:`ACK_GRACE_S` more (D may be done, and both sides should
+        agree); the error then says precisely how far the transfer got."""
+        with self._s.lock:
+            if op.handle.done() or op.ended is not None:
+                return
+            written = op.post is not None and op.inflight == 0 and op.target and op.target <= op.shipped
+            if written and not op.acks_only:
+                op.acks_only = True
+                op.timer = self._s.loop.call_later(ACK_GRACE_S, lambda: self._expire(op))
+                return
+        if op.acks_only:
+            error = TransferTimeout(f"lease of {op.key[1]!r} expired after every piece was written; the receiver "
+                                    f"did not acknowledge unpacking them within {ACK_GRACE_S:g} s more (it may hold "
+                                    f"the KV)")
+        else:
+            error = TransferTimeout(f"lease of {op.key[1]!r} expired before the receiver had it")
+        self.failed(op, error, "expired")
 
     # ---- peers and shutdown -------------------------------------------------------------
     def peer_lost(self, peer, err) -> None:
@@ -336,6 +357,7 @@ class Sender:
 
 # ---- D's RECV_POSTs and cancels --------------------------------------------------
 TOMBSTONE_GRACE_S = 5.0  # an unmatched send for a request id D ended waits this long for a new post
+ACK_GRACE_S = 2.0  # past its lease, a send whose every piece is written waits this long for D's unpack ACKs
 
 
 class PostMatcher:

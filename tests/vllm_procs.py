@@ -37,7 +37,8 @@ class VllmServer:
     def __init__(self, model: str, dtype: str, role: str | None = None, *, policy: str = "fail",
                  extra_env: dict | None = None, connector: str = "kvxfer", recv_timeout: float = 60.0,
                  lease_timeout: float = 60.0, kv_bytes: int = 1 << 30, max_model_len: int = 4096,
-                 threads: int = 1, extra_config: dict | None = None) -> None:
+                 threads: int = 1, extra_config: dict | None = None, tp: int = 1,
+                 extra_args: tuple = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.role = role
@@ -51,7 +52,10 @@ class VllmServer:
                "--max-model-len", str(max_model_len), "--enforce-eager", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--max-num-seqs", "8",
                # an explicit pool size also skips vLLM CPU's warm-up forward (eager mode)
-               "--kv-cache-memory-bytes", str(kv_bytes)]
+               "--kv-cache-memory-bytes", str(kv_bytes), *extra_args]
+        if tp > 1:  # one worker process per rank (multiprocess executor, shared-memory all-reduce)
+            cmd += ["--tensor-parallel-size", str(tp)]
+        self.tp = tp
         extra_env = dict(extra_env or {})
         if role is not None and connector == "nixl":  # vLLM's own NixlConnector, for comparison
             extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
@@ -120,6 +124,25 @@ class VllmServer:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def worker_pids(self) -> dict:
+        """``{tp_rank: pid}`` of this engine's worker processes (vLLM titles them
+        ``VLLM::Worker_TP<rank>``)."""
+        pids = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                if os.getpgid(int(entry)) != self.proc.pid:
+                    continue
+            except OSError:
+                continue
+            for rank in range(self.tp):
+                if f"Worker_TP{rank}" in cmd and "Worker_TP" in cmd.split()[0]:
+                    pids[rank] = int(entry)
+        return pids
 
     def kill(self) -> None:
         if self.proc.poll() is None:

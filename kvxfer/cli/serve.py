@@ -25,7 +25,12 @@ CONFIG_OPTIONS = {
                        "S seconds after its headers"),
     "keep_alive_timeout_s": ("--keep-alive-timeout", "S", "close a keep-alive connection idle for S seconds"),
     "limit_concurrency": ("--limit-concurrency", "N",
-                          "answer 503 while N connections are open or N requests in flight"),
+                          "keep at most N connections open (those still without request headers are closed "
+                          "first) and answer 503 while N requests are in flight (/health and /metrics always "
+                          "answered)"),
+    "max_connections_per_source": ("--max-connections-per-source", "N",
+                                   "keep at most N connections of one client address (those still without "
+                                   "request headers are closed first)"),
 }
 
 
@@ -125,7 +130,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="larger request bodies get HTTP 413 (default 1 MiB)")
     h = p.add_argument_group("HTTP connection limits (docs/serving.md)")
-    add_config_options(h, "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "limit_concurrency")
+    add_config_options(h, "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "limit_concurrency",
+                       "max_connections_per_source")
     p.add_argument("--discovery", default=None, metavar="URL",
                    help="etcd://HOST:PORT[/prefix] or static://HOST:PORT,...: route to workers "
                         "started with `kvxfer worker` (shared secret: $KVXFER_SECRET or --secret-file)")
@@ -233,6 +239,7 @@ def config_from_args(args: argparse.Namespace):
            else {"routing_overlap_weight": args.routing_overlap_weight}),
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, limit_concurrency=args.limit_concurrency,
+        max_connections_per_source=args.max_connections_per_source,
         adaptive=_adaptive_policy(args) if args.adaptive else None,
         adaptive_slo_ms=_pair(args.adaptive_slo, "--adaptive-slo") if args.adaptive_slo else None,
         engine=args.engine, profile=args.profile, sim_kv_scale=args.sim_kv_scale,
@@ -267,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvxfer.serving.server.http_limits import uvicorn_options
+    from kvxfer.serving.server.http_limits import raise_fd_limit, uvicorn_options
     from kvxfer.serving.server.router import create_app
 
     try:
@@ -282,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         # responses finish (bounded), then runs the lifespan exit: workers drain.
         # Connection limits: kvxfer.serving.server.http_limits.
         uvicorn.run(create_app(config), host=config.host, port=config.port,
-                    log_level=args.log_level, **uvicorn_options(config))
+                    log_level=args.log_level, **uvicorn_options(config, raise_fd_limit()))
     finally:
         if local is not None:
             local.stop(config.drain_timeout_s)

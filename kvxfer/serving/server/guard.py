@@ -7,6 +7,10 @@ streaming is untouched):
 - ``api_key`` set: every ``/v1/*`` and ``/metrics`` request needs
   ``Authorization: Bearer <key>`` (compared in constant time); otherwise 401.
   ``/health`` stays open (load balancers and orchestrators probe it).
+- at most ``max_inflight`` requests run at once; beyond that a request gets 503,
+  except ``/health`` and ``/metrics``, which are always answered (probes and
+  monitoring must see a busy server; :mod:`kvxfer.serving.server.http_limits` keeps
+  idle connections from taking their sockets).
 - the request body is read before the handler runs: one larger than
   ``max_body_bytes`` gets 413 (at once when its ``Content-Length`` says so, or as
   soon as a chunked body passes the limit), one that has not fully arrived
@@ -38,6 +42,7 @@ log = logging.getLogger("kvxfer.serve")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 PROTECTED_PREFIXES = ("/v1/", "/metrics")
+ALWAYS_ANSWERED = ("/health", "/metrics")  # never refused for load (the API key still guards /metrics)
 
 
 def _json(status: int, message: str, kind: str, headers: tuple = ()) -> tuple[dict, dict]:
@@ -55,9 +60,13 @@ class HTTPGuard:
     """ASGI middleware: bearer-token check, body limit and body deadline (see the module doc)."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_inflight: int | None = None):
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 1):
+            raise ValueError(f"max_inflight must be None or an int >= 1, got {max_inflight!r}")
+        self.max_inflight = max_inflight
+        self.inflight = 0
         if not body_timeout_s > 0 or math.isinf(body_timeout_s):
             raise ValueError(f"body_timeout_s must be finite and > 0, got {body_timeout_s!r}")
         self.app = app
@@ -68,6 +77,19 @@ class HTTPGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in ALWAYS_ANSWERED or self.max_inflight is None:
+            return await self._guarded(scope, receive, send)
+        if self.inflight >= self.max_inflight:
+            for msg in _json(503, f"{self.inflight} requests in flight; retry later", "server_error"):
+                await send(msg)
+            return
+        self.inflight += 1
+        try:
+            return await self._guarded(scope, receive, send)
+        finally:
+            self.inflight -= 1
+
+    async def _guarded(self, scope, receive, send):
         headers = dict(scope.get("headers") or ())
         if self._key is not None and scope["path"].startswith(PROTECTED_PREFIXES):
             if not self._authorized(headers.get(b"authorization", b"")):

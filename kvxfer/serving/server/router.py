@@ -441,7 +441,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.state.router_state = state  # tests may install a Router without the lifespan
     install_error_handlers(app)
     app.add_middleware(HTTPGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       body_timeout_s=config.body_timeout_s)
+                       body_timeout_s=config.body_timeout_s, max_inflight=config.limit_concurrency)
 
     def admit(router: Router, req: api._SamplingFields) -> None:
         router.check_model(req.model)

@@ -72,7 +72,8 @@ class ServeConfig:
     header_timeout_s: float = 10.0  # headers not complete by then: connection closed
     body_timeout_s: float = 30.0  # body not complete this long after the headers: 408
     keep_alive_timeout_s: float = 5.0  # idle keep-alive connections are closed
-    limit_concurrency: int = 512  # open connections or in-flight requests beyond this: 503
+    limit_concurrency: int = 512  # open connections (idle-header ones evicted) and in-flight requests (503 beyond)
+    max_connections_per_source: int = 64  # open connections of one client address (idle-header ones evicted)
     discovery: str | None = None  # etcd://... or static://...: workers found, not spawned
     secret_file: str | None = None  # discovery mode and --store: else KVXFER_SECRET
     store: str | None = None  # --store: the KV pool prefill workers read and fill (etcd URL or nodes)
@@ -129,6 +130,9 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if type(self.limit_concurrency) is not int or self.limit_concurrency < 1:
             raise ValueError(f"limit_concurrency must be an int >= 1, got {self.limit_concurrency!r}")
+        if type(self.max_connections_per_source) is not int or self.max_connections_per_source < 1:
+            raise ValueError(f"max_connections_per_source must be an int >= 1, "
+                             f"got {self.max_connections_per_source!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         num_workers = self.num_colocated or self.num_prefill + self.num_decode

@@ -111,9 +111,10 @@ class Agent:
     def _handlers(self) -> dict:
         """The dispatch table: each message to the component that owns it."""
         sender, receiver = self._sender, self._receiver
+        to_sender, to_receiver = sender.posts.on_cancel, receiver.on_sender_cancel
 
         def cancel(peer, f) -> None:  # CANCEL / FAIL: to_sender says which side it is for
-            (sender.on_cancel if f["to_sender"] else receiver.on_sender_cancel)(peer, f)
+            (to_sender if f["to_sender"] else to_receiver)(peer, f)
 
         return {**sender.handlers(), **receiver.handlers(), **self._notes.handlers(),
                 Msg.CANCEL: cancel, Msg.FAIL: cancel}

@@ -298,9 +298,7 @@ class IOLoop:
             return
         conn = Conn(sock, handler, self)
         self._register(conn)
-        on_open = getattr(handler, "on_open", None)
-        if on_open is not None:
-            on_open(conn)
+        handler.on_open(conn)
 
     def _read(self, conn: Conn) -> None:
         try:
@@ -314,18 +312,23 @@ class IOLoop:
             self._close(conn, ConnectionError("connection closed by peer"))
             return
         try:
+            table = conn.dispatch
             for msg_type, payload in conn.reader.feed(data):
                 try:
                     kind, fields = decode(msg_type, payload)
                 except MalformedPayload as exc:  # the frame is whole: the handler may fail one request
-                    on_malformed = getattr(conn.handler, "on_malformed", None)
-                    if on_malformed is None:
-                        raise
-                    on_malformed(conn, exc)  # raises to close the connection
+                    conn.handler.on_malformed(conn, exc)  # raises to close the connection
                     if conn.closed:
                         return
                     continue
-                conn.handler.on_frame(conn, kind, fields)
+                if table is not None:  # authenticated: straight to the frame's owner
+                    fn = table.get(kind)
+                    if fn is None:
+                        raise ProtocolError(f"unexpected {kind.name} after the handshake")
+                    fn(conn.peer, fields)
+                else:
+                    conn.handler.on_frame(conn, kind, fields)
+                    table = conn.dispatch  # set once the handshake completed
                 if conn.closed:
                     return
         except Exception as exc:  # noqa: BLE001 - ProtocolError, or a typed error from the handler
@@ -340,7 +343,10 @@ _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 
 
 class Conn:
-    """One TCP control connection; ``handler`` gets ``on_frame``/``on_close`` callbacks."""
+    """One TCP control connection. ``handler`` gets ``on_open`` (accepted connections),
+    ``on_frame``, ``on_malformed`` and ``on_close``; once ``dispatch`` is set (a
+    ``{Msg: fn(peer, fields)}`` table, when the handshake completed) the loop hands every
+    frame straight to its owner's function instead of ``on_frame``."""
 
     def __init__(self, sock: socket.socket, handler, loop: IOLoop) -> None:
         self.sock = sock
@@ -349,6 +355,7 @@ class Conn:
         self.reader = FrameReader()
         self.closed = False
         self.peer = None  # set by the agent once the handshake completed
+        self.dispatch: dict | None = None  # {Msg: fn(peer, fields)} once authenticated (see the class doc)
         self._send_lock = threading.Lock()
         self._out = bytearray()  # bytes the socket did not take yet; the loop flushes them
         sock.setblocking(False)

@@ -5,10 +5,12 @@ connection becomes once its handshake completed). :class:`Connections` owns the
 listening socket's admission (the pre-auth gate), the client and server
 handshakes, the set of connected peers (``state.peers``) and the dispatch table
 that hands each frame after the handshake to the component that owns it (sender,
-receiver, notifications). :class:`InboundHandler` runs the accepting side's
-handshake state machine in the I/O thread, then hands every frame to the
-:class:`Connections`, like :class:`PeerHandler` does for connections we opened
-(through the methods marked *handler interface* only).
+receiver, notifications): once a peer is ready, its connection carries that table
+(``Conn.dispatch``) and the I/O loop calls the owner's function directly.
+:class:`InboundHandler` runs the accepting side's handshake state machine in the
+I/O thread; it and :class:`PeerHandler` (connections we opened) see only the
+handshake, frames that arrive before the table is set, malformed frames and the
+close (through the methods marked *handler interface* only).
 
 Bounds on what connected peers can make this agent hold: every queue or cache a
 peer fills is counted against that peer (:class:`PeerBook`, one per
@@ -321,9 +323,11 @@ class Connections:
                 peer.conn.loop.close_conn(peer.conn)
                 return
             self._s.peers[peer.serial] = peer
+            peer.conn.dispatch = self._dispatch  # from now on the loop hands frames to their owners
             self._on_ready(peer)
 
     def on_frame(self, peer: Peer, kind: Msg, fields: dict) -> None:
+        """A frame that arrived before :meth:`peer_ready` set the connection's dispatch table."""
         handler = self._dispatch.get(kind)
         if handler is None:
             raise ProtocolError(f"unexpected {kind.name} after the handshake")

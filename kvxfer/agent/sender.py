@@ -46,13 +46,9 @@ class Sender:
 
     def handlers(self) -> dict:
         """``{Msg: fn(peer, fields)}`` of the messages D sends to a sender (CANCEL/FAIL with
-        ``to_sender`` set go to :meth:`PostMatcher.on_cancel`)."""
+        ``to_sender`` set go to ``self.posts.on_cancel``, :meth:`PostMatcher.on_cancel`)."""
         return {Msg.RECV_POST: self.posts.on_recv_post, Msg.STAGE_GRANT: self.shipper.on_stage_grant,
                 Msg.ACK: self.shipper.on_ack}
-
-    def on_cancel(self, peer, fields: dict) -> None:
-        """CANCEL or FAIL from D for one of our sends (``to_sender``; I/O thread)."""
-        self.posts.on_cancel(peer, fields)
 
     def outstanding(self) -> bool:
         """A send waits for its receiver or is moving (a hint: read without the lock)."""

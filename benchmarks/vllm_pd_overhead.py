@@ -12,7 +12,8 @@ on D). Reports ``(D TTFT - D compute) / P prefill`` and
 the transfer's bytes/s against a memcpy of the same size measured in this run.
 
     python benchmarks/vllm_pd_overhead.py [--tokens 2048] [--runs 3] [--dtype float32]
-        [--connector kvxfer|nixl]   # nixl: pip install --no-deps nixl==1.5.1 nixl-cu12
+        [--connector kvxfer|nixl]   # nixl: pip install --no-deps nixl-cu12
+        [--p-tp 2 --d-tp 1]         # tensor parallelism (the export's heads padded to split)
 """
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def main() -> int:
                     help="the agents' copy threads (KVXFER_VM_THREADS) and the memcpy limit's "
                          "(default: the agent's own default, min(cores, 2))")
     ap.add_argument("--model", default=None, help="HF dir (default: export SmolLM2 to a temp dir)")
+    ap.add_argument("--p-tp", type=int, default=1, help="P's tensor_parallel_size")
+    ap.add_argument("--d-tp", type=int, default=1, help="D's tensor_parallel_size")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -98,13 +101,14 @@ def main() -> int:
 
         from kvxfer.integrations.hf_export import export_hf
 
-        model = export_hf(tempfile.mkdtemp(prefix="smollm2-hf-"), dtype=args.dtype)
+        model = export_hf(tempfile.mkdtemp(prefix="smollm2-hf-"), dtype=args.dtype,
+                          tp=max(args.p_tp, args.d_tp))
     extra = {} if args.idle_wait_ms is None else {"idle_wait_ms": args.idle_wait_ms}
     os.environ["KVXFER_VM_THREADS"] = str(args.copy_threads)  # inherited by both engines
     p = VllmServer(model, args.dtype, "producer", connector=args.connector, threads=args.threads,
-                   extra_config=extra)
+                   extra_config=extra, tp=args.p_tp)
     d = VllmServer(model, args.dtype, "consumer", connector=args.connector, threads=args.threads,
-                   extra_config=extra)
+                   extra_config=extra, tp=args.d_tp)
     start_all([p, d])
     rng = random.Random(1)
     rows = []

@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--attainment-mode", choices=("both", "each"), default="both",
                    help="both: the share meeting both SLOs (DistServe's paper); each: the "
                         "shares meeting TTFT and TPOT, each (DistServe's simulator)")
+    p.add_argument("--config", action="append", default=[], metavar="CONFIG",
+                   help="judge only these configurations (repeatable; default: every one that "
+                        "fits --gpus at the --tp degrees)")
     p.add_argument("--exhaustive", action="store_true",
                    help="search every configuration in full, not the pruned search")
     p.add_argument("--variants", type=int, default=1, metavar="K",
@@ -68,7 +71,8 @@ def run(args) -> int:
     try:
         spec = PlanSpec(gpus=args.gpus, slo=SLO.parse(args.slo), tps=_tps(args.tp),
                         target=args.attainment, mode=args.attainment_mode,
-                        variants=args.variants, exhaustive=args.exhaustive)
+                        variants=args.variants, exhaustive=args.exhaustive,
+                        configs=tuple(args.config))
         runner = ProcessRunner(args.jobs if args.jobs is not None else (os.cpu_count() or 1))
     except ValueError as exc:
         raise SystemExit(f"kvxfer plan: {exc}") from None

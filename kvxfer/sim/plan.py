@@ -12,16 +12,20 @@ can no longer reach the target stops early (:class:`SLOWatch`).
 
 :class:`Planner` ranks configurations by capacity per GPU (ties: fewer GPUs, then the
 order of :func:`kvxfer.sim.configs.placements`). Its pruned search is a branch and
-bound: configurations in order of an optimistic estimate (:func:`estimate`), each
+bound: configurations in order of an optimistic estimate (:meth:`Planner.estimate`), each
 first run once at the rate per GPU it would need to beat the best so far; only one that
 passes is searched further. With attainment falling in the rate, that is the
 exhaustive search's pick (each configuration searched in full), at a fraction of the runs.
+Both give no run to a configuration where too few requests can meet the SLO even with
+the workers to themselves (:meth:`Planner.feasible`, from :class:`Alone`'s lower bounds):
+it serves nothing at any rate.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from ..serving.engine.config import EngineConfig
 from .configs import canonical, gpus_of, layout_of, placements
 from .replay import RunOptions, run_config
 
@@ -42,36 +46,50 @@ def grid_index(per_gpu_rate: float) -> int:
 
 
 class SLOWatch:
-    """Counts a run's SLO misses as requests get their first token and end
-    (:func:`kvxfer.sim.vclock.simulate`'s ``watch``); True once ``target`` of
-    ``num_requests`` can no longer be met. A rejected request misses both."""
+    """Counts a run's SLO misses as soon as each is certain (the virtual clock's ``watch``,
+    :mod:`kvxfer.sim.vclock`): a request without its first token by its TTFT deadline, or
+    not done by its first token's time plus TPOT x (tokens - 1), has missed. True once
+    ``target`` of ``num_requests`` can no longer be met. A refused request misses both."""
+
+    MARGIN_S = 1e-9  # past a deadline by this: a miss whatever the float rounding
 
     def __init__(self, slo, mode: str, target: float, num_requests: int) -> None:
-        self.ttft_s, self.tpot_s = slo.ttft_ms, slo.tpot_ms  # compared as SLO.met does
+        self.ttft_ms, self.tpot_ms = slo.ttft_ms, slo.tpot_ms  # compared as SLO.met does
         self.mode = mode
         # at most this many misses (of each SLO, or of either) still reach the target
         self.allowed = num_requests - math.ceil(target * num_requests - 1e-9)
-        self.ttft_misses = self.tpot_misses = self.both_misses = 0
-        self._missed: set = set()
+        self.missed = {"ttft": set(), "tpot": set(), "both": set()}
+
+    def due(self, r, first: bool) -> float | None:
+        """When ``r`` has missed its TTFT (``first`` False: from its arrival) or its TPOT
+        (from its first token) if its first token, or its end, has not come."""
+        if not first:
+            return r.arrival_s + self.ttft_ms / 1e3 + self.MARGIN_S
+        if r.max_tokens < 2:
+            return None
+        return r.token_times[0] + self.tpot_ms / 1e3 * (r.max_tokens - 1) + self.MARGIN_S
+
+    def late(self, r, which: str) -> bool:
+        """``r`` missed ``which`` (``"ttft"`` or ``"tpot"``): whether the run can stop."""
+        self.missed[which].add(r.rid)
+        self.missed["both"].add(r.rid)
+        return self._out_of_reach()
 
     def __call__(self, r, done: bool) -> bool:
         times = r.token_times
         if not times:  # refused: longer than a pool
-            self.ttft_misses += 1
-            self.tpot_misses += 1
-            self.both_misses += 1
-        elif not done:
-            if (times[0] - r.arrival_s) * 1e3 > self.ttft_s:
-                self.ttft_misses += 1
-                self.both_misses += 1
-                self._missed.add(r.rid)
-        elif len(times) > 1 and (times[-1] - times[0]) / (len(times) - 1) * 1e3 > self.tpot_s:
-            self.tpot_misses += 1
-            if r.rid not in self._missed:
-                self.both_misses += 1
+            return self.late(r, "ttft") or self.late(r, "tpot")
+        if not done:
+            if (times[0] - r.arrival_s) * 1e3 > self.ttft_ms:
+                return self.late(r, "ttft")
+        elif len(times) > 1 and (times[-1] - times[0]) / (len(times) - 1) * 1e3 > self.tpot_ms:
+            return self.late(r, "tpot")
+        return False
+
+    def _out_of_reach(self) -> bool:
         if self.mode == "both":
-            return self.both_misses > self.allowed
-        return self.ttft_misses > self.allowed or self.tpot_misses > self.allowed
+            return len(self.missed["both"]) > self.allowed
+        return len(self.missed["ttft"]) > self.allowed or len(self.missed["tpot"]) > self.allowed
 
 
 def attainment(records: list[dict], slo, mode: str) -> float:
@@ -92,8 +110,9 @@ def capacity_probes(guess: int, *, passes_at: int | None = None, threshold: int 
     highest passing point (None: none above ``K_MIN``, or none at ``threshold``).
 
     ``threshold``: probe it first and stop at a failure there (the branch and bound's
-    test); ``passes_at``: a point known to pass. Otherwise it starts at ``guess``, steps
-    by doubling strides to a bracket, then bisects it."""
+    test); ``passes_at``: a point known to pass. Otherwise it starts at ``guess`` (after
+    a failure there, ``K_MIN`` next: a configuration that serves nothing costs two runs),
+    steps by doubling strides to a bracket, then bisects it."""
     lo = passes_at  # highest known pass
     hi = None  # lowest known fail
     if threshold is not None and lo is None:
@@ -103,12 +122,14 @@ def capacity_probes(guess: int, *, passes_at: int | None = None, threshold: int 
     if lo is None:
         if (yield guess):
             lo = guess
+        elif guess <= K_MIN or not (yield K_MIN):  # serves nothing: known in one more run
+            return None
         else:
-            hi, stride = guess, 1
-            while True:
-                if hi <= K_MIN:
-                    return None
-                k = max(hi - stride, K_MIN)
+            lo, hi, stride = K_MIN, guess, 1
+            while hi - lo > 1:
+                k = hi - stride
+                if k <= lo:
+                    break
                 if (yield k):
                     lo = k
                     break
@@ -131,44 +152,57 @@ def capacity_probes(guess: int, *, passes_at: int | None = None, threshold: int 
     return lo
 
 
-def estimate(name: str, profile, requests, slo, target: float, mode: str) -> float:
-    """An optimistic guess of configuration ``name``'s capacity per GPU (req/s), to order
-    the pruned search and seed each bisection (nothing relies on it being right): the
-    rate at which its busier pool is fully busy, each request's prefill and decode work at
-    the best batching the fit allows (per-step constants left out), scaled down by how
-    little room the SLO leaves even alone: the share of requests whose prefill alone
-    meets the TTFT and whose decode steps alone meet the TPOT, over ``target``."""
-    lay = layout_of(name)
-    ttft_s, tpot_s = slo.ttft_ms / 1e3, slo.tpot_ms / 1e3
+class Alone:
+    """What each request costs at least on a worker of one tensor-parallel degree,
+    whatever else runs (every cost-model term is >= 0, and a step costs at least its own
+    chunks' terms): ``ttft_s``, its prefill of the tokens no earlier prompt could have
+    cached (``cached``: leading tokens that may be hits); ``tpot_s``, the cheapest step
+    that can carry its decode (a one-token chunk at its first context, in any of the
+    fit's step forms; 0 for a one-token answer); ``prefill_s``/``decode_s``, its prefill
+    and decode work at the best batching the fit allows (per-step constants left out)."""
 
-    def work(tp: int) -> tuple[float, float, list[bool], list[bool]]:
+    def __init__(self, profile, tp: int, requests, cached: list[int]) -> None:
         fit = profile.at_tp(tp).fit
-        alone = [fit.step_seconds([(max(2, len(ids)), 0)]) for _, ids, _ in requests]
-        k = fit.coefficients if fit.large_batch is None else (0, 0, 0, *fit.large_batch)
-        dec = sum(max(mt - 1, 0) * (k[4] + k[5] * (len(ids) + mt / 2)) for _, ids, mt in requests)
-        tpot = [fit.step_seconds([(1, len(ids) + mt // 2)]) <= tpot_s for _, ids, mt in requests]
-        pre = (sum(alone) - fit.coefficients[0] * len(alone)) / len(requests)
-        return pre, dec / len(requests), [t <= ttft_s for t in alone], tpot
+        k = fit.coefficients
+        # a decode step's (d, e) and the fewest sequences it carries, in each batch fit
+        forms = [(k[4], k[5], 1)]
+        if fit.large_batch is not None:
+            forms.append((fit.large_batch[1], fit.large_batch[2], fit.large_batch_from))
+        bases = [k[3], k[0]] + ([fit.large_batch[0]] if fit.large_batch is not None else [])
+        d_best, e_best = min(d for d, _, _ in forms), min(e for _, e, _ in forms)
+        self.ttft_s, self.tpot_s, self.prefill_s, self.decode_s = [], [], [], []
+        for (_, ids, max_tokens), hit in zip(requests, cached):
+            n, p = len(ids) - hit, hit
+            # the causal pairs: at most what either attention form counts
+            work = k[1] * n + k[2] * n * (p + n / 2)
+            self.ttft_s.append(k[0] + work)
+            self.prefill_s.append(work)
+            ctx = len(ids) + 1
+            cheapest = min(bases) + min(d * b + e * ctx for d, e, b in forms)
+            self.tpot_s.append(cheapest if max_tokens > 1 else 0.0)
+            self.decode_s.append(max(max_tokens - 1, 0) * (d_best + e_best * (ctx + max_tokens / 2)))
 
-    pre, _, ttft_ok, _ = work(lay.prefill_tp)
-    _, dec, _, tpot_ok = work(lay.decode_tp)
-    if lay.kind == "colocated":
-        rate = lay.num_prefill / (pre + dec)
-    else:
-        rate = min(lay.num_prefill / pre, lay.num_decode / max(dec, 1e-12))
-    if mode == "both":
-        met = sum(a and b for a, b in zip(ttft_ok, tpot_ok)) / len(requests)
-    else:
-        met = min(sum(ttft_ok), sum(tpot_ok)) / len(requests)
-    room = min(1.0, max(0.0, (met - target) / (1 - target))) if target < 1 else float(met >= 1)
-    return max(rate * room, grid_rate(K_MIN)) / lay.gpus
+
+def cached_prefixes(requests, hashes: list[list[int]], block_size: int) -> list[int]:
+    """Per request, the leading tokens an earlier request's prompt could have left in a
+    prefix cache (its leading full blocks whose chained hashes came before), the last
+    token always left to compute."""
+    seen, out = set(), []
+    for (_, ids, _), chain in zip(requests, hashes):
+        k = 0
+        while k < len(chain) and chain[k] in seen:
+            k += 1
+        out.append(min(k * block_size, len(ids) - 1))
+        seen.update(chain)
+    return out
 
 
 @dataclass(frozen=True)
 class PlanSpec:
     """What a plan asks: ``gpus`` at most, tensor-parallel degrees ``tps``, the ``slo`` met
     by ``target`` of the requests in ``mode`` (:data:`MODES`), the conditional and adaptive
-    variants of the ``variants`` best splits, the pruned search or ``exhaustive``."""
+    variants of the ``variants`` best splits, the pruned search or ``exhaustive``; only
+    ``configs`` where given (else every placement)."""
 
     gpus: int
     slo: object  # kvxfer.loadgen.metrics.SLO
@@ -177,6 +211,7 @@ class PlanSpec:
     mode: str = "both"
     variants: int = 1
     exhaustive: bool = False
+    configs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.gpus) is not int or self.gpus < 1:
@@ -189,11 +224,24 @@ class PlanSpec:
         if not self.tps or too_big or any(type(k) is not int or k < 1 for k in self.tps):
             raise ValueError(f"--tp {','.join(map(str, self.tps))}: degrees must be ints in "
                              f"1..{self.gpus} (--gpus)")
+        names = tuple(canonical(n) for n in self.configs)  # ConfigError outside the grammar
+        over = [n for n in names if gpus_of(n) > self.gpus]
+        if over:
+            raise ValueError(f"--config {', '.join(over)}: more than --gpus {self.gpus} GPUs")
+        object.__setattr__(self, "configs", names)
 
 
 def candidates(spec: PlanSpec, profile) -> list[str]:
-    """The static configurations a plan searches: :func:`placements` of the profile's
-    modes; ``ValueError`` naming the degrees the profile has if ``spec.tps`` asks others."""
+    """The configurations a plan searches: ``spec.configs``, or :func:`placements` of the
+    profile's modes; ``ValueError`` naming the degrees the profile has if ``spec.tps`` (or
+    a configuration) asks others."""
+    if spec.configs:
+        for name in spec.configs:
+            lay = layout_of(name)
+            for tp in {lay.prefill_tp, lay.decode_tp}:
+                profile.at_tp(tp)  # ProfileError (a ValueError) naming the degrees it has
+            profile.check_mode("colocated" if lay.kind == "colocated" else "split")
+        return list(spec.configs)
     missing = sorted(set(spec.tps) - set(profile.tp_degrees))
     if missing:
         raise ValueError(f"profile {profile.name!r} has tensor-parallel degrees "
@@ -219,6 +267,9 @@ class Planner:
         self.results: dict[tuple, dict] = {}  # (name, k[, "full"]) -> probe result
         self.pruned: dict[str, int] = {}  # name -> the grid point it failed to reach
         self._estimates: dict[str, float] = {}
+        self._alone: dict[int, Alone] = {}
+        self._cached: list[int] | None = None
+        self.infeasible: set[str] = set()  # no run: too few requests can meet the SLO alone
         self.runs = 0
 
     # ---- one run ----------------------------------------------------------------------
@@ -268,16 +319,68 @@ class Planner:
         return out
 
     def guess(self, name: str) -> int:
-        """Where a search starts: 60% of :func:`estimate`, on the grid."""
+        """Where a search starts: 60% of :meth:`estimate`, on the grid."""
         return max(K_MIN, grid_index(0.6 * self.estimate(name)))
 
+    def alone(self, tp: int) -> Alone:
+        if tp not in self._alone:
+            if self._cached is None:
+                from .vclock import prompt_hashes
+
+                size = self.profile.block_size
+                hashes = self.hashes or prompt_hashes(self.requests, size)
+                self._cached = cached_prefixes(self.requests, hashes, size)
+            self._alone[tp] = Alone(self.profile, tp, self.requests, self._cached)
+        return self._alone[tp]
+
+    def _met(self, name: str) -> tuple[int, int, int]:
+        """Requests that can meet TTFT, TPOT and both at any rate (:class:`Alone`; a request
+        longer than the smallest pool meets neither)."""
+        lay = layout_of(name)
+        slo = self.spec.slo
+        pre, dec = self.alone(lay.prefill_tp), self.alone(lay.decode_tp)
+        pool = min(self.options.num_blocks or self.profile.at_tp(tp).default_num_blocks(
+            EngineConfig.num_blocks) for tp in {lay.prefill_tp, lay.decode_tp}) * self.profile.block_size
+        ttft = tpot = both = 0
+        for i, (_, ids, max_tokens) in enumerate(self.requests):
+            if len(ids) + max_tokens > pool:
+                continue
+            a = pre.ttft_s[i] * 1e3 <= slo.ttft_ms
+            b = dec.tpot_s[i] * 1e3 <= slo.tpot_ms
+            ttft, tpot, both = ttft + a, tpot + b, both + (a and b)
+        return ttft, tpot, both
+
+    def feasible(self, name: str) -> bool:
+        """Whether ``name`` could reach the target at some rate: False only where too few
+        requests can meet the SLO even alone (a static or colocated configuration; the
+        others: True). A configuration that cannot is given no run."""
+        if layout_of(name).kind not in ("static", "colocated"):
+            return True
+        ttft, tpot, both = self._met(name)
+        need = math.ceil(self.spec.target * len(self.requests) - 1e-9)
+        return (both if self.spec.mode == "both" else min(ttft, tpot)) >= need
+
     def estimate(self, name: str) -> float:
-        """:func:`estimate` of ``name`` (computed once a plan)."""
-        if name not in self._estimates:
-            spec = self.spec
-            self._estimates[name] = estimate(name, self.profile, self.requests, spec.slo,
-                                             spec.target, spec.mode)
-        return self._estimates[name]
+        """An optimistic guess of ``name``'s capacity per GPU (req/s), to order the pruned
+        search and seed each bisection (nothing relies on it being right): the rate at
+        which its busier pool is fully busy (:class:`Alone`'s work), scaled down by how
+        little room the SLO leaves even alone (the share that can meet it, over the target)."""
+        if name in self._estimates:
+            return self._estimates[name]
+        lay = layout_of(name)
+        n = len(self.requests)
+        pre = sum(self.alone(lay.prefill_tp).prefill_s) / n
+        dec = sum(self.alone(lay.decode_tp).decode_s) / n
+        if lay.kind == "colocated":
+            rate = lay.num_prefill / max(pre + dec, 1e-12)
+        else:
+            rate = min(lay.num_prefill / max(pre, 1e-12), lay.num_decode / max(dec, 1e-12))
+        ttft, tpot, both = self._met(name)
+        met = (both if self.spec.mode == "both" else min(ttft, tpot)) / n
+        target = self.spec.target
+        room = min(1.0, max(0.0, (met - target) / (1 - target))) if target < 1 else float(met >= 1)
+        self._estimates[name] = out = max(rate * room, grid_rate(K_MIN)) / lay.gpus
+        return out
 
     def _beats(self, a: tuple, b: tuple | None) -> bool:
         """Whether ranking key ``a`` = (k, gpus, order) beats ``b``."""
@@ -289,10 +392,15 @@ class Planner:
         pruned (it cannot beat the best); exhaustive or branch and bound (module docstring)."""
         order = {n: i for i, n in enumerate(names)}
         key = {n: (gpus_of(n), order[n]) for n in names}
-        if self.spec.exhaustive:
-            return self._drive({n: capacity_probes(self.guess(n)) for n in names})
-        ranked = sorted(names, key=lambda n: -self.estimate(n))
         found: dict[str, int | None] = {}
+        for n in names:
+            if not self.feasible(n):
+                self.infeasible.add(n)
+                found[n] = None
+        names = [n for n in names if n not in self.infeasible]
+        if self.spec.exhaustive:
+            return {**found, **self._drive({n: capacity_probes(self.guess(n)) for n in names})}
+        ranked = sorted(names, key=lambda n: -self.estimate(n))
         best = None  # (k, gpus, order)
         width = max(1, getattr(self.runner, "jobs", 1))
         for i in range(0, len(ranked), width):
@@ -353,7 +461,7 @@ class Planner:
         row = {"name": name, "gpus": gpus_of(name),
                "max_rate_rps": None if k is None else grid_rate(k) * gpus_of(name),
                "per_gpu_rate_rps": None if k is None else grid_rate(k),
-               "pruned": name in self.pruned,
+               "pruned": name in self.pruned, "infeasible": name in self.infeasible,
                "probes": [{"per_gpu_rate_rps": grid_rate(kk), **res} for kk, res in probes]}
         if name in self.pruned:  # below this per-GPU rate: it cannot beat the best
             row["below_per_gpu_rate_rps"] = grid_rate(self.pruned[name])

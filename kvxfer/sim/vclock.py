@@ -43,9 +43,11 @@ worker's uncached-prompt rule as in :mod:`kvxfer.serving.workers.decode`), and t
 rebalancer's policy (:func:`~kvxfer.serving.server.adaptive_policy.decide`) observed every
 ``policy.interval_s`` of virtual time, a moved worker drained first as the rebalancer does.
 
-A ``watch(request, done)``, called at each request's first token and end, may stop a
-run early (``kvxfer plan`` stops a run once too many requests missed the SLO to reach
-its attainment). Times are virtual seconds from the first arrival. A step changes the scheduler's state
+A ``watch`` (:class:`kvxfer.sim.plan.SLOWatch`) may stop a run early: ``watch(request,
+done)`` at each request's first token and end, ``watch.due(request, first)`` the time by
+which its first token (at arrival) or its end (at its first token) must have come, and
+``watch.late(request, "ttft" | "tpot")`` when it has not; a True from either stops the run
+(``kvxfer plan`` stops one once too many requests missed the SLO to reach its attainment). Times are virtual seconds from the first arrival. A step changes the scheduler's state
 when it starts and delivers its tokens when it ends. Not modelled: HTTP, IPC and
 tokenization times (the wall-clock engine has them; the validation measures the gap),
 the router's per-message costs, the time a role switch takes.
@@ -189,6 +191,7 @@ class VirtualCluster:
         self._order = itertools.count(len(requests))
         self._queue_arrival()
         observe = self._observe_event = self._observe  # one object: known by identity
+        late = self._late_event = self._late
         if self.adaptive is not None and arrivals:
             self.at(self.adaptive.interval_s, observe)
         self._num_left = len(arrivals)
@@ -198,10 +201,10 @@ class VirtualCluster:
                 while events and not self.stopped:
                     self.now, _, fn, args = heapq.heappop(events)
                     fn(*args)
-                    if fn is not observe:
+                    if fn is not observe and fn is not late:
                         last_work_s = self.now
         finally:
-            del self._observe_event  # a bound method of self: no cycle left behind
+            del self._observe_event, self._late_event  # bound methods of self: no cycles left
         if self.stopped:  # the watch's call: what finished so far, the rest left running
             return SimResult([self._record(r) for r in self.finished], dict(self.counters),
                              self.now, stopped=True)
@@ -296,6 +299,8 @@ class VirtualCluster:
             return
         self.requests[r.rid] = r
         self.num_waiting += 1
+        if self.watch is not None:  # when its TTFT is missed for certain, if not there by then
+            self.at(self.watch.due(r, False), self._late_event, r, False)
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         if not self.config.is_disaggregated:
             r.decode = self._pick("colocated", r)
@@ -547,7 +552,23 @@ class VirtualCluster:
 
     def _watched(self, r: SimRequest, done: bool) -> None:
         """``r`` got its first token (``done`` False) or ended: the watch may stop the run."""
-        if self.watch is not None and not self.stopped and self.watch(r, done):
+        watch = self.watch
+        if watch is None or self.stopped:
+            return
+        if watch(r, done):
+            self.stopped = True
+            self._events.clear()
+        elif not done and r.token_times:  # when its TPOT is missed for certain, if not done by then
+            due = watch.due(r, True)
+            if due is not None:
+                self.at(due, self._late_event, r, True)
+
+    def _late(self, r: SimRequest, first: bool) -> None:
+        """A watched deadline of ``r``: its first token (``first`` False) or its end not
+        there yet is a miss the watch counts now."""
+        if self.stopped or (r.done_s is not None if first else bool(r.token_times)):
+            return
+        if self.watch.late(r, "tpot" if first else "ttft"):
             self.stopped = True
             self._events.clear()
 

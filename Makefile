@@ -66,7 +66,7 @@ demo: build
 # Export SmolLM2 to HF format, start vllm serve P and D with KVXferConnector and
 # the kvxfer proxy, stream one chat answer through the openai client, stop all.
 demo-vllm: build
-	$(BIN)/python -m kvxfer.integrations.vllm_demo
+	$(BIN)/python -m kvxfer.integrations.vllm.demo
 
 clean:
 	rm -rf build $(VENV) kvxfer/*.so *.egg-info

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from kvxfer.integrations.vllm_config import SECRET_ENV, ConnectorConfig
+from kvxfer.integrations.vllm.config import SECRET_ENV, ConnectorConfig
 
 
 def kv_config(role="kv_producer", **extra):
@@ -44,8 +44,8 @@ SIGNATURES = os.path.join(os.path.dirname(__file__), "data", "vllm_base_signatur
 
 def _connector():
     pytest.importorskip("vllm")
-    from kvxfer.integrations import vllm as connector
-    from kvxfer.integrations.vllm_api import overridden, signatures_of
+    from kvxfer.integrations.vllm import connector
+    from kvxfer.integrations.vllm.api import overridden, signatures_of
 
     names = overridden(connector.KVXferConnector, connector.KVConnectorBase_V1)
     return connector, signatures_of(connector.KVXferConnector, names)
@@ -55,7 +55,7 @@ def _connector():
 def test_overrides_match_the_recorded_base_classes(version):
     """Every method the connector overrides has the recorded base class's parameters;
     0.34.0's additions (kv_cache_access, supports_sleep_mode) are overridden too."""
-    from kvxfer.integrations.vllm_api import mismatches
+    from kvxfer.integrations.vllm.api import mismatches
 
     _, mine = _connector()
     with open(SIGNATURES) as f:
@@ -72,7 +72,7 @@ def test_recorded_032_is_the_installed_base_class():
     """The 0.32.0 record (read from source with ast) is what inspect sees in the installed vLLM."""
     import vllm
 
-    from kvxfer.integrations.vllm_api import signatures_from_source, signatures_of
+    from kvxfer.integrations.vllm.api import signatures_from_source, signatures_of
 
     connector, _ = _connector()
     if vllm.__version__.split("+")[0] != "0.32.0":
@@ -86,7 +86,7 @@ def test_recorded_032_is_the_installed_base_class():
 
 
 def test_a_reshaped_or_missing_base_method_is_an_import_error():
-    from kvxfer.integrations.vllm_api import check_installed, mismatches
+    from kvxfer.integrations.vllm.api import check_installed, mismatches
 
     connector, mine = _connector()
     with open(SIGNATURES) as f:

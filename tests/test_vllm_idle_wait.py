@@ -5,10 +5,10 @@ already queued. No vLLM needed: the half is driven directly, as the connector dr
 with its wake event replaced by one that records each wait (no timing in the test)."""
 from __future__ import annotations
 
-from kvxfer.integrations.vllm_config import ConnectorConfig
-from kvxfer.integrations.vllm_meta import SendSpec
-from kvxfer.integrations.vllm_outbound import Outbound
-from kvxfer.integrations.vllm_worker import WorkerHalf
+from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.meta import SendSpec
+from kvxfer.integrations.vllm.outbound import Outbound
+from kvxfer.integrations.vllm.worker import WorkerHalf
 
 
 class Handle:  # what results() reads of a finished send handle (matched by a TP 1 D)

@@ -71,7 +71,7 @@ def test_same_path_moves_whole_cells_bitwise():
 
 def test_cpu_layout_reads_the_kernel_path():
     pytest.importorskip("vllm")
-    from kvxfer.integrations.vllm_layout import attention_path, cpu_layout
+    from kvxfer.integrations.vllm.layout import attention_path, cpu_layout
 
     cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32),
                                 cache_config=types.SimpleNamespace(cache_dtype="auto"))

@@ -1,4 +1,4 @@
-"""The connector's pool mover (``kvxfer.integrations.vllm_pool.PoolMover``) against a real
+"""The connector's pool mover (``kvxfer.integrations.vllm.pool.PoolMover``) against a real
 ``kvxfer store`` node process, without engines: puts bounded (drops counted, never
 waiting), held blocks released only after their puts ended, loads bitwise, a missing
 key or a SIGKILLed node a failed load (reported, promptly), never a hang."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer.integrations.vllm_config import ConnectorConfig
-from kvxfer.integrations.vllm_pool import PoolBlocks, PoolMover
+from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.pool import PoolBlocks, PoolMover
 from store_cases import SECRET, block_bits, make_layout, start_node, stop_node
 
 DIMS = "N 2 H B D"  # vLLM CPU's per-(block, head) cells, as the connector describes them

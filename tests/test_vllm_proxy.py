@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvxfer.integrations.vllm_proxy import make_app  # noqa: E402
+from kvxfer.integrations.vllm.proxy import make_app  # noqa: E402
 
 PARAMS = {"do_remote_prefill": True, "remote_addr": "127.0.0.1:9", "remote_request_id": "r-1"}
 

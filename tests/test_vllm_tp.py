@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvxfer.errors import LayoutMismatch
-from kvxfer.integrations.vllm_meta import SendSpec
-from kvxfer.integrations.vllm_outbound import Outbound
-from kvxfer.integrations.vllm_tp import (RankInfo, agent_name, check_pair, covers, heads_of_peer, overlapping,
+from kvxfer.integrations.vllm.meta import SendSpec
+from kvxfer.integrations.vllm.outbound import Outbound
+from kvxfer.integrations.vllm.tp import (RankInfo, agent_name, check_pair, covers, heads_of_peer, overlapping,
                                          parse_ranks, rank_heads, rank_listen, ranks_param, whole)
 
 

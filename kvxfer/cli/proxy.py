@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import uvicorn
 
-    from kvxfer.integrations.vllm_proxy import make_app
+    from kvxfer.integrations.vllm.proxy import make_app
 
     strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
     uvicorn.run(make_app(*strip, timeout=args.timeout), host=args.host, port=args.port,

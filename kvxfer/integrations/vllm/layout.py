@@ -31,7 +31,7 @@ def attention_path(vllm_config, block_size: int, head_dim: int) -> str:
 def cpu_layout(kv_caches: dict, vllm_config, *, tp_rank: int = 0, tp_size: int = 1):
     """``{layer_name: [N, H, B, 2*D] tensor}`` (in layer order; ``H``: this rank's kv
     heads, rank ``tp_rank`` of ``tp_size``) -> KVLayout with the path."""
-    from .. import KVLayout
+    from ... import KVLayout
 
     tensors = list(kv_caches.values())
     if not tensors or any(t.dim() != 4 for t in tensors):

@@ -20,14 +20,14 @@ D's prefix cache did not supply (the tail), how many it skipped, and P's ranks.
 
 With ``store`` configured (any role; ``kv_both`` is a plain engine with a pool),
 every other request consults the pool for the blocks beyond vLLM's own prefix
-hits and puts the prompt blocks it computes (:class:`.vllm_pool.PoolPlanner`).
+hits and puts the prompt blocks it computes (:class:`.pool.PoolPlanner`).
 """
 from __future__ import annotations
 
 import logging
 
-from .vllm_meta import RecvSpec, SendSpec, XferMeta
-from .vllm_tp import RankInfo, parse_ranks, ranks_param
+from .meta import RecvSpec, SendSpec, XferMeta
+from .tp import RankInfo, parse_ranks, ranks_param
 
 log = logging.getLogger("vllm.kvxfer")
 
@@ -53,7 +53,7 @@ class SchedulerHalf:
         self.block_size = block_size
         self.pool = None
         if config.store is not None:
-            from .vllm_pool import PoolPlanner
+            from .pool import PoolPlanner
 
             self.pool = PoolPlanner(config, vllm_config, block_size)
         self.kv_cache_manager = None  # bound by the connector (block ids of running requests)

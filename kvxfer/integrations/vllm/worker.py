@@ -1,9 +1,9 @@
 """The connector's worker half: one kvxfer Agent per rank, never blocking a step.
 
 Each tensor-parallel rank runs its own agent on its own slice of the pool (its kv
-heads, :mod:`.vllm_tp`), named ``vllm-<role>-<engine>-tp<rank>of<size>``.
+heads, :mod:`.tp`), named ``vllm-<role>-<engine>-tp<rank>of<size>``.
 
-P: each :class:`SendSpec` becomes an :class:`.vllm_outbound.Outbound` that serves
+P: each :class:`SendSpec` becomes an :class:`.outbound.Outbound` that serves
 every D rank holding some of this rank's heads -- as a whole after the forward
 (``wait_for_save``), or, for a layer-by-layer request, one layer at a time from
 ``save_kv_layer`` as the forward writes it. The agent's ``on_release`` (a send's
@@ -21,7 +21,7 @@ recomputes or fails the request per ``kv_load_failure_policy`` (a failure on any
 fails the request). A recv one of whose P ranks disconnected before delivering is
 cancelled at once rather than left to its timeout.
 
-With ``store`` configured, a :class:`.vllm_pool.PoolMover` beside the agent loads
+With ``store`` configured, a :class:`.pool.PoolMover` beside the agent loads
 pool hits before the forward and puts computed blocks after it (never waiting);
 their ends are reported through the same results as the agent's transfers.
 """
@@ -62,15 +62,15 @@ class WorkerHalf:
         self.stats = {"sends": 0, "recvs": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
         self.pool = None
         if config.store is not None:
-            from .vllm_pool import PoolMover
+            from .pool import PoolMover
 
             self.pool = PoolMover(config, self._wake)
 
     # ---- setup -----------------------------------------------------------------------
     def register(self, kv_caches: dict, vllm_config, tp_rank: int = 0, tp_size: int = 1) -> None:
-        from .. import Agent, AgentConfig
-        from .vllm_layout import cpu_layout
-        from .vllm_tp import agent_name, rank_heads, rank_listen
+        from ... import Agent, AgentConfig
+        from .layout import cpu_layout
+        from .tp import agent_name, rank_heads, rank_listen
 
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
@@ -105,7 +105,7 @@ class WorkerHalf:
 
     # ---- P ---------------------------------------------------------------------------------
     def _outbound(self, spec):
-        from .vllm_outbound import Outbound
+        from .outbound import Outbound
 
         old = self._out.get(spec.request_id)
         if old is not None:  # a preempted request prefilled again: the old sends were cancelled
@@ -172,8 +172,8 @@ class WorkerHalf:
         return peer
 
     def post_recvs(self, specs) -> None:
-        from ..errors import KVXferError
-        from .vllm_tp import RankInfo, check_pair, overlapping, whole
+        from ...errors import KVXferError
+        from .tp import RankInfo, check_pair, overlapping, whole
 
         lo, hi = self.heads
         for spec in specs:

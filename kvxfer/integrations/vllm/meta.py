@@ -38,7 +38,7 @@ class RecvSpec:
     remote_request_id: str
     block_ids: tuple
     skip_blocks: int
-    # P's ranks (vllm_tp.RankInfo, rank order); each D rank loads from those holding its heads
+    # P's ranks (tp.RankInfo, rank order); each D rank loads from those holding its heads
     ranks: tuple = ()
     remote_kv_heads: int = 0  # P's model's kv heads (0: a TP 1 P that did not say)
     error: str = ""  # P's params could not be read: the load fails with this
@@ -51,7 +51,7 @@ class XferMeta(KVConnectorMetadata):
     # the step schedules no tokens: the worker may sleep (up to idle_wait_ms) for a
     # transfer to end instead of returning at once into the engine's next empty step
     idle: bool = False
-    # the KV pool (kv_connector_extra_config.store; vllm_pool.py)
+    # the KV pool (kv_connector_extra_config.store; pool.py)
     # P: layer-by-layer streams to cancel (the request was aborted)
     cancels: list = field(default_factory=list)
     # P: wire ids of remote-decode requests whose prompt this step's forward completes

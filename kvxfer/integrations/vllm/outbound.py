@@ -9,7 +9,7 @@ under a P TP 1: two ranks, half each). An :class:`Outbound` serves them all:
 - each other D rank whose recv waits here (``agent.pending_recvs()``) gets a send of
   its own (``agent.send(peer, ...)``; a stream gets every layer written so far);
 - when a send ends ``done``, the heads its D rank holds (named in its agent's name,
-  :func:`.vllm_tp.heads_of_peer`) count as covered; while ``own`` is not covered and
+  :func:`.tp.heads_of_peer`) count as covered; while ``own`` is not covered and
   the lease time is not spent, a catch-all is armed again for the D ranks still to come.
 
 It is settled -- the blocks may go back to vLLM -- once every send's lease was released
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .vllm_tp import covers, heads_of_peer
+from .tp import covers, heads_of_peer
 
 log = logging.getLogger("vllm.kvxfer")
 
@@ -144,7 +144,7 @@ class Outbound:
     def _call(self, fn, key=_NO_KEY):
         """Run one agent call; a call that opens a send (``key`` given) records its
         handle and its lease. A refusal fails the request on this rank (logged)."""
-        from ..errors import KVXferError
+        from ...errors import KVXferError
 
         try:
             handle = fn()

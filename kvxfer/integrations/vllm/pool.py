@@ -49,7 +49,7 @@ def model_salt(vllm_config, extra: str = "") -> bytes:
     dtype and cache dtype, layer, kv-head and head-size counts, block size, the CPU
     attention kernel path (its K layout) and ``extra`` (e.g. a weights digest). The same
     on every host and process; no per-process hash seed."""
-    from .vllm_layout import attention_path
+    from .layout import attention_path
 
     m, p = vllm_config.model_config, vllm_config.parallel_config
     block = vllm_config.cache_config.block_size
@@ -62,7 +62,7 @@ def model_salt(vllm_config, extra: str = "") -> bytes:
 
 def open_store(config, *, staging_bytes: int = 64 << 20):
     """A :class:`kvxfer.KVStore` on ``config.store`` (an etcd URL or node addresses)."""
-    from ..store import KVStore
+    from ...store import KVStore
 
     where = {"discovery": config.store} if isinstance(config.store, str) else {"nodes": list(config.store)}
     return KVStore(**where, secret=config.secret, timeout=config.store_timeout, staging_bytes=staging_bytes)
@@ -94,8 +94,8 @@ class PoolPlanner:
 
     def match(self, request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own prefix hits) the pool holds."""
-        from ..errors import KVXferError
-        from ..store import block_keys
+        from ...errors import KVXferError
+        from ...store import block_keys
 
         prompt = request.prompt_token_ids
         track = self._tracked.get(request.request_id)
@@ -134,7 +134,7 @@ class PoolPlanner:
         """Queue puts of the blocks this step fills, prompt or generated tokens
         (``num_scheduled_tokens``: request id -> tokens computed this step;
         ``block_ids_of(request id)``: its blocks)."""
-        from ..store import extend_keys
+        from ...store import extend_keys
 
         for req_id, n in num_scheduled_tokens.items():
             track = self._tracked.get(req_id)
@@ -212,7 +212,7 @@ class PoolMover:
         handle.add_done_callback(ended)
 
     def post_loads(self, specs) -> None:
-        from ..errors import KVXferError
+        from ...errors import KVXferError
 
         for spec in specs:
             try:
@@ -225,7 +225,7 @@ class PoolMover:
             self._watch("load", spec.request_id, handle, len(spec.keys))
 
     def post_puts(self, specs) -> None:
-        from ..errors import KVXferError
+        from ...errors import KVXferError
 
         for spec in specs:
             n = len(spec.keys)

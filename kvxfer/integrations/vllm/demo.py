@@ -1,6 +1,6 @@
 """``make demo-vllm``: SmolLM2 exported to HF format, ``vllm serve`` P and D with
 KVXferConnector, the kvxfer proxy in front, one chat answer streamed through the
-``openai`` client, everything stopped. Run: ``python -m kvxfer.integrations.vllm_demo``.
+``openai`` client, everything stopped. Run: ``python -m kvxfer.integrations.vllm.demo``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from ..secrets import SECRET_ENV, load_secret
+from ...secrets import SECRET_ENV, load_secret
 
 START_TIMEOUT_S = 900.0
 # Two engines on a small CPU: one OpenMP thread each, unbound (vLLM CPU's default binds
@@ -60,7 +60,7 @@ def _wait(url: str, procs: list, deadline: float) -> None:
 def main() -> int:
     from openai import OpenAI
 
-    from .hf_export import export_hf
+    from ..hf_export import export_hf
 
     work = tempfile.mkdtemp(prefix="kvxfer-vllm-demo-")
     model = export_hf(os.path.join(work, "smollm2-hf"), dtype="float32")

@@ -56,12 +56,14 @@ def fill_block(layout, block: int, value: int) -> None:
 
 
 def start_node(*, port: int = 0, capacity: str = "16M", slot: str = "64K", extra=(), secret=SECRET,
-               timeout: float = 120.0):
-    """``kvxfer store`` in its own process; returns ``(proc, "host:port")``."""
+               timeout: float = 120.0, wrap=None, stderr=subprocess.DEVNULL):
+    """``kvxfer store`` in its own process; returns ``(proc, "host:port")``. ``wrap``: a
+    function of the command (argv) that returns the one to run instead (e.g. in a mount
+    namespace); ``stderr``: where its log goes."""
     env = {**os.environ, "KVXFER_SECRET": secret.decode()}
     cmd = [sys.executable, "-m", "kvxfer.cli", "store", "--listen", f"127.0.0.1:{port}", "--capacity", capacity,
            "--slot-size", slot, "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    proc = subprocess.Popen(wrap(cmd) if wrap else cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
                             start_new_session=True)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)

@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
                         "power loss may lose the last records")
     p.add_argument("--no-direct-io", action="store_true", help="buffered disk I/O even where O_DIRECT works")
     p.add_argument("--writeback-queue", type=parse_size, default=None, metavar="SIZE",
-                   help="DRAM write-back may hold at once, and keeps free (default: 1/8 of --capacity, at most 1G)")
+                   help="DRAM chunks write-back may hold at once; twice this is kept free (default: 1/16 of "
+                        "--capacity, at most 512M)")
     p.add_argument("--flush-timeout", type=float, default=30.0, metavar="S",
                    help="at SIGTERM, seconds to spend writing DRAM's objects to disk (default 30; 0: none)")
     p.add_argument("--log-level", default="info")
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                                             "replicas": args.replicas}), ttl_s=args.ttl)
         log.info("store node %s listening on %s: %d slots of %d B", node.name, node.address,
                  node.index.num_slots, node.index.slot_bytes)
+        print(f"kvxfer store listening on {node.address}", flush=True)
         st = node.stats()
         if disk is not None:  # what the disk tier holds (recovered), or why there is none
             print(f"kvxfer store disk tier {disk.path}: " + (
@@ -124,7 +126,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{st['disk_recovery_s']:.3f} s, {st['disk_capacity_bytes'] / 1e9:.2f} GB, "
                 f"{'O_DIRECT' if st['disk_direct'] else 'buffered I/O'}" if st["disk_state"] == "ok"
                 else f"unavailable ({st.get('disk_error') or st['disk_state']}): serving DRAM only"), flush=True)
-        print(f"kvxfer store listening on {node.address}", flush=True)
         if metrics is not None:
             print(f"kvxfer store metrics on http://{args.metrics.rpartition(':')[0]}:{mport}/metrics", flush=True)
         while not stop.wait(1.0):

@@ -53,6 +53,7 @@ from .members import check_address
 from .objects import ObjectFormat, checksum
 from .placement import Placement
 from .results import OpReport
+from .tiers import TIER_COUNTS
 from ..transport.base import LOOKUP_MAX_KEYS
 from .protocol import MAX_KEYS, NO_CRC, Req
 
@@ -872,12 +873,13 @@ class KVStore:
     # ---- stats / lifecycle -------------------------------------------------------------
     def stats(self) -> dict:
         """The pool's counters summed over the live nodes (``hits``, ``misses``,
-        ``evictions``, ``bytes_used``, ``capacity_bytes``, ``objects``, ...), ``nodes``
+        ``evictions``, ``bytes_used``, ``capacity_bytes``, ``objects``, ..., and per tier:
+        :data:`~kvxfer.store.tiers.TIER_COUNTS`), ``nodes``
         (reachable now), ``nodes_down``, ``per_node`` (each node's own), and ``client``
         (this client's: puts, objects put/present/skipped, part conflicts, gets, misses,
         checksum failures)."""
         total = {k: 0 for k in ("hits", "misses", "evictions", "bytes_used", "capacity_bytes", "objects",
-                                "pending", "spares", "pins", "bad_objects")}
+                                "pending", "spares", "pins", "bad_objects", *TIER_COUNTS)}
         per_node = {}
         for addr in self._live():
             try:

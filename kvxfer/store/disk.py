@@ -66,7 +66,8 @@ class DiskConfig:
     ``threads``: I/O threads (1..64); ``sync``: ``fdatasync`` data and journal before an
     object counts as written (a host's power loss keeps it; a killed process is safe
     without); ``direct``: ``O_DIRECT`` where the file system takes it; ``queue_bytes``:
-    DRAM chunks write-back may hold at once (None: an eighth of DRAM, at most 1 GiB);
+    DRAM chunks write-back may hold at once (None: a sixteenth of DRAM, at most 512 MiB;
+    the node keeps twice that free);
     ``flush_s``: at shutdown, how long to spend writing DRAM's objects to disk (0: none);
     ``promote_timeout_s``: how long a get waits for objects read back from disk.
     """

@@ -48,7 +48,9 @@ Hooks for a second tier (:mod:`kvxfer.store.tiers`): ``on_evict(obj, hold)`` is 
 each evicted object before it leaves the index; with ``hold`` (an eviction that makes
 room ahead of need) it may keep the object's chunk for a while by taking a pin
 (``obj.pins += 1``, counted in ``held_bytes``) and give it back with :meth:`SlotIndex.unhold`;
-without ``hold`` (a chunk is needed now) the chunk is freed at once. ``elsewhere(key)``
+without ``hold`` (a chunk is needed now) the chunk is freed at once. ``can_hold(obj)``,
+asked before each eviction ahead of need, may say wait (the second tier cannot take it
+yet): the trim stops there and goes on at :meth:`SlotIndex.trim`. ``elsewhere(key)``
 says whether another tier holds ``key`` (a reserve of it is then a no-op: PRESENT).
 
 Not thread-safe: a node's one I/O thread owns it. Times are ``time.monotonic()``
@@ -134,7 +136,7 @@ class SlotIndex:
         self.watermark = max(1, int(high_watermark * self.region_bytes))  # bytes
         self.max_pending, self.max_pins = max_pending, max_pins
         self.mirror = mirror
-        self.on_evict = self.elsewhere = None  # a second tier's hooks (see the module doc)
+        self.on_evict = self.elsewhere = self.can_hold = None  # a second tier's hooks (see the module doc)
         self.held_bytes = 0  # chunk bytes of evicted objects that on_evict holds
         self._objects: OrderedDict[bytes, Obj] = OrderedDict()  # committed, LRU first
         self._pending: dict[bytes, Obj] = {}
@@ -353,10 +355,18 @@ class SlotIndex:
         return obj
 
     def publish_staged(self, obj: Obj, crc) -> None:
-        """Make staged ``obj`` readable with checksum ``crc`` (most recent; may trim)."""
+        """Make staged ``obj`` readable with checksum ``crc`` (most recent)."""
         obj.crc = crc
         self._publish(obj)
-        self._trim()
+
+    def pin_node(self, obj: Obj) -> None:
+        """A pin of the node's own (no client, no lease): ``obj`` is not evicted until :meth:`unpin_node`."""
+        obj.pins += 1
+
+    def unpin_node(self, obj: Obj) -> None:
+        obj.pins -= 1
+        if obj.pins == 0 and obj.dropped:
+            self.alloc.free(obj.offset)
 
     def unstage(self, obj: Obj) -> None:
         """Give staged ``obj`` up (its chunk is freed)."""
@@ -452,25 +462,35 @@ class SlotIndex:
         self.bytes_used += obj.nbytes
 
     def _evict_lru(self) -> bool:
-        """Ahead of need (above the watermark): the LRU unpinned object goes."""
+        """Ahead of need (above the watermark): the LRU unpinned object goes, unless a
+        second tier asks to wait (``can_hold`` false: its write-back queue is full; the
+        trim goes on as it drains, :meth:`trim`)."""
         for obj in self._objects.values():  # oldest first; pinned ones are usually recent
             if obj.pins == 0:
+                if self.can_hold is not None and not self.can_hold(obj):
+                    return False
                 self._evict(obj, hold=True)
                 return True
         return False
 
-    def _evict_for(self, nbytes: int, *, hold: bool = False) -> bool:
+    def _evict_for(self, nbytes: int) -> bool:
         """Evict what a chunk for ``nbytes`` needs now (:func:`~kvxfer.store.alloc.victims_for`);
         False: nothing can go."""
         victims = victims_for(self.alloc, self._objects.values(), nbytes, _evictable)
         for obj in victims:
-            self._evict(obj, hold=hold)
+            self._evict(obj, hold=False)
         return bool(victims)
 
     def make_room(self, nbytes: int) -> bool:
         """Evict, ahead of need, what a chunk for ``nbytes`` needs (a second tier may hold
-        the chunks a while: retry the allocation as they come back); False: nothing can go."""
-        return self._evict_for(nbytes, hold=True)
+        the chunks a while: retry the allocation as they come back); False: nothing can
+        go, or not yet (``can_hold`` says wait)."""
+        victims = victims_for(self.alloc, self._objects.values(), nbytes, _evictable)
+        if not victims or (self.can_hold is not None and not all(self.can_hold(o) for o in victims)):
+            return False
+        for obj in victims:
+            self._evict(obj, hold=True)
+        return True
 
     def _remove(self, obj: Obj) -> None:
         """Take a committed object out of the index; free its chunk unless pinned."""
@@ -517,6 +537,10 @@ class SlotIndex:
         self._pending[obj.key] = obj
         self._pending_by[obj.owner] = self._pending_by.get(obj.owner, 0) + 1
         return obj
+
+    def trim(self) -> None:
+        """Evict ahead of need down to the watermark (after a second tier's queue drained)."""
+        self._trim()
 
     def _trim(self) -> None:
         """Evict LRU objects while the chunk bytes in use (less those held) exceed the watermark."""

@@ -119,11 +119,13 @@ class StoreNode:
         self.node_id = uuid.uuid4().hex
         host, port = split_address(listen)
         self.buffer = kvxfer.shared_empty(self.index.region_bytes)  # uint8 [region_bytes]: the chunks
-        queue = (disk.queue_bytes if disk and disk.queue_bytes is not None else min(self.index.region_bytes // 8, 1 << 30))
+        queue = (disk.queue_bytes if disk and disk.queue_bytes is not None
+                 else min(self.index.region_bytes // 16, 512 << 20))
         self.tiers = Tiers(self.index, self.buffer.data_ptr(), self.keys, self._open_disk(disk, slot_bytes),
                            queue_bytes=queue, promote_timeout_s=disk.promote_timeout_s if disk else 1.0)
-        if self.tiers.disk is not None:  # evictions run a write-back queue ahead: that much is kept free
-            self.index.watermark = max(1, min(self.index.watermark, self.index.region_bytes - queue))
+        if self.tiers.disk is not None:  # twice the write-back queue is kept free: for the writes in
+            # flight, and for the puts that come meanwhile
+            self.index.watermark = max(1, min(self.index.watermark, self.index.region_bytes - 2 * queue))
         self._backend = make_backend(backend, listen_host=host)
         try:
             self._region = self._backend.register_tensor(self.buffer)
@@ -433,11 +435,11 @@ class StoreNode:
                 continue
             self._waiting.remove(w)
             c = w.client
-            if self._clients.get(c.owner) is not c or c.waiting is not w:
-                continue
-            c.waiting = None
-            c.out += encode(REPLY, self._get_reply(c, w.rid, w.fields, now, w.promoted))
-            self._flush(c)
+            if self._clients.get(c.owner) is c and c.waiting is w:
+                c.waiting = None
+                c.out += encode(REPLY, self._get_reply(c, w.rid, w.fields, now, w.promoted))
+                self._flush(c)
+            self.tiers.answered(w)
 
     def _too_large(self, rid: int, nbytes: int) -> dict:
         self.num_bad_requests += 1
@@ -475,4 +477,5 @@ class StoreNode:
         c.sock.close()
         if c.waiting is not None and c.waiting in self._waiting:
             self._waiting.remove(c.waiting)
+            self.tiers.answered(c.waiting)
         self.index.forget_owner(c.owner)

@@ -34,7 +34,15 @@ from .protocol import NO_CRC
 
 log = logging.getLogger("kvxfer.store")
 
-__all__ = ["Tiers", "PendingGet"]
+__all__ = ["Tiers", "PendingGet", "TIER_COUNTS"]
+
+# the per-tier figures of a node's stats() that add up over nodes (KVStore.stats() sums them)
+TIER_COUNTS = ("dram_hits", "disk_hits", "dram_evictions", "disk_evictions", "dram_objects", "disk_objects",
+               "dram_bytes_used", "disk_bytes_used", "dram_capacity_bytes", "disk_capacity_bytes",
+               "writeback_queue", "writeback_queue_bytes", "writeback_objects", "writeback_bytes", "writeback_drops",
+               "writeback_rescues", "disk_promotions", "disk_promote_failures", "disk_bad_objects",
+               "disk_full_drops", "disk_errors", "disk_recovered", "disk_recovered_bytes", "disk_bytes_written",
+               "disk_bytes_read")
 
 
 @dataclass(eq=False)
@@ -44,7 +52,8 @@ class _Promotion:
     obj: object = None  # its DRAM chunk (a staged Obj) once one was had
     done: bool = False
     ok: bool = False
-    waiters: list = field(default_factory=list)  # PendingGets
+    waiters: list = field(default_factory=list)  # PendingGets waiting for it to end
+    holds: int = 0  # PendingGets not answered yet: the object stays pinned in DRAM for them
 
 
 @dataclass(eq=False)
@@ -56,6 +65,7 @@ class PendingGet:
     deadline: float
     remaining: int = 0
     promoted: set = field(default_factory=set)  # keys read back from disk for it
+    promos: list = field(default_factory=list)  # their _Promotions
 
 
 class Tiers:
@@ -82,6 +92,7 @@ class Tiers:
         index.mirror = self
         if disk is not None:
             index.on_evict, index.elsewhere, disk.on_gone = self._on_evict, self._elsewhere, self._disk_gone
+            index.can_hold = self._can_hold
             for key in disk.objects:  # recovered: published like any other key
                 keys.add(key)
 
@@ -107,6 +118,11 @@ class Tiers:
             self.keys.remove(key)
 
     # ---- write-back ------------------------------------------------------------------------
+    def _can_hold(self, obj) -> bool:
+        """An eviction ahead of need waits while the write-back queue has no room for ``obj``
+        (it would be dropped); a tier that takes no writes does not hold it up."""
+        return not self.disk.writable or self._queued + chunk_bytes(obj.nbytes) <= self.queue_bytes
+
     def _on_evict(self, obj, hold: bool) -> bool:
         """The index evicts ``obj``: start writing it to disk (keeping its chunk) when it may."""
         chunk = chunk_bytes(obj.nbytes)
@@ -155,7 +171,9 @@ class Tiers:
                 pending.promoted.add(key)
                 if not p.done:
                     pending.remaining += 1
+                    pending.promos.append(p)
                     p.waiters.append(pending)
+                    p.holds += 1
         return pending if pending is not None and pending.remaining else None
 
     def rescue(self, key: bytes) -> bool:
@@ -172,6 +190,15 @@ class Tiers:
     def take_ready(self) -> list:
         out, self._ready = self._ready, []
         return out
+
+    def answered(self, pending: PendingGet) -> None:
+        """``pending`` was answered (or its client left): the objects read back for it
+        are no longer kept in DRAM on its account."""
+        for p in pending.promos:
+            p.holds -= 1
+            if p.holds == 0 and p.ok:
+                self.index.unpin_node(p.obj)
+        pending.promos = []
 
     def _start(self, p: _Promotion) -> None:
         """Give promotion ``p`` a DRAM chunk and start its read (or queue it for a chunk)."""
@@ -213,14 +240,17 @@ class Tiers:
         for kind, dobj, ctx, ok in self.disk.poll():
             if kind == "write":
                 self._write_ended(ctx, dobj, ok)
-            elif ok:  # a promotion's bytes check: DRAM's now, the disk's copy goes
+            elif ok:  # a promotion's bytes check: DRAM's now (pinned until its gets were answered)
                 self.index.publish_staged(ctx.obj, dobj.crc)
-                self.disk.remove(dobj)
+                if ctx.holds:
+                    self.index.pin_node(ctx.obj)
+                self.disk.remove(dobj)  # the disk's copy goes
                 self.promotions += 1
                 self._end(ctx, True)
             else:
                 self.index.unstage(ctx.obj)
                 self._end(ctx, False)
+        self.index.trim()  # the queue drained some: evictions ahead of need go on
         if self._want_chunk:
             waiting, self._want_chunk = self._want_chunk, []
             for p in waiting:
@@ -246,6 +276,7 @@ class Tiers:
         if self.disk is None:
             return
         self.disk.check(now)
+        self.index.trim()
         if self._want_chunk and not (self._queued or self.disk.jobs):
             waiting, self._want_chunk = self._want_chunk, []
             for p in waiting:

@@ -54,6 +54,14 @@ def test_distserve_capacity_engine_and_links():
         1: 66144, 2: 163008, 4: 356736}  # max_num_tokens.csv at pp 1
     assert prof.at_tp(2).default_num_blocks(1024) == 163008 // 16
     assert prof.engine["handoff"] == "after-prefill" and prof.engine["modes"] == ["split"]
+    from kvxfer.sim.replay import RunOptions
+
+    # DistServe's engine has no chunked prefill: whole prompts, its 8,192-token batches
+    assert RunOptions().engine_fields(prof)["schedule"] == "prefill-first"
+    assert RunOptions().engine_fields(prof)["max_num_batched_tokens"] == 8192
+    vllm = load_profile("a100-opt13b-vllm")
+    assert RunOptions().engine_fields(vllm)["schedule"] == "mixed"
+    assert RunOptions(chunked_prefill=False).engine_fields(vllm)["max_num_batched_tokens"] == 16384
     assert load_profile("a100-opt13b-vllm").engine["modes"] == ["colocated", "split"]
     assert prof.link_between(True).bandwidth_bytes_per_s > 20 * prof.link_between(False).bandwidth_bytes_per_s
     assert "Apache-2.0" in prof.licence and "82831f16" in prof.source

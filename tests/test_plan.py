@@ -259,9 +259,14 @@ def test_plan_cli_pruned_and_exhaustive_agree_and_write_per_gpu_rates(tmp_path):
     docs = {}
     for mode in ("pruned", "exhaustive"):
         out = tmp_path / f"{mode}.json"
-        p = _kvxfer(*common, *(["--exhaustive"] if mode == "exhaustive" else []), "--json", out)
+        extra = ["--exhaustive"] if mode == "exhaustive" else ["--plot", tmp_path / "plots"]
+        p = _kvxfer(*common, *extra, "--json", out)
         assert p.returncode == 0, p.stderr
         docs[mode] = json.loads(out.read_text())
+    assert (tmp_path / "plots" / "attainment_vs_per_gpu_rate.png").stat().st_size > 0
+    curves = docs["pruned"]["curves"]  # attainment against the rate per GPU, run to the end
+    assert docs["pruned"]["best"] in curves and all(
+        len(points) == 8 and all(0 <= p["attainment"] <= 1 for p in points) for points in curves.values())
     assert docs["pruned"]["best"] == docs["exhaustive"]["best"] is not None
     assert docs["pruned"]["runs"] < docs["exhaustive"]["runs"]
     full = {c["name"]: c for c in docs["exhaustive"]["configs"]}

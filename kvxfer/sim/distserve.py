@@ -22,7 +22,8 @@ each term comes from in the profile's ``terms``:
 - ``a_mixed`` = 0 (neither engine ran mixed steps).
 
 The engines' scheduling (the profile's ``engine``) is as their evaluation ran them:
-DistServe's prefill instance batches whole prompts (8,192 tokens at most), its decode
+DistServe's prefill instance batches whole prompts (8,192 tokens at most; it has no
+chunked prefill, so its profiles run whole prompts whatever is asked), its decode
 instance runs every admitted request each step (1,024 at most), takes a prompt's KV
 once prefilled when it has the blocks, and swaps the newest request out when it runs
 out (over PCIe, 25 GB/s a GPU); vLLM (early 2024) runs whole prompts first, 16,384
@@ -55,7 +56,7 @@ PCIE_BYTES_PER_S = 25e9  # one A100's PCIe 4.0 x16 to host, of 32 GB/s peak: Dis
 ENGINES = {
     "distserve": {"name": "DistServe (OSDI'24): prefill and decode instances", "modes": ["split"],
                   "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
-                  "chunked_prefill_tokens": 2048, "handoff": "after-prefill",
+                  "chunked_prefill": False, "handoff": "after-prefill",
                   "preemption": "swap", "swap_bytes_per_s": PCIE_BYTES_PER_S},
     "vllm": {"name": "vLLM of early 2024 (no chunked prefill)", "modes": ["colocated", "split"],
              "max_num_seqs": 1024, "max_num_batched_tokens": 16384,

@@ -40,13 +40,15 @@ HANDOFFS = ("reserve-first", "after-prefill")
 #   name: which engine; modes: the configurations it runs (colocated, split);
 #   max_num_seqs, max_num_batched_tokens: its batch limits without chunked prefill
 #   (a step's whole prompts); chunked_prefill_tokens: its token budget with it;
+#   chunked_prefill: False where the engine has none (whole prompts whatever is asked);
 #   handoff: reserve-first (kvxfer: the decode worker reserves the prompt's blocks before
 #   the prefill starts) or after-prefill (DistServe: the decode instance takes the KV
 #   once prefilled, when it has room; the prefill instance holds it meanwhile)
 #   preemption: what a decode out of blocks does (recompute, or swap over swap_bytes_per_s,
 #   one GPU's host link)
 ENGINE_FIELDS = ("name", "modes", "max_num_seqs", "max_num_batched_tokens",
-                 "chunked_prefill_tokens", "handoff", "preemption", "swap_bytes_per_s")
+                 "chunked_prefill_tokens", "chunked_prefill", "handoff", "preemption",
+                 "swap_bytes_per_s")
 DEFAULT_ENGINE = {"name": "kvxfer", "modes": list(MODES), "handoff": "reserve-first",
                   "preemption": "recompute"}
 
@@ -78,6 +80,8 @@ def check_engine(raw: dict) -> dict:
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill_tokens"):
         if key in out:
             _positive_int(out[key], f"engine {key}")
+    if not isinstance(out.get("chunked_prefill", True), bool):
+        raise ValueError("profile engine chunked_prefill is true or false")
     if out["preemption"] not in ("recompute", "swap"):
         raise ValueError(f"profile engine preemption is recompute or swap, got {out['preemption']!r}")
     if out["preemption"] == "swap" and not (isinstance(out.get("swap_bytes_per_s"), (int, float))

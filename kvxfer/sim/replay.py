@@ -77,14 +77,16 @@ class RunOptions:
     def engine_fields(self, profile) -> dict:
         """The :class:`ServeConfig` engine fields for ``profile``: what is given, else the
         profiled engine's (``max_num_seqs``; ``chunked_prefill_tokens`` or, without chunked
-        prefill, ``max_num_batched_tokens``), else kvxfer's engine defaults."""
+        prefill, ``max_num_batched_tokens``), else kvxfer's engine defaults. An engine
+        without chunked prefill (DistServe's) runs whole prompts whatever is asked."""
         eng = profile.engine
-        budget = eng.get("chunked_prefill_tokens" if self.chunked_prefill
-                         else "max_num_batched_tokens", EngineConfig.max_num_batched_tokens)
+        chunked = self.chunked_prefill and eng.get("chunked_prefill", True)
+        budget = eng.get("chunked_prefill_tokens" if chunked else "max_num_batched_tokens",
+                         EngineConfig.max_num_batched_tokens)
         fields = dict(num_blocks=self.num_blocks,
                       max_num_seqs=self.max_num_seqs or eng.get("max_num_seqs", EngineConfig.max_num_seqs),
                       max_num_batched_tokens=self.max_num_batched_tokens or budget,
-                      schedule="mixed" if self.chunked_prefill else "prefill-first")
+                      schedule="mixed" if chunked else "prefill-first")
         if self.sim_devices is not None:
             fields.update(engine="sim", profile=profile.name, sim_devices=self.sim_devices)
         return fields

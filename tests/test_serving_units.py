@@ -156,16 +156,20 @@ def test_serve_cli_passes_the_connection_limits_to_uvicorn():
     serve.add_parser(parser.add_subparsers())
     config = serve.config_from_args(parser.parse_args(
         ["serve", "--header-timeout", "3", "--body-timeout", "4.5", "--keep-alive-timeout", "2",
-         "--limit-concurrency", "64"]))
+         "--limit-concurrency", "64", "--max-connections-per-source", "8"]))
     opts = uvicorn_options(config)
-    assert (opts["timeout_keep_alive"], opts["limit_concurrency"]) == (2.0, 64)
+    # uvicorn's own limit (503 to everything) is off: kvxfer's admission and HTTPGuard bound them
+    assert (opts["timeout_keep_alive"], opts["limit_concurrency"]) == (2.0, None)
+    admission = opts["http"].admission
+    assert (admission.max_connections, admission.max_per_source) == (64, 8)
     assert opts["http"].__name__.startswith("HeaderDeadline")
     assert (config.header_timeout_s, config.body_timeout_s) == (3.0, 4.5)
-    defaults = uvicorn_options(ServeConfig())
-    assert (defaults["timeout_keep_alive"], defaults["limit_concurrency"]) == (5.0, 512)
+    defaults = uvicorn_options(ServeConfig(), fd_limit=200)
+    assert defaults["timeout_keep_alive"] == 5.0
+    assert (defaults["http"].admission.max_connections, defaults["http"].admission.max_per_source) == (136, 64)
     for bad in (dict(header_timeout_s=0), dict(body_timeout_s=float("inf")),
                 dict(keep_alive_timeout_s=float("nan")), dict(header_timeout_s=True),
-                dict(limit_concurrency=0), dict(limit_concurrency=1.5)):
+                dict(limit_concurrency=0), dict(limit_concurrency=1.5), dict(max_connections_per_source=0)):
         with pytest.raises(ValueError):
             ServeConfig(**bad)
 

@@ -208,6 +208,7 @@ def protocol_class(header_timeout_s: float, base: type | None = None,
                     and not self.transport.is_closing():
                 self.transport.close()
 
+    HeaderDeadlineProtocol.admission = admission  # what its connections are admitted by (None: everything)
     HeaderDeadlineProtocol.__name__ = f"HeaderDeadline{base.__name__}"
     return HeaderDeadlineProtocol
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ..errors import KVXferError
 from ..store import index as ix
+from ..store.alloc import chunk_bytes
 from ..store.placement import Placement
 from .link import NicQueue
 
@@ -92,7 +93,9 @@ class VirtualStore:
         self.block_bytes = profile.block_bytes
         self.now = now
         names = [f"store{i}" for i in range(spec.num_nodes)]
-        self.nodes = {n: ix.SlotIndex(spec.blocks_per_node, self.block_bytes) for n in names}
+        # capacity: blocks_per_node chunks of one block each
+        self.nodes = {n: ix.SlotIndex(spec.blocks_per_node * chunk_bytes(self.block_bytes), self.block_bytes)
+                      for n in names}
         self.ingress = {n: NicQueue(profile.link) for n in names}  # puts
         self.egress = {n: NicQueue(profile.link) for n in names}  # gets
         self.placement = Placement(names)

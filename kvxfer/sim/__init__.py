@@ -12,7 +12,8 @@ for the modelled time). Everything else a simulated worker runs is the real serv
 
 The planner (no processes, no sleeping): ``configs`` (the configuration names,
 ``xPyD@A,B``) -> ``virtual_worker`` and ``vclock`` (a cluster of them on a virtual
-clock, running the real scheduler, router and rebalancer; ``store`` its KV pool) ->
+clock, running the real scheduler, router and rebalancer; ``handoff`` the KV's way from
+a prefill worker to a decode worker, ``store`` its KV pool) ->
 ``replay`` (a trace slice replayed on one configuration, scored as ``kvxfer loadgen``
 scores) -> ``plan`` (each configuration's capacity per GPU under an SLO, and the search).
 """

@@ -15,16 +15,11 @@ scores. What runs is the serving code itself, each worker with its own:
 - its tensor-parallel degree (``ServeConfig.tp_degrees``, the configuration's ``@K``
   suffix): the profile's fit at that degree (:meth:`~kvxfer.sim.profile.Profile.at_tp`)
   and, unless ``config.num_blocks`` is set, its KV capacity as the pool;
-- :class:`~kvxfer.sim.link.NicQueue` for the P->D transfer, ``tp`` GPUs' links wide, over
-  the profile's ``node_link`` (NVLink) between workers on one node and its ``link``
-  across nodes (workers' GPUs laid out on nodes in order,
-  :func:`~kvxfer.sim.virtual_worker.place_on_nodes`): egress on the prefill worker frees
-  its blocks at the modelled end; ingress on the decode worker, booked when the send is
-  posted, decides when decoding starts, as ``--engine sim`` does. The decode worker
-  reserves the prompt's blocks before its prefill starts (kvxfer's order), or, with a
-  profile whose engine hands KV over ``after-prefill`` (DistServe's), is picked once the
-  prompt is prefilled and takes the KV when it has the blocks, the prefill worker
-  holding them meanwhile;
+- the P->D handoff (:mod:`kvxfer.sim.handoff`): the profile's links, ``tp`` GPUs wide,
+  NVLink within a node and the network across (workers' GPUs laid out on nodes in
+  order, :func:`~kvxfer.sim.virtual_worker.place_on_nodes`), in kvxfer's order (the
+  decode worker reserves the prompt's blocks first) or DistServe's (it takes the KV
+  once prefilled, when it has the blocks);
 - with a KV pool (``store``, as ``kvxfer serve --store``): the workers' own
   :class:`~kvxfer.serving.workers.pool.PrefillPool` over :mod:`kvxfer.sim.store` (the
   store nodes' real index and placement): a prompt admitted on a prefill worker loads
@@ -64,21 +59,23 @@ from ..serving.engine.block_manager import HashChain
 from ..serving.engine.config import EngineConfig
 from ..serving.engine.runtime import finish_reason
 from ..serving.engine.sampling import SamplingParams
-from ..serving.engine.sequence import Sequence, SequenceStatus
+from ..serving.engine.sequence import Sequence
 from ..serving.server.adaptive_policy import Observation, PolicyState, attainment, changed, decide
-from ..serving.server.dispatch import prefill_queue_full, usable
+from ..serving.server.dispatch import prefill_queue_full
 from ..serving.server.rebalancer import SLO_WINDOW
 from ..serving.server.serve_config import ServeConfig
 from ..serving.server.routing import make_policy
 from ..serving.server.pool_lookup import lookup_keys
 from ..serving.workers.pool import PrefillPool
 from .profile import Profile
+from .handoff import KVHandoff
 from .store import StoreSpec, VirtualStore, VirtualStoreClient
 from .virtual_worker import SimRequest, SimResult, SimWorker, gc_paused, place_on_nodes
 
 
-class VirtualCluster:
-    """The event loop over the workers of ``config`` (see the module docstring)."""
+class VirtualCluster(KVHandoff):
+    """The event loop over the workers of ``config`` (see the module docstring; the P->D
+    handoff is :class:`~kvxfer.sim.handoff.KVHandoff`'s)."""
 
     def __init__(self, config: ServeConfig, profile: Profile, *, routing: str = "least-loaded",
                  twin: ServeConfig | None = None, routed_hits: bool = True,
@@ -335,44 +332,6 @@ class VirtualCluster:
         worker.runtime.scheduler.add(seq)
         self._kick(worker)
 
-    def _try_admit_remote(self, worker: SimWorker) -> None:
-        """The decode worker's admit queue (as :mod:`kvxfer.serving.workers.decode`)."""
-        blocks = worker.runtime.blocks
-        while worker.admit_queue and blocks.can_allocate(worker.admit_queue[0]):
-            seq = worker.admit_queue.popleft()
-            r = self.requests[seq.request_id]
-            blocks.allocate(seq)
-            seq.status = SequenceStatus.PREFILLING
-            r.cached_blocks = seq.num_cached_tokens // blocks.block_size
-            if r.prefilled is not None:  # after-prefill handoff: its KV waited for these blocks
-                self._send(r.prefill, r, *r.prefilled)
-                continue
-            if seq.num_prompt_tokens - seq.num_cached_tokens < self.config.local_prefill_tokens:
-                worker.runtime.scheduler.add_allocated(seq)
-                self.routing.release(r.rid, r.prefill.name)
-                r.prefill, r.mode = None, "local"
-                self.counters["local_prefill_tokens"] += 1
-                self._kick(worker)
-                continue
-            prefill = r.prefill
-            if not usable(prefill, "prefill"):  # as the dispatcher: moved or being moved since
-                self.routing.release(r.rid, prefill.name)
-                prefill = r.prefill = self._pick("prefill", r)
-            worker.awaiting_kv[r.rid] = seq
-            pseq = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
-            pseq.hash_chain = seq.hash_chain  # one prompt: its block hashes computed once
-            self._submit_prefill(prefill, r, pseq)
-        self._publish(worker)
-
-    def _submit_prefill(self, prefill: SimWorker, r: SimRequest, pseq: Sequence) -> None:
-        prefill.inflight.add(r.rid)
-        prefill.seqs[r.rid] = pseq
-        if prefill.pool is None:  # as PrefillWorker.on_prefill
-            prefill.runtime.scheduler.add(pseq)
-        else:
-            prefill.pool.submit(pseq)
-        self._kick(prefill)
-
     # ---- workers ------------------------------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
         """Start ``worker``'s next step if it is idle and has one."""
@@ -455,86 +414,6 @@ class VirtualCluster:
         self._kick(worker)
         if worker.admit_queue:
             self._try_admit_remote(worker)
-
-    def _prefilled(self, worker: SimWorker, r: SimRequest, seq: Sequence, token: int) -> None:
-        """Token 0 on the prefill worker: streamed at once; the prompt's uncached blocks go
-        to the decode worker over the two NICs (module docstring), with the after-prefill
-        handoff once a decode worker has taken them (it holds them meanwhile)."""
-        worker.runtime.scheduler.running.remove(seq)
-        r.token_times.append(self.now)
-        self.num_waiting -= 1
-        self.routing.prefilled(r.rid)
-        r.prefill_hit_blocks = seq.num_cached_tokens // worker.runtime.block_size
-        self._watched(r, False)
-        if not self.handoff_after_prefill:
-            self._send(worker, r, seq, token)
-        elif seq.params.max_tokens == 1:  # finished at token 0: nothing to hand over
-            worker.runtime.release(seq, "length")
-            r.decode = worker
-            self._done(worker, r)
-            self._kick(worker)
-        else:  # DistServe's global scheduler picks the decode instance now
-            r.prefilled, r.decode = (seq, token), self._pick("decode", r)
-            r.decode.inflight.add(r.rid)
-            dseq = r.decode.seqs[r.rid] = Sequence(r.prompt_ids, seq.params, r.rid, ints_checked=True)
-            dseq.hash_chain = seq.hash_chain
-            r.decode.admit_queue.append(dseq)
-            self._try_admit_remote(r.decode)
-
-    def _send(self, worker: SimWorker, r: SimRequest, seq: Sequence, token: int) -> None:
-        """The prompt's uncached blocks from ``worker`` to ``r.decode``: over NVLink within a
-        node, the network across (module docstring)."""
-        r.decode.awaiting_kv.pop(r.rid, None)
-        r.prefilled = None
-        num_blocks = -(-seq.num_prompt_tokens // worker.runtime.block_size) - r.cached_blocks
-        nbytes = num_blocks * self.profile.block_bytes
-        same_node = worker.node == r.decode.node
-        _, sent_at = (worker.node_nic if same_node else worker.nic).reserve(self.now, nbytes)
-        _, landed_at = (r.decode.node_nic if same_node else r.decode.nic).reserve(self.now, nbytes)
-        r.kv_transfer_ms = (sent_at - self.now) * 1e3
-        self.counters["kv_bytes"] += nbytes
-        if worker.pool is not None:  # as PrefillWorker.tick: the put is posted after the send
-            worker.pool.put(seq)
-        self.at(sent_at, self._sent, worker, r, seq)
-        self.at(landed_at, self._landed, r, token)
-
-    def _sent(self, worker: SimWorker, r: SimRequest, seq: Sequence) -> None:
-        if worker.pool is None or not worker.pool.release(seq):  # else once its put ended
-            self._free_sent(worker, seq)
-        self.routing.release(r.rid, worker.name)
-        self._kick(worker)
-        self._maybe_switch(worker)
-
-    def _free_sent(self, worker: SimWorker, seq: Sequence) -> None:
-        """A prefill worker's sequence whose send (and put) ended leaves it."""
-        worker.runtime.release(seq, "stop")
-        del worker.seqs[seq.request_id]
-        worker.inflight.discard(seq.request_id)
-
-    def _puts_done(self, worker: SimWorker) -> None:
-        """A put of ``worker`` committed: the sequences that waited for it go (its loop's poll)."""
-        freed = worker.pool.poll()
-        for seq in freed:
-            self._free_sent(worker, seq)
-        if freed:
-            self._kick(worker)
-            self._maybe_switch(worker)
-
-    def _landed(self, r: SimRequest, token: int) -> None:
-        worker = r.decode
-        seq = worker.seqs[r.rid]
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        worker.runtime.blocks.cache_full_blocks(seq)
-        self._publish(worker)
-        seq.token_ids.append(token)
-        seq.status = SequenceStatus.DECODING
-        if finish_reason(seq, token) is not None:
-            worker.runtime.release(seq, "length")
-            self._done(worker, r)
-            self._try_admit_remote(worker)
-        else:
-            worker.runtime.scheduler.add_running(seq)
-        self._kick(worker)
 
     def _done(self, worker: SimWorker, r: SimRequest) -> None:
         del self.requests[r.rid]

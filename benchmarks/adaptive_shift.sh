@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Adaptive P/D rebalancing vs the two static 3-worker splits, on a load whose mix
-# shifts mid-run from prompt-heavy to decode-heavy (issue 13: adaptive >= the
+# shifts mid-run from prompt-heavy to decode-heavy (the target: adaptive >= the
 # better static configuration). Same cores, same requests, same SLO for each run;
 # drives benchmarks/serving_compare.sh.
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, one command on a fresh lent GPU machine (no network there):
-#   0. wheels carried in .whl/ (libucx-cu12, nixl-cu12: benchmarks/gpu_wheels.sh fetches them here) go to /tmp/site,
+#   0. wheels carried in .whl/ (libucx-cu12, nixl-cu12: benchmarks/gpu/wheels.sh fetches them here) go to /tmp/site,
 #   1. builds kvxfer._C with that machine's python3/torch,
 #   2. the GPU tests (Triton kernels vs the reference on CUDA pools, the pool-to-pool copy, regions vs driver
 #      allocations, the sm_90 compile, the stream-ordering tests, two-process CUDA IPC peers),
@@ -14,7 +14,6 @@
 #      logs.txt (every step's output). Each step has its own time limit, all of them 470 s together.
 # Usage: benchmarks/gpu_check.sh [--cpu]
 #   --cpu: the same steps on host pools (Triton interpreter, tiny shapes, vm transport): a plumbing check.
-# Device tool call: carry [".whl"], command "bash benchmarks/gpu_check.sh", timeout_s 600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=cuda
@@ -81,27 +80,27 @@ step tests 200 "$PY" -m pytest -q -ra -p no:cacheprovider "${TESTS[@]}"
 if [ "$MODE" = cuda ]; then
     step pack_bench 150 "$PY" -m kvxfer.cli bench pack --device cuda --models Llama-3-8B,SmolLM2-135M \
         --blocks 256,1024 --no-torch --json "$WORK/pack.json"
-    step overhead 60 "$PY" benchmarks/gpu_overhead.py --device cuda --json "$WORK/overhead.json"
-    step transfer 120 "$PY" benchmarks/gpu_transfer.py --device cuda --backend ucx --json "$WORK/transfer.json"
-    step transfer_cross 90 "$PY" benchmarks/gpu_transfer.py --device cuda --backend ucx --layout cross_layer \
+    step overhead 60 "$PY" benchmarks/gpu/overhead.py --device cuda --json "$WORK/overhead.json"
+    step transfer 120 "$PY" benchmarks/gpu/transfer.py --device cuda --backend ucx --json "$WORK/transfer.json"
+    step transfer_cross 90 "$PY" benchmarks/gpu/transfer.py --device cuda --backend ucx --layout cross_layer \
         --phases cuda_peer,zero_copy,pack,nixl --json "$WORK/transfer_cross.json"
     if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-        step transfer_2gpu 90 "$PY" benchmarks/gpu_transfer.py --device cuda:0 --d-device cuda:1 --backend ucx \
+        step transfer_2gpu 90 "$PY" benchmarks/gpu/transfer.py --device cuda:0 --d-device cuda:1 --backend ucx \
             --phases cuda_peer,pack,contig --json "$WORK/transfer_2gpu.json"
     fi
 else
     step pack_bench 150 "$PY" -m kvxfer.cli bench pack --device cpu --models SmolLM2-135M --blocks 16 \
         --iters 2 --no-torch --json "$WORK/pack.json"
-    step overhead 150 "$PY" benchmarks/gpu_overhead.py --device cpu --blocks 2 --json "$WORK/overhead.json"
-    step transfer 150 "$PY" benchmarks/gpu_transfer.py --device cpu --backend auto --model SmolLM2-135M \
+    step overhead 150 "$PY" benchmarks/gpu/overhead.py --device cpu --blocks 2 --json "$WORK/overhead.json"
+    step transfer 150 "$PY" benchmarks/gpu/transfer.py --device cpu --backend auto --model SmolLM2-135M \
         --tokens 128 --pool-blocks 32 --reps 2 --staging-mib 4 --json "$WORK/transfer.json"
-    step transfer_cross 150 "$PY" benchmarks/gpu_transfer.py --device cpu --backend auto --model SmolLM2-135M \
+    step transfer_cross 150 "$PY" benchmarks/gpu/transfer.py --device cpu --backend auto --model SmolLM2-135M \
         --tokens 128 --pool-blocks 32 --reps 2 --staging-mib 4 --layout cross_layer --phases zero_copy,pack \
         --json "$WORK/transfer_cross.json"
 fi
 
 for f in "$WORK"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done > "$OUTDIR/logs.txt"
-"$PY" benchmarks/gpu_summary.py "$WORK" "$MODE" "$OUTDIR" | tee "$OUTDIR/summary.txt"
+"$PY" benchmarks/gpu/summary.py "$WORK" "$MODE" "$OUTDIR" | tee "$OUTDIR/summary.txt"
 rc=${PIPESTATUS[0]}
 rm -rf "$WORK"
 exit "$rc"

@@ -1,5 +1,5 @@
 """Legitimate connects while a local process floods an agent's listener with
-half-open connections (issue 25, item 6).
+half-open connections.
 
 The attacker (its own process) keeps ``--conns`` connections open, each with a
 partial HELLO and nothing more. In ``reconnect`` mode it opens a new one as soon

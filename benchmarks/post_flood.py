@@ -1,5 +1,5 @@
 """RSS of an agent (P, the victim, its own process) while one authenticated peer (D)
-floods it with RECV_POSTs it must refuse (issue 25, item 3).
+floods it with RECV_POSTs it must refuse.
 
 Each post names ``--ids`` block ids, all outside D's advertised pool, so P refuses it
 (``InvalidDescriptor``), answers FAIL and keeps a tombstone for a later send of that
@@ -11,7 +11,7 @@ exception, its traceback and the decoded block list.
 
 Prints P's RSS at its start (agent up, pool registered, D connected), after the
 flood (P has processed every post: a real recv D posts after the flood completes),
-and after D disconnected; the figure the issue asks for is ``flood - start``.
+and after D disconnected; the figure to read is ``flood - start``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Print the markdown tables of docs/benchmarks.md from the result files in this folder,
 so the tables are exactly what the committed files hold. Run from the repository root:
 
-    python benchmarks/results/make_tables.py
+    python benchmarks/make_tables.py
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import statistics
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "results"
 
 
 def _load(name: str):

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark result files in this folder from the current code, the
 # exact commands behind the tables of docs/benchmarks.md; then prints those tables
-# (python benchmarks/results/make_tables.py). Run from the repository root with the
+# (python benchmarks/make_tables.py). Run from the repository root with the
 # kvxfer environment active and nixl-cu12 installed (make bench-compare installs it).
-# Not rerun here: serving13_*.json (benchmarks/serving_compare.sh) and adaptive13_*.json
+# Not rerun here: serving_compare_*.json (benchmarks/serving_compare.sh) and adaptive_shift*.json
 # (benchmarks/adaptive_shift.sh) take 20-60 minutes each and need the Mooncake trace; their
 # commands are in docs/benchmarks.md, "Serving" (the script writes $OUT/<label>.json, the
-# committed files add the run's prefix to <label>).
+# committed files add the script name (and the phases) before <label>).
 set -euo pipefail
 R=benchmarks/results
 export UCX_WARN_UNUSED_ENV_VARS=n
@@ -28,8 +28,7 @@ if [ "$(id -u)" = 0 ] && command -v iperf3 >/dev/null; then
     # striping: 4 lanes vs iperf3 -P 4 and NIXL's one worker, then NIXL's thread pool (large runs)
     PY=python REPS=3 LANES=4 benchmarks/tcp_netns.sh /tmp/kvxfer-tcp-lanes4
     python benchmarks/tcp_summary.py /tmp/kvxfer-tcp-lanes4 --json $R/tcp_netns_lanes4.json
-    cp /tmp/kvxfer-tcp-lanes4/ss-lanes.txt $R/tcp_netns_lanes4_ss.txt
     PY=python REPS=3 LANES=4 SMALL= NIXL_THREADS=4 NIXL_SPLIT=1 benchmarks/tcp_netns.sh /tmp/kvxfer-tcp-lanes4-nixl4
     python benchmarks/tcp_summary.py /tmp/kvxfer-tcp-lanes4-nixl4 --json $R/tcp_netns_lanes4_nixl_threads4.json
 fi
-python benchmarks/results/make_tables.py
+python benchmarks/make_tables.py

@@ -1,6 +1,6 @@
 """Measure the engine's prefill and decode speed, and the matmul dtypes on this CPU.
 
-    python -m kvxfer.serving.engine.bench --threads 1 [--model PATH.gguf] [--dtypes]
+    python benchmarks/serving_engine.py --threads 1 [--model PATH.gguf] [--dtypes]
         [--matmul-dtype auto|fp32|bf16]
 
 Prefill: one prompt of ``--prompt-len`` tokens in one step. Decode: greedy
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..model.config import MATMUL_DTYPES
+from kvxfer.serving.model.config import MATMUL_DTYPES
 
 
 def _time(fn, reps: int) -> float:
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    from ..model.attention import Chunk
-    from .config import EngineConfig
-    from .engine import Engine
+    from kvxfer.serving.model.attention import Chunk
+    from kvxfer.serving.engine.config import EngineConfig
+    from kvxfer.serving.engine.engine import Engine
 
     engine = Engine(EngineConfig(model_path=args.model, num_blocks=512, num_threads=args.threads,
                                   matmul_dtype=args.matmul_dtype))

@@ -1,6 +1,6 @@
 """One decode step of the reference model at given context lengths (decode attention cost).
 
-    taskset -c 1 python benchmarks/decode_step.py 2600,200,200,200,200,200,200,200,200,200
+    taskset -c 1 python benchmarks/diagnostics/decode_step.py 2600,200,200,200,200,200,200,200,200,200
 
 Runs ``Model.forward`` of one one-token chunk per context length (block size 16, each
 sequence on its own blocks), 3 warm-ups, then prints the median and minimum of 10 steps.

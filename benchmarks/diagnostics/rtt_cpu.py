@@ -1,14 +1,14 @@
 """CPU and garbage collection per 1-block round trip, per thread, P in its own process.
 
-The setup of ``benchmarks/rtt_trace.py`` (SmolLM2 pools, ``vm``, every send posted
+The setup of ``benchmarks/diagnostics/rtt_trace.py`` (SmolLM2 pools, ``vm``, every send posted
 first, D timing ``recv`` -> ``wait`` back to back), 2,900 timed trips after 100
 warm-up ones: user and system CPU of each agent thread per trip (from
 ``/proc/self/task/*/stat``, 10 ms ticks over ~1 s of CPU), the cyclic garbage
 collector's runs per generation on each side (``gc.callbacks``), and the round
-trip's p50/p99. A diagnostic for issue 14 item 4 (less CPU per trip is what the
+trip's p50/p99. A diagnostic of the 1-block round trip (less CPU per trip is what the
 round trip gains on a loaded machine)::
 
-    PYTHONPATH=. python benchmarks/rtt_cpu.py
+    PYTHONPATH=. python benchmarks/diagnostics/rtt_cpu.py
 """
 import multiprocessing as mp, os, sys, time, threading, gc
 SECRET = b"0123456789abcdef-rtt"

@@ -10,7 +10,7 @@ Two processes on loopback TCP, 128-byte messages, no kvxfer code:
 Run it right before/after ``kvxfer bench e2e --model smollm2-135m --rtt-iters 300`` and
 compare the round trip with these (the machine is shared; the load average is printed)::
 
-    python benchmarks/rtt_floor.py --iters 2000
+    python benchmarks/diagnostics/rtt_floor.py --iters 2000
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ Same setup as ``kvxfer bench e2e --model smollm2-135m --rtt-iters 300`` (SmolLM2
 across processes on one host) wrapped around the agent's internal steps: D's ``recv``
 call, P's read of RECV_POST, P's handling up to the write, the write, P's handling
 after it, D's read of DATA_DONE, D's completion, D's waiting thread waking. A
-diagnostic for issue 14 item 4 (it patches internal methods; run it on a quiet machine)::
+diagnostic of the 1-block round trip (it patches internal methods; run it on a quiet machine)::
 
-    PYTHONPATH=. python benchmarks/rtt_trace.py [--gap-us 1000]
+    PYTHONPATH=. python benchmarks/diagnostics/rtt_trace.py [--gap-us 1000]
 
 ``--gap-us``: D sleeps this long before each recv, as ``bench e2e`` spends its time
 between round trips clearing and checking (both agents' threads go idle meanwhile).

@@ -4,7 +4,7 @@
 // memcpy, SSE2 and AVX-512 streaming stores, SSE2 with software prefetch. Native code
 // only, no kvxfer (docs/benchmarks.md, End to end):
 //
-//   g++ -O3 -march=native -pthread benchmarks/scatter_copy.cpp -o /tmp/scatter_copy && /tmp/scatter_copy
+//   g++ -O3 -march=native -pthread benchmarks/diagnostics/scatter_copy.cpp -o /tmp/scatter_copy && /tmp/scatter_copy
 #include <immintrin.h>
 #include <sys/mman.h>
 #include <chrono>

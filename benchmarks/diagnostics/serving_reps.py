@@ -1,6 +1,6 @@
 """Per-repetition table of serving runs against the colocated run of the same repetition.
 
-    python benchmarks/serving_reps.py 723,91 /tmp/f5r1 /tmp/f5r2 /tmp/f5r3
+    python benchmarks/diagnostics/serving_reps.py 723,91 /tmp/serve_r1 /tmp/serve_r2 /tmp/serve_r3
 
 Each directory holds one repetition's ``<label>.json`` files from
 ``benchmarks/serving_compare.sh``; the first label is the baseline. Prints Markdown rows:

@@ -5,8 +5,8 @@ prompt (``TTFT_MS * max(1, words / WORDS)``: a prompt longer than the calibratio
 request may take proportionally longer), each with several TPOT SLOs. Used to ask
 whether any reasonable SLO would separate the serving modes of one run.
 
-    python benchmarks/serving_slo_sweep.py --ttft-ms 723 --words 255 --tpot-ms 91,68,57 \\
-        benchmarks/results/serving13_nice_n5r2_*.json
+    python benchmarks/diagnostics/serving_slo_sweep.py --ttft-ms 723 --words 255 --tpot-ms 91,68,57 \\
+        benchmarks/results/serving_compare_*.json
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """What the I/O loop's busy-polling (``AgentConfig.loop_spin_s``) costs in CPU.
 
-The setup of ``benchmarks/rtt_trace.py`` (SmolLM2 pools, ``vm``, P in a spawned process
+The setup of ``benchmarks/diagnostics/rtt_trace.py`` (SmolLM2 pools, ``vm``, P in a spawned process
 with every send posted first), D timing ``recv`` -> ``wait`` with ``--gap-us`` of sleep
 between round trips (as ``bench e2e`` spends ~0.5 ms clearing and checking). Reported,
 per thread of both agents (``/proc/self/task/*/schedstat``, ns): CPU per round trip,
 then CPU over ``--idle-s`` of no traffic while P still holds pending sends (the window
 must close: an idle agent does not spin). Set the knob through the environment::
 
-    KVXFER_LOOP_SPIN_S=0 PYTHONPATH=. python benchmarks/spin_cpu.py
-    PYTHONPATH=. python benchmarks/spin_cpu.py            # the default window
+    KVXFER_LOOP_SPIN_S=0 PYTHONPATH=. python benchmarks/diagnostics/spin_cpu.py
+    PYTHONPATH=. python benchmarks/diagnostics/spin_cpu.py            # the default window
 """
 import argparse
 import multiprocessing as mp

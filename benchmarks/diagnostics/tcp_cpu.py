@@ -1,6 +1,6 @@
 """CPU seconds per GB of kvxfer writes over UCX TCP (loopback), initiator and target.
 
-    PYTHONPATH=. python benchmarks/tcp_cpu.py [BLOCK_KIB:BATCH:ITERS ...]   # default 4:2048:20 64:64:40 1024:16:20
+    PYTHONPATH=. python benchmarks/diagnostics/tcp_cpu.py [BLOCK_KIB:BATCH:ITERS ...]   # default 4:2048:20 64:64:40 1024:16:20
 
 On a shared machine wall-clock GB/s swings with the load; the CPU both sides spend
 per byte moved (user + system, ``getrusage`` around the timed loop only) moves much

@@ -1,4 +1,4 @@
-"""NIXL on the request of ``gpu_transfer.py``: the competitor beside kvxfer, same bytes.
+"""NIXL on the request of ``transfer.py``: the competitor beside kvxfer, same bytes.
 
 Each side registers its pool's regions with a ``nixl_agent`` (UCX backend; ``VRAM`` for
 CUDA pools, ``DRAM`` for host ones). The target (D) announces its agent metadata, region
@@ -8,7 +8,7 @@ posts (:func:`kvxfer.transport.descriptors.zero_copy_descs`), as vLLM's NixlConn
 prepares per-block descriptors at registration -- and each timed iteration is vLLM's
 request path: ``make_prepped_xfer`` WRITE with a notification, ``transfer``,
 ``check_xfer_state`` until ``DONE``, ``release_xfer_handle``. The target counts the
-notifications (each arrives after its bytes), then ``gpu_transfer.py`` checks them
+notifications (each arrives after its bytes), then ``transfer.py`` checks them
 bitwise. No NIXL progress thread (it spins a core); the target progresses UCX through
 ``get_new_notifs`` between naps of 50 us.
 """

@@ -1,6 +1,6 @@
 """Host time per ``kvxfer.pack`` call (issue to return, the kernel not waited for).
 
-``python benchmarks/gpu_overhead.py --device cuda --json OUT.json``: a
+``python benchmarks/gpu/overhead.py --device cuda --json OUT.json``: a
 Llama-3-8B per-layer pool; per layer of a 128-block request (what ``send_layer``
 issues) and for the whole request, ``--calls`` calls timed back to back after
 warm-up (the caches hold the request's tables and ids), then one synchronize.
@@ -29,7 +29,7 @@ def main() -> int:
     import torch
 
     import kvxfer
-    from gpu_transfer import make_layout
+    from transfer import make_layout
 
     small = args.device == "cpu"
     layout = make_layout("SmolLM2-135M" if small else "Llama-3-8B", 2 * args.blocks, args.device, 1)

@@ -1,6 +1,6 @@
 """Summarize a ``gpu_check.sh`` run: step exit codes, the figures, PASS/FAIL per target.
 
-``python benchmarks/gpu_summary.py WORKDIR cuda|cpu OUTDIR`` reads ``steps.tsv``,
+``python benchmarks/gpu/summary.py WORKDIR cuda|cpu OUTDIR`` reads ``steps.tsv``,
 ``pack.json``, ``overhead.json`` and ``transfer*.json`` from WORKDIR, prints the
 text summary and writes ``OUTDIR/summary.json``; exits 1 if a step or a target failed.
 In ``cpu`` mode the rate targets are reported, not judged (host pools, tiny shapes).

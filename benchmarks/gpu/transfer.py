@@ -1,6 +1,6 @@
 """Two-process agent transfer on one node, bitwise, with its rate against a same-run copy.
 
-``python benchmarks/gpu_transfer.py --device cuda --json OUT.json`` starts a receiver
+``python benchmarks/gpu/transfer.py --device cuda --json OUT.json`` starts a receiver
 process (D), then sends from this one (P): a Llama-3-8B request of ``--tokens`` tokens,
 ``--reps`` times per phase, and compares the median rate with a device-to-device copy of
 the same bytes (CUDA events; on CPU a contiguous ``copy_``) and, where D's pool is on
@@ -100,7 +100,7 @@ def receiver(args) -> int:
         src_ids, dst_ids = ids_for(phase, n, args.pool_blocks, 1), ids_for(phase, n, args.pool_blocks, 2)
         want = kvxfer.pack(src, src_ids, backend="reference")
         if phase == "nixl":
-            from gpu_nixl import target
+            from nixl_side import target
 
             path = target(dst, dst_ids, args.reps + 2, lambda info: print(json.dumps({"nixl": info}), flush=True))
         else:
@@ -158,7 +158,7 @@ def sender(args) -> int:
 
     phases = args.phases.split(",")
     if "nixl" in phases:
-        from gpu_nixl import available
+        from nixl_side import available
 
         if not available():
             print("nixl: not importable here, phase skipped", file=sys.stderr)
@@ -187,7 +187,7 @@ def sender(args) -> int:
             hello = read_json(child.stdout)
             times, row = [], {"phase": phase}
             if phase == "nixl":
-                from gpu_nixl import initiator
+                from nixl_side import initiator
 
                 times = initiator(src, src_ids, hello["nixl"], args.reps + 2)
                 row.update(path="nixl", transport="nixl:ucx")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Fetch, here, the wheels gpu_check.sh needs on a lent GPU machine that its image lacks (it has no network):
+# Fetch, here, the wheels gpu_check.sh (benchmarks/gpu_check.sh) needs on a GPU machine that its image lacks (it has no network):
 # libucx-cu12 (UCX for kvxfer._C; its CUDA transports need only the driver's libcuda/libnvidia-ml) and
 # nixl-cu12 (NIXL, the comparison on the same request; skipped there if it does not import).
 # They land in .whl/ (ignored by git); the device call carries it: carry [".whl"].
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
 VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("libucx-cu12"))' 2>/dev/null || echo 1.22.0)"
 mkdir -p .whl

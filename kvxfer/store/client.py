@@ -83,8 +83,9 @@ def _checksums(sums) -> list:
 
 def _verify(checks) -> list:
     """Per object, whether every ``(addrs, lengths, crc)`` of its :meth:`ObjectFormat.checks`
-    holds (None: a malformed checksum, bad; ``NO_CRC``: put without one)."""
-    return [c is not None and all(crc == NO_CRC or checksum(a, n) == crc for a, n, crc in c) for c in checks]
+    holds (None: a malformed checksum, bad; an object put without one, ``NO_CRC``, never
+    reaches here: :meth:`KVStore._screen` refused it)."""
+    return [c is not None and all(checksum(a, n) == crc for a, n, crc in c) for c in checks]
 
 
 class KVStore:
@@ -117,6 +118,7 @@ class KVStore:
         self._members: list[str] = []
         self._conns: dict[str, NodeConn] = {}
         self._down: dict[str, float] = {}  # address -> monotonic time it may be tried again
+        self._refused: set[str] = set()  # members whose last handshake refused our secret
         self._placements: dict[int, Placement] = {}
         self._pools: dict[int, tuple] = {}  # id(layout) -> (layout, backend region ids)
         self._formats: dict[int, ObjectFormat] = {}
@@ -129,7 +131,7 @@ class KVStore:
                 raise ValueError("nodes must name at least one HOST:PORT")
         self.counters = {"puts": 0, "put_objects": 0, "put_present": 0, "put_skipped": 0, "put_conflicts": 0, "gets": 0,
                          "get_objects": 0, "get_disk_objects": 0, "get_misses": 0, "checksum_failures": 0,
-                         "node_failures": 0,
+                         "node_failures": 0, "auth_failures": 0, "unverified_refused": 0,
                          "lookup_table_reads": 0, "lookup_requests": 0, "lookup_backend_messages": 0}
         self._backend = make_backend(backend)
         self._staging = kvxfer.shared_empty(int(staging_bytes))  # uint8 [staging_bytes]
@@ -198,20 +200,34 @@ class KVStore:
                 return old
             self._conns[address] = c
             self._down.pop(address, None)
+            self._refused.discard(address)
         return c
 
     def _mark_down(self, address: str, exc: BaseException) -> None:
-        """Take ``address`` out of placement for ``retry_s``; a wrong secret is no node
-        failure but this client's misconfiguration, so it is raised instead."""
-        if isinstance(exc, AuthenticationError):
-            raise exc
-        log.warning("store node %s is down for %.1f s: %s", address, self.retry_s, exc)
+        """Take ``address`` out of placement for ``retry_s``. A member that refuses this
+        client's secret (a port squatter, a stale discovery record, a node left on an old
+        secret) is down like a dead one, logged once with its address until it
+        authenticates again; only when **every** member refuses it is the secret this
+        client's misconfiguration, and the :class:`~kvxfer.AuthenticationError` is raised."""
+        refused = isinstance(exc, AuthenticationError)
         with self._lock:
             self._down[address] = time.monotonic() + self.retry_s
             c = self._conns.pop(address, None)
             self.counters["node_failures"] += 1
+            first = refused and address not in self._refused
+            if refused:
+                self._refused.add(address)
+                self.counters["auth_failures"] += 1
+            everyone = refused and bool(self._members) and self._refused.issuperset(self._members)
         if c is not None:
             c.close()
+        if first:
+            log.error("store node %s refused this client's secret (%s): down like a dead node, the pool serves "
+                      "from the others (logged once, until it authenticates)", address, exc)
+        elif not refused:
+            log.warning("store node %s is down for %.1f s: %s", address, self.retry_s, exc)
+        if everyone:
+            raise exc
 
     def _route(self, keys) -> dict:
         """``{address: [positions]}``: each key's first live owner."""
@@ -231,10 +247,13 @@ class KVStore:
         keys = check_keys(keys)
         if not keys:
             return 0
+        routes = self._route(keys)
+        if not routes:  # no live node: a key whose node is down is absent, never assumed present
+            return 0
         # the answer is the first position that some node does not hold (or cannot answer for)
         first_absent = len(keys)
         ask = []  # (address, positions): nodes to send a request
-        for addr, pos in self._route(keys).items():
+        for addr, pos in routes.items():
             codes = self._read_table(addr, keys, pos)
             if codes is None:
                 ask.append((addr, pos))
@@ -476,6 +495,9 @@ class KVStore:
         for i, k in enumerate(keys):
             for addr in place.owners(k):
                 targets.setdefault(addr, []).append(i)
+        if not place.nodes:  # every node down: nothing is stored, and the result says so
+            self.counters["put_skipped"] += len(keys)
+            log.warning("store put of %d keys skipped: no store node is up", len(keys))
         conflicts: list = []
         used: list = []  # connections whose spares this put drew on
         try:
@@ -717,21 +739,19 @@ class KVStore:
                         reply = c.request(Req.GET, {"keys": [keys[i] for i in batch], "fmt": fmt.fmt}, self.timeout)
                         r = reply["r"]
                         self.counters["get_disk_objects"] += reply.get("disk", 0)  # read back from its disk tier
-                        hits = [(i, off, nb, crc, pin) for i, (off, nb, crc, pin) in zip(batch, r) if pin > 0]
-                        bad = []
+                        pinned = [(i, off, nb, crc, pin) for i, (off, nb, crc, pin) in zip(batch, r) if pin > 0]
+                        hits, bad, refused = self._screen(c, pinned, size)
                         try:
                             if hits:
-                                for i, off, nb, _, _ in hits:
-                                    if nb != size or not 0 <= off <= c.region_bytes - size:
-                                        raise KVXferError(f"store node {c.address} named a bad slot")
                                 ok = self._read_hits(c, fmt, hits, ids, bad)
                                 for i in ok:
                                     good[i] = True
                                 self._moved += len(hits) * size
                         finally:
-                            if hits and not c.closed:
-                                c.send(Req.RELEASE, {"pins": [h[4] for h in hits], "bad": bad}, reply=False)
+                            if pinned and not c.closed:
+                                c.send(Req.RELEASE, {"pins": [h[4] for h in pinned], "bad": bad}, reply=False)
                         self.counters["checksum_failures"] += len(bad)
+                        self.counters["unverified_refused"] += refused
                 except (PeerDisconnected, TransferTimeout) as exc:
                     self._mark_down(addr, exc)
                     failure = failure or exc
@@ -751,6 +771,27 @@ class KVStore:
             return
         done.fail(StoreMiss(f"{len(keys) - loaded} of {len(keys)} keys not loaded from the pool "
                             f"(first at position {loaded})", loaded=loaded))
+
+    def _screen(self, c: NodeConn, pinned, size: int):
+        """Before reading a GET's hits ``pinned`` (``[(position, offset, nbytes, crc, pin)]``):
+        ``(hits, bad, refused)``. An object the node names with another size than this
+        format's, or outside its region, is bad (its pin goes in ``bad``: the node drops it,
+        and its key misses); with checksums on, an object put without one (``NO_CRC``) is
+        refused, unread (a miss, counted in ``refused``; the object stays for readers
+        that check nothing)."""
+        hits, bad, refused = [], [], 0
+        for h in pinned:
+            _, off, nb, crc, pin = h
+            if nb != size or isinstance(off, bool) or not isinstance(off, int) or not 0 <= off <= c.region_bytes - size:
+                log.warning("store node %s named an object of %s B at %s for a format of %d B: dropped",
+                            c.address, nb, off, size)
+                bad.append(pin)
+            elif self.checksum and (crc == NO_CRC or isinstance(crc, list)
+                                    and any(isinstance(p, list) and len(p) == 3 and p[2] == NO_CRC for p in crc)):
+                refused += 1
+            else:
+                hits.append(h)
+        return hits, bad, refused
 
     def _copy_hashing(self, c: NodeConn, local, offsets, lengths, counts, *, into: bool) -> list:
         """Copy objects between this process's memory and the node's slots mapped here,

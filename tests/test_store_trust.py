@@ -1,0 +1,120 @@
+"""The store under clients and members it should not trust (issue 49): a member that
+refuses the secret, lookups and puts with every node down, objects whose size or checksum
+mode the node or reader must not take on faith, eviction with many pinned objects, and
+clients that try to hold a whole node. Real StoreNodes on real sockets in this process."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import kvxfer
+from kvxfer.store import index as ix
+from kvxfer.store.conn import NodeConn
+from kvxfer.store.node import StoreNode
+from kvxfer.store.objects import ObjectFormat
+from kvxfer.store.placement import owners
+from kvxfer.store.protocol import Req
+from store_cases import SECRET, block_bits, fill_block, make_layout
+
+SLOT = 1536  # one object of the store_cases model (3 layers * 2 * 4 tokens * 4 heads * 8 * 2 B)
+OTHER_SECRET = b"another-deployment-secret-9876543210"
+
+
+def _node(slots: int = 64, **kw) -> StoreNode:
+    return StoreNode("127.0.0.1:0", slots * SLOT, secret=kw.pop("secret", SECRET), slot_bytes=SLOT, **kw)
+
+
+def _filled(n: int, seed: int = 0):
+    src = make_layout("2 N B H D", n)
+    for i in range(n):
+        fill_block(src, i, i + seed)
+    return src
+
+
+# ---- #2: a member that answers AUTH_FAIL ------------------------------------------------------
+def test_a_member_refusing_the_secret_is_down_logged_once_and_the_pool_serves_from_the_others(caplog):
+    good, squatter = _node(), _node(secret=OTHER_SECRET)
+    members = [good.address, squatter.address]
+    keys = kvxfer.block_keys(range(4 * 24), 4, salt=b"impostor")
+    theirs = [i for i, k in enumerate(keys) if owners(members, k)[0] == squatter.address]
+    assert 0 < len(theirs) < len(keys)
+    src, dst = _filled(24), make_layout("N 2 H B D", 24)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvxfer.store"):
+            with kvxfer.KVStore(nodes=members, secret=SECRET, retry_s=60) as st:
+                h = st.put(keys, src, range(24))
+                h.wait(timeout=60)  # no AuthenticationError: the squatter's keys are skipped
+                assert h.result.stored == len(keys) - len(theirs) and h.result.skipped == len(theirs)
+                assert st.nodes() == {good.address: "up", squatter.address: "down"}
+                h = st.put(keys, src, range(24))  # placed over the live members now
+                h.wait(timeout=60)
+                assert h.result.stored == len(theirs)
+                assert st.lookup(keys) == len(keys)
+                st.get(keys, dst, range(24)).wait(timeout=60)
+                assert all(torch.equal(block_bits(src, i), block_bits(dst, i)) for i in range(24))
+            # retried every retry_s: refused each time, logged once
+            with kvxfer.KVStore(nodes=members, secret=SECRET, retry_s=0.05) as st:
+                for _ in range(4):
+                    st.lookup(keys)
+                    time.sleep(0.1)
+                assert st.stats()["client"]["auth_failures"] >= 3
+        logged = [r for r in caplog.records if squatter.address in r.getMessage()]
+        assert len(logged) == 2  # once per client
+        assert squatter.stats()["auth_failures"] >= 4
+        # a client whose secret no member takes is misconfigured: that is raised
+        with kvxfer.KVStore(nodes=[squatter.address], secret=SECRET) as st:
+            with pytest.raises(kvxfer.AuthenticationError):
+                st.lookup(keys)
+    finally:
+        good.close()
+        squatter.close()
+
+
+# ---- #3: lookup never claims what it cannot know -------------------------------------------
+def test_with_every_node_down_lookup_finds_nothing_and_puts_say_they_were_skipped():
+    node = _node()
+    keys = kvxfer.block_keys(range(4 * 8), 4, salt=b"down")
+    never = kvxfer.block_keys(range(1000, 1000 + 4 * 8), 4, salt=b"down")
+    src = _filled(8)
+    with kvxfer.KVStore(nodes=[node.address], secret=SECRET, retry_s=60, timeout=2.0) as st:
+        st.put(keys, src, range(8)).wait(timeout=60)
+        assert st.lookup(keys) == 8
+        node.close()  # stopped: the first request fails and marks it down
+        assert st.lookup(keys) == 0
+        assert st.nodes() == {node.address: "down"}
+        assert st.lookup(keys) == 0 and st.lookup(never) == 0
+        h = st.put(never, src, range(8))
+        h.wait(timeout=60)
+        assert h.result.stored == 0 and h.result.skipped == 8
+        assert st.stats()["client"]["put_skipped"] == 8
+        with pytest.raises(kvxfer.StoreMiss) as err:
+            st.get(keys, make_layout("2 N B H D", 8), range(8)).wait(timeout=60)
+        assert err.value.loaded == 0
+
+
+# ---- #8: an object put without a checksum is refused by a reader that checks ------------------
+@pytest.mark.parametrize("head_dim", [8, 128])  # through staging / straight into the blocks
+def test_an_object_put_without_a_checksum_is_a_miss_for_a_checking_reader(head_dim):
+    keys = kvxfer.block_keys(range(4 * 6), 4, salt=b"nocrc")
+    src = make_layout("2 N B H D", 6, seed=5, head_dim=head_dim)
+    with StoreNode("127.0.0.1:0", 16 * (32 << 10), secret=SECRET, slot_bytes=32 << 10) as node:
+        with kvxfer.KVStore(nodes=[node.address], secret=SECRET, checksum=False) as unchecked, \
+                kvxfer.KVStore(nodes=[node.address], secret=SECRET) as checked:
+            unchecked.put(keys[:3], src, range(3)).wait(timeout=60)
+            checked.put(keys[3:], src, range(3, 6)).wait(timeout=60)
+            dst = make_layout("N 2 B H D", 6, head_dim=head_dim)
+            h = checked.get(keys, dst, range(6))
+            with pytest.raises(kvxfer.StoreMiss) as err:
+                h.wait(timeout=60)
+            assert err.value.loaded == 0 and h.result.loaded == 3 and h.result.misses == 3
+            assert checked.stats()["client"]["unverified_refused"] == 3
+            assert node.stats()["bad_objects"] == 0 and checked.lookup(keys) == 6  # not dropped
+            # a reader that checks nothing takes them
+            back = make_layout("N 2 B H D", 6, head_dim=head_dim)
+            unchecked.get(keys, back, range(6)).wait(timeout=60)
+            assert all(torch.equal(block_bits(src, i), block_bits(back, i)) for i in range(6))

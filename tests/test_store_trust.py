@@ -14,7 +14,7 @@ import torch
 
 import kvxfer
 from kvxfer.store import index as ix
-from kvxfer.store.conn import NodeConn
+from kvxfer.store.conn import NodeConn, NodeError
 from kvxfer.store.node import StoreNode
 from kvxfer.store.objects import ObjectFormat
 from kvxfer.store.placement import owners
@@ -118,3 +118,105 @@ def test_an_object_put_without_a_checksum_is_a_miss_for_a_checking_reader(head_d
             back = make_layout("N 2 B H D", 6, head_dim=head_dim)
             unchecked.get(keys, back, range(6)).wait(timeout=60)
             assert all(torch.equal(block_bits(src, i), block_bits(back, i)) for i in range(6))
+
+
+# ---- #5: the node validates what clients claim ----------------------------------------------
+class _LyingNode(StoreNode):
+    """A node whose GET replies name one object at half its size (as a corrupted or
+    older node might): readers must not take that on faith."""
+
+    def _get_reply(self, c, rid, f, now, promoted):
+        reply = super()._get_reply(c, rid, f, now, promoted)
+        for entry in reply["r"]:
+            if entry[3] and self.index.peek(self.lie_about) is not None \
+                    and entry[0] == self.index.peek(self.lie_about).offset:
+                entry[1] //= 2
+        return reply
+
+
+def test_the_node_holds_an_object_only_at_the_size_its_format_names():
+    keys = kvxfer.block_keys(range(4 * 4), 4, salt=b"size")
+    src = _filled(4)
+    fmt = ObjectFormat(src)
+    with _node() as node:
+        backend = kvxfer.transport.make_backend("auto")
+        c = NodeConn.open(node.address, SECRET, backend, 10.0)
+        try:
+            for nbytes in (SLOT // 2, SLOT - 64):  # a writer with the secret claims another size
+                for kind, extra in ((Req.RESERVE, {}), (Req.RESERVE_PART, {"heads": [0, 2, 4]})):
+                    with pytest.raises(NodeError, match="bad_request"):
+                        c.request(kind, {"keys": [keys[2]], "nbytes": nbytes, "fmt": fmt.fmt, **extra}, 10.0)
+                tok = c.request(Req.SPARE, {"count": 1, "evict": False, "nbytes": nbytes}, 10.0)["s"][0][1]
+                with pytest.raises(NodeError, match="bad_request"):
+                    c.request(Req.COMMIT_SPARE, {"keys": [keys[2]], "tokens": [tok], "crcs": [0], "nbytes": nbytes,
+                                                 "fmt": fmt.fmt}, 10.0)
+            assert not node.index.contains(keys[2]) and node.stats()["bad_requests"] == 6
+            with kvxfer.KVStore(nodes=[node.address], secret=SECRET) as st:
+                st.put([keys[i] for i in (0, 1, 3)], src, [0, 1, 3]).wait(timeout=60)
+                h = st.get(keys, make_layout("N 2 B H D", 4), range(4))
+                with pytest.raises(kvxfer.StoreMiss) as err:
+                    h.wait(timeout=60)
+                assert err.value.loaded == 2 and h.result.loaded == 3
+        finally:
+            c.close()
+            backend.close()
+
+
+def test_an_object_named_at_the_wrong_size_is_a_miss_dropped_at_first_sight():
+    keys = kvxfer.block_keys(range(4 * 4), 4, salt=b"liar")
+    src = _filled(4)
+    node = _LyingNode("127.0.0.1:0", 64 * SLOT, secret=SECRET, slot_bytes=SLOT)
+    node.lie_about = keys[2]
+    try:
+        with kvxfer.KVStore(nodes=[node.address], secret=SECRET) as st:
+            st.put(keys, src, range(4)).wait(timeout=60)
+            dst = make_layout("N 2 B H D", 4)
+            h = st.get(keys, dst, range(4))
+            with pytest.raises(kvxfer.StoreMiss) as err:  # typed, with what loaded (was: KVXferError "bad slot")
+                h.wait(timeout=60)
+            assert err.value.loaded == 2 and h.result.loaded == 3 and h.result.misses == 1
+            assert all(torch.equal(block_bits(src, i), block_bits(dst, i)) for i in (0, 1, 3))
+            assert st.lookup(keys) == 2 and node.stats()["bad_objects"] == 1  # dropped on first detection
+            node.lie_about = b"nothing"
+            h = st.put(keys, src, range(4))  # a correct re-put stores it again
+            h.wait(timeout=60)
+            assert h.result.stored == 1
+            st.get(keys, dst, range(4)).wait(timeout=60)
+            assert torch.equal(block_bits(src, 2), block_bits(dst, 2))
+    finally:
+        node.close()
+
+
+def test_an_index_object_of_another_size_than_its_format_is_dropped_on_get():
+    idx = ix.SlotIndex(16 * SLOT, SLOT)
+    code, obj = idx.reserve(b"k", SLOT // 2, "m/1536", 1, 0.0, 30.0)  # the index alone takes any size
+    assert code == ix.RESERVED and idx.commit(b"k", obj.token, 7, 1)
+    assert idx.get(b"k", "m/1536", 2, 0.0, 30.0, nbytes=SLOT) == (None, 0)
+    assert not idx.contains(b"k") and idx.stats()["bad_objects"] == 1 and idx.slots_used == 0
+
+
+def test_a_node_that_requires_checksums_refuses_objects_without_one():
+    keys = kvxfer.block_keys(range(4 * 4), 4, salt=b"policy")
+    src = _filled(4)
+    with _node(require_checksums=True) as node:
+        with kvxfer.KVStore(nodes=[node.address], secret=SECRET, checksum=False) as unchecked, \
+                kvxfer.KVStore(nodes=[node.address], secret=SECRET) as checked:
+            h = unchecked.put(keys, src, range(4))
+            h.wait(timeout=60)
+            assert h.result.stored == 0 and h.result.skipped == 4 and checked.lookup(keys) == 0
+            h = checked.put(keys, src, range(4))
+            h.wait(timeout=60)
+            assert h.result.stored == 4
+            # the reserve-and-commit path too
+            backend = kvxfer.transport.make_backend("auto")
+            c = NodeConn.open(node.address, SECRET, backend, 10.0)
+            try:
+                more = kvxfer.block_keys(range(100, 104), 4, salt=b"policy")
+                (code, _, tok), = c.request(Req.RESERVE, {"keys": more, "nbytes": SLOT, "fmt": ObjectFormat(src).fmt},
+                                            10.0)["r"]
+                assert code == ix.RESERVED
+                assert c.request(Req.COMMIT, {"keys": more, "tokens": [tok], "crcs": [2**64 - 1]}, 10.0)["ok"] == [False]
+                assert node.stats()["pending"] == 0 and not node.index.contains(more[0])
+            finally:
+                c.close()
+                backend.close()

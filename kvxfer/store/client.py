@@ -704,7 +704,7 @@ class KVStore:
                 self.counters["put_present"] += 1
             else:
                 self.counters["put_skipped"] += 1
-            if n < len(got) and code in (ix.PRESENT, ix.BUSY):
+            if n < len(got) and code in (ix.PRESENT, ix.BUSY, ix.REFUSED):
                 c.spares.append(got[n][1:])
 
     def _refill_spares(self, conns) -> None:

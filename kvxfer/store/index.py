@@ -66,12 +66,13 @@ from dataclasses import dataclass
 from .alloc import ChunkAllocator, chunk_bytes, victims_for
 
 __all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT", "COMMITTED",
-           "NO_SPARE"]
+           "NO_SPARE", "REFUSED"]
 
 
 # reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply), and
-# commit_spare()'s own two (with PRESENT and BUSY, the wire codes of a COMMIT_SPARE reply)
-PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT, COMMITTED, NO_SPARE = range(8)
+# commit_spare()'s own two (with PRESENT and BUSY, the wire codes of a COMMIT_SPARE reply);
+# REFUSED: a COMMIT_SPARE against the node's policy (no checksum where one is required)
+PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT, COMMITTED, NO_SPARE, REFUSED = range(9)
 
 
 @dataclass(eq=False)
@@ -373,13 +374,19 @@ class SlotIndex:
         self._unreserve(obj)
 
     # ---- get -------------------------------------------------------------------------
-    def get(self, key: bytes, fmt: str, owner: int, now: float, lease_s: float):
+    def get(self, key: bytes, fmt: str, owner: int, now: float, lease_s: float, *, nbytes: int | None = None):
         """``(obj, pin_id)`` for a committed object of this ``fmt`` (pinned until
         :meth:`release`; recency refreshed), ``(None, 0)`` for a miss, ``(None, -1)`` when
-        ``owner`` holds ``max_pins`` pins already."""
+        ``owner`` holds ``max_pins`` pins already. ``nbytes``: the size ``fmt`` names; an
+        object of another size is bad: dropped at once (counted in ``bad``), a miss."""
         obj = self._objects.get(key)
         if obj is None or obj.fmt != fmt:
             self.misses += 1
+            return None, 0
+        if nbytes is not None and obj.nbytes != nbytes:
+            self.misses += 1
+            self.bad += 1
+            self._remove(obj)
             return None, 0
         if self._pins_by.get(owner, 0) >= self.max_pins:
             return None, -1

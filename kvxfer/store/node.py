@@ -45,7 +45,7 @@ from ..errors import KVXferError, LayoutMismatch, ProtocolError
 from . import index as ix
 from .disk import DiskConfig, DiskTier
 from .key_table import KeyTable
-from .protocol import REPLY, Req, RequestReader, encode, parse_request
+from .protocol import NO_CRC, REPLY, Req, RequestReader, encode, format_nbytes, parse_request
 from .tiers import Tiers
 
 log = logging.getLogger("kvxfer.store")
@@ -86,6 +86,8 @@ class StoreNode:
     long a reservation may stay uncommitted and a pin unreleased before the node takes
     it back. ``backend``: as for :class:`kvxfer.Agent` (``"auto"``, ``"ucx"``, ``"vm"``).
     ``disk``: a :class:`~kvxfer.store.disk.DiskConfig` for a disk tier (None: DRAM only).
+    ``require_checksums``: refuse objects committed without a checksum (clients with
+    ``checksum=False``; their keys are skipped) rather than hold bytes no reader can verify.
     Starts serving at once; :meth:`close` stops (idempotent; with a disk tier, it first
     writes DRAM's objects to disk for up to ``disk.flush_s``).
     """
@@ -93,7 +95,7 @@ class StoreNode:
     def __init__(self, listen: str, capacity_bytes: int, *, secret, slot_bytes: int = 2 << 20,
                  high_watermark: float = 0.98, lease_s: float = 30.0, backend: str = "auto",
                  name: str | None = None, max_queued_bytes: int = MAX_QUEUED_BYTES,
-                 disk: DiskConfig | None = None) -> None:
+                 disk: DiskConfig | None = None, require_checksums: bool = False) -> None:
         import kvxfer
         from ..transport import make_backend
 
@@ -114,6 +116,7 @@ class StoreNode:
         self.index = ix.SlotIndex(capacity_bytes, slot_bytes, high_watermark=high_watermark, mirror=self.keys)
         self.disk_config, self.disk_error = disk, ""
         self.lease_s = float(lease_s)
+        self.require_checksums = bool(require_checksums)
         self.max_queued_bytes = int(max_queued_bytes)
         self.queued_peak = 0  # the most reply bytes ever queued for one client
         self.node_id = uuid.uuid4().hex
@@ -360,6 +363,8 @@ class StoreNode:
         if kind in (Req.RESERVE, Req.RESERVE_PART):
             if f["nbytes"] > idx.slot_bytes:
                 return self._too_large(rid, f["nbytes"])
+            if (bad := self._bad_size(rid, f)) is not None:
+                return bad
             out = []
             for k in f["keys"]:
                 if kind == Req.RESERVE:
@@ -383,11 +388,20 @@ class StoreNode:
         if kind == Req.COMMIT_SPARE:
             if f["nbytes"] > idx.slot_bytes:
                 return self._too_large(rid, f["nbytes"])
-            return {"id": rid, "r": [idx.commit_spare(k, t, f["nbytes"], f["fmt"], crc, owner, now)
+            if (bad := self._bad_size(rid, f)) is not None:
+                return bad
+            return {"id": rid, "r": [ix.REFUSED if t and self._refuse_crc(crc) else
+                                     idx.commit_spare(k, t, f["nbytes"], f["fmt"], crc, owner, now)
                                      for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}
         if kind == Req.COMMIT:
-            return {"id": rid, "ok": [idx.commit(k, t, crc, owner)
-                                      for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}
+            ok = []
+            for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"]):
+                if self._refuse_crc(crc):  # against this node's policy: the reservation is given up
+                    idx.abort(k, t, owner)
+                    ok.append(False)
+                else:
+                    ok.append(idx.commit(k, t, crc, owner))
+            return {"id": rid, "ok": ok}
         if kind == Req.ABORT:
             for k, t in zip(f["keys"], f["tokens"]):
                 idx.abort(k, t, owner)
@@ -421,7 +435,7 @@ class StoreNode:
                 idx.misses += 1
                 out.append([0, 0, 0, 0])
                 continue
-            obj, pin = idx.get(k, f["fmt"], c.owner, now, self.lease_s)
+            obj, pin = idx.get(k, f["fmt"], c.owner, now, self.lease_s, nbytes=format_nbytes(f["fmt"]))
             out.append([obj.offset, obj.nbytes, obj.crc, pin] if obj is not None else [0, 0, 0, 0])
             from_disk += obj is not None and k in promoted
         self.tiers.disk_hits += from_disk
@@ -440,6 +454,21 @@ class StoreNode:
                 c.out += encode(REPLY, self._get_reply(c, w.rid, w.fields, now, w.promoted))
                 self._flush(c)
             self.tiers.answered(w)
+
+    def _bad_size(self, rid: int, f: dict) -> dict | None:
+        """The error reply for a request whose ``nbytes`` is not the size its ``fmt`` names
+        (None: they agree). A client's ``nbytes`` is never taken on its word: an object held
+        at another size than its format's would fail every reader."""
+        want = format_nbytes(f["fmt"])
+        if want == f["nbytes"]:
+            return None
+        self.num_bad_requests += 1
+        return {"id": rid, "error": "bad_request",
+                "reason": f"nbytes {f['nbytes']} is not the size format {f['fmt'][:64]!r} names ({want})"}
+
+    def _refuse_crc(self, crc: int) -> bool:
+        """A commit without a checksum (``NO_CRC``) on a node that requires them."""
+        return self.require_checksums and crc == NO_CRC
 
     def _too_large(self, rid: int, nbytes: int) -> dict:
         self.num_bad_requests += 1

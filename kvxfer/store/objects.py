@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import hashlib
 
+from .protocol import format_tag
+
 __all__ = ["ObjectFormat", "checksum"]
 
 # From this mean run length an object moves straight between the engine's blocks and the
@@ -53,8 +55,9 @@ def checksum(addrs, lengths) -> int:
 class ObjectFormat:
     """The object geometry of ``layout`` (a :class:`~kvxfer.KVLayout`).
 
-    ``nbytes``: bytes of one object; ``fmt``: a tag of the model fingerprint (a node
-    only returns an object to a get quoting the tag it was put with); ``full``: this
+    ``nbytes``: bytes of one object; ``fmt``: a tag of the model fingerprint and of
+    ``nbytes`` (:func:`~kvxfer.store.protocol.format_tag`; a node only returns an object
+    to a get quoting the tag it was put with, and holds it only at that size); ``full``: this
     rank holds every kv head (it puts whole objects; else it puts its part: heads
     ``part`` of ``part_nbytes`` bytes, ``num_rows`` strided rows of ``part_row`` bytes).
     """
@@ -76,7 +79,7 @@ class ObjectFormat:
         self.nbytes = self.num_rows * self.row_bytes
         self.part_row = (self.part[1] - self.part[0]) * self.head_bytes
         self.part_nbytes = self.num_rows * self.part_row
-        self.fmt = hashlib.blake2b(layout.fingerprint().encode(), digest_size=16).hexdigest()
+        self.fmt = format_tag(hashlib.blake2b(layout.fingerprint().encode(), digest_size=16).hexdigest(), self.nbytes)
         self.bases = [a for a, _ in layout.regions()]
         self._runs: dict = {}
         self._arrays: dict = {}

@@ -35,6 +35,10 @@ whole object) for one rank of a TP group; its codes are RESERVE's plus ``CONFLIC
 ``[[lo, hi, crc], ...]`` (head order, covering ``[0, of)``) for one put in parts: each
 part's checksum over its own heads' bytes in wire order.
 
+A ``fmt`` names the object's size (:func:`format_tag`: ``"{model tag}/{nbytes}"``): a
+RESERVE, RESERVE_PART or COMMIT_SPARE whose ``nbytes`` is not the size its ``fmt`` names
+is refused (``bad_request``), so no object is ever held at a size its readers do not expect.
+
 A request that fails validation (unknown type, missing, extra or mistyped field, a key
 of 0 or over 64 bytes, too many keys, a head range that is not ``0 <= lo < hi <= of <=``
 :data:`MAX_HEADS`, a frame over :data:`MAX_REQUEST_BYTES`) gets
@@ -50,13 +54,28 @@ from ..framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame
 from ..errors import ProtocolError
 from .keys import MAX_KEY_BYTES
 
-__all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_HEADS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request"]
+__all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_HEADS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request",
+           "format_tag", "format_nbytes"]
 
 MAX_KEYS = 4096  # keys (or pins) one request may name
 MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes fit with room to spare
 MAX_FMT = 64
 MAX_HEADS = 4096  # the kv heads a multi-part object may have (so: at most this many parts)
 NO_CRC = 2**64 - 1  # the checksum of an object put without one (KVStore(checksum=False))
+
+
+def format_tag(model: str, nbytes: int) -> str:
+    """The ``fmt`` of objects of ``nbytes`` bytes of the model tagged ``model`` (hex):
+    ``"{model}/{nbytes}"``. A node holds an object only at the size its format names."""
+    return f"{model}/{int(nbytes)}"
+
+
+def format_nbytes(fmt: str) -> int | None:
+    """The object size a ``fmt`` of :func:`format_tag` names (None: it names none)."""
+    _, sep, size = fmt.rpartition("/")
+    if not sep or not size.isdigit() or len(size) > 15:
+        return None
+    return int(size)
 
 
 class Req(enum.IntEnum):

@@ -1,7 +1,7 @@
 """The deployment's shared secret: its minimum length, where deployments keep it, its checks.
 
 Every agent of a deployment (and its store nodes and serving workers) proves the
-same secret in the handshake (:mod:`kvxfer.agent.handshake`); it never leaves
+same secret in the handshake (:mod:`kvxfer.auth`); it never leaves
 the process. Public: entry points (CLI, serving workers, the vLLM connector) load
 it with :func:`load_secret` -- a secret file, else :data:`SECRET_ENV` -- the one
 place that reads it; :func:`normalize_secret` checks a secret given in code.

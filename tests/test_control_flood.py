@@ -18,9 +18,9 @@ import pytest
 from kvxfer import Agent, AgentConfig
 from kvxfer.config import MAX_PENDING_PER_SOURCE
 from kvxfer import secrets as kvsecrets
-from kvxfer.agent import handshake as gate
+from kvxfer import auth as gate
 from kvxfer.framing import recv_frame
-from kvxfer.agent.handshake import client_handshake
+from kvxfer.auth import client_handshake
 from kvxfer.agent.protocol import Msg, decode, encode
 from kvxfer.errors import AuthenticationError, ConnectionRefused, PeerDisconnected
 

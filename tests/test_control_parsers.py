@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer import secrets as kvsecrets
-from kvxfer.agent import handshake as auth
+from kvxfer import auth
 from kvxfer.framing import HEADER, MAX_PAYLOAD, FrameReader, encode_frame
-from kvxfer.agent.handshake import ServerHandshake
+from kvxfer.auth import ServerHandshake
 from kvxfer.agent.protocol import SCHEMAS, Msg, decode, encode
 from kvxfer.errors import AuthenticationError, KVXferError, LayoutMismatch, ProtocolError
 from kvxfer.transport.descriptors import Geometry

@@ -1,4 +1,4 @@
-"""One HMAC challenge (``kvxfer.HmacChallenge``), two protocols: the agents' control
+"""One HMAC challenge (``kvxfer.auth.HmacChallenge``), two protocols: the agents' control
 connections and the serving workers' router channel. Each proves the shared secret under
 its own domain, so a proof made for one is refused by the other -- every test here would
 pass a replayed proof if the two domains were equal. And the router channel keeps the
@@ -14,8 +14,8 @@ import time
 import pytest
 
 import kvxfer
-from kvxfer import Agent, HmacChallenge
-from kvxfer.agent.handshake import AGENT_CHALLENGE, NONCE_BYTES
+from kvxfer import Agent
+from kvxfer.auth import AGENT_CHALLENGE, NONCE_BYTES, HmacChallenge
 from kvxfer.agent.protocol import Msg, decode, encode as encode_msg
 from kvxfer.config import PREAUTH_MAX_FRAME
 from kvxfer.errors import AuthenticationError
@@ -34,7 +34,7 @@ def _address(chan) -> tuple[str, int]:
 
 def test_domains_differ_and_nonces_have_one_length():
     assert AGENT_CHALLENGE.domain != ROUTER_CHALLENGE.domain
-    assert kvxfer.HmacChallenge is HmacChallenge
+    assert not hasattr(kvxfer, "HmacChallenge")  # plumbing: kvxfer.auth, not the user API
     a, b = b"\x01" * NONCE_BYTES, b"\x02" * NONCE_BYTES
     proofs = {ch.client_mac(SECRET, a, b) for ch in (AGENT_CHALLENGE, ROUTER_CHALLENGE)}
     proofs |= {ch.server_mac(SECRET, b, a) for ch in (AGENT_CHALLENGE, ROUTER_CHALLENGE)}

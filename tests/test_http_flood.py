@@ -19,7 +19,8 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from kvxfer.serving.server.guard import HTTPGuard  # noqa: E402
-from kvxfer.serving.server.http_limits import Admission, protocol_class, raise_fd_limit  # noqa: E402
+from kvxfer.net import raise_fd_limit  # noqa: E402
+from kvxfer.serving.server.http_limits import Admission, protocol_class  # noqa: E402
 
 T = 30.0
 

@@ -26,7 +26,8 @@ ROOT = Path(kvxfer.__file__).parent
 CORE = ["*.py", "agent/*.py", "transport/*.py", "kernels/*.py"]
 OUTSIDE_CORE = ("serving", "bench", "loadgen", "cli", "integrations", "report", "store")
 PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport", "kvxfer.secrets",
-                  "kvxfer.framing", "kvxfer.store", "kvxfer.discovery", "kvxfer.config")
+                  "kvxfer.framing", "kvxfer.store", "kvxfer.discovery", "kvxfer.config", "kvxfer.auth",
+                  "kvxfer.net", "kvxfer.fields")
 # client -> the other packages it is built on, any of whose modules it may import
 OPEN = {
     "bench": ("kvxfer.report",),
@@ -196,9 +197,9 @@ def test_the_check_allows_the_public_surface():
               "from .. import report\nfrom ..report.stats import summarize\nfrom .copy_limit import MemcpyLimit\n"
               "from ..secrets import load_secret\nfrom ..framing import json_frame\nfrom ..store import KVStore\n"
               "from ..discovery import open_discovery\n"
-              "from ..config import PREAUTH_MAX_FRAME\nfrom .. import HmacChallenge, CostModel\n")
+              "from ..config import PREAUTH_MAX_FRAME\nfrom ..auth import HmacChallenge\nfrom .. import CostModel\n")
     assert public_surface_violations(ROOT / "bench" / "probe.py", source) == []
-    source = ("from ... import Agent, split_address\nfrom ..engine.config import EngineConfig\n"
+    source = ("from ... import Agent\nfrom ...net import split_address\nfrom ..engine.config import EngineConfig\n"
               "from ...sim.runtime import SimRuntime\n")
     assert public_surface_violations(ROOT / "serving" / "workers" / "probe.py", source) == []
 
@@ -212,9 +213,25 @@ def hmac_calls(source: str) -> int:
 
 
 def test_one_hmac_challenge():
-    """Every protocol proves the shared secret through ``agent/handshake.py``'s
-    ``HmacChallenge`` (a domain of its own each), never with an HMAC of its own."""
+    """Every protocol proves the shared secret through ``auth.py``'s ``HmacChallenge``
+    (a domain of its own each), never with an HMAC of its own."""
     makers = [p.relative_to(ROOT).as_posix() for p in _files("*.py", "*/*.py", "*/*/*.py")
               if hmac_calls(p.read_text())]
-    assert makers == ["agent/handshake.py"]
+    assert makers == ["auth.py"]
     assert hmac_calls("import hmac\nhmac.new(k, m, 'sha256').digest()\n") == 1
+
+
+def test_nothing_outside_the_agent_imports_its_internals():
+    """The agent's modules are its own: every other part of the package (the store, the
+    serving stack, the CLI, ...) reaches it through ``kvxfer.agent`` (``Agent``, ``Peer``)
+    or the root package; authentication and sockets are ``kvxfer.auth`` / ``kvxfer.net``."""
+    bad = []
+    for path in _files("*.py", "*/*.py", "*/*/*.py", "*/*/*/*.py"):
+        if path.parent.name == "agent" and path.parent.parent == ROOT:
+            continue
+        bad += [f"{path.relative_to(ROOT)}: {m}" for m, _ in imports(path) if m.startswith("kvxfer.agent.")]
+    assert bad == []
+
+
+def test_the_root_package_exports_the_user_api_not_plumbing():
+    assert not {"split_address", "HandshakeGate", "HmacChallenge"} & set(kvxfer.__all__)

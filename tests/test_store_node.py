@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvxfer
-from kvxfer.agent import handshake as auth
+from kvxfer import auth
 from kvxfer.framing import HEADER, MAGIC, PROTOCOL_VERSION, encode_frame, parse_header
 from kvxfer.agent.protocol import Msg, decode, encode as encode_msg
 from kvxfer.store.conn import NodeConn, NodeError

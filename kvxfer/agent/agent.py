@@ -28,11 +28,12 @@ from ..errors import KVXferError, RegistrationError
 from ..kernels.device import device_for
 from ..lease import LeaseTable
 from ..metrics import Metrics
+from ..net import listen as listen_socket, split_address
 from ..secrets import normalize_secret
 from ..timeouts import check_timeout
 from ..transport.paths import CostModel
 from .io_loop import IOLoop
-from .peers import Connections, Peer, listen as listen_socket, split_address
+from .peers import Connections, Peer
 from .pool import register_pool
 from .protocol import Msg
 from .receiver import Notifications, Receiver

@@ -35,9 +35,11 @@ from ..config import HELLO_DEADLINE_S, PREAUTH_MAX_FRAME, TOMBSTONE_OVERHEAD, Pe
 from ..errors import ConnectionRefused, KVXferError, LimitExceeded, PeerDisconnected, ProtocolError, TransferTimeout
 from ..framing import MAX_PAYLOAD
 from ..transport.cuda_peer import PeerLink
-from .handshake import HandshakeGate, ServerHandshake, client_handshake
+from .. import auth
+from ..auth import Hs, HandshakeGate, ServerHandshake
+from ..net import open_authenticated
 from .pool import local_info, parse_info
-from .protocol import Msg, encode
+from .protocol import Msg
 from .state import AgentState
 
 
@@ -87,13 +89,6 @@ class Peer:
         return f"<Peer {self.name!r} {state} transport={self.transport}>"
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address must be 'host:port', got {address!r}")
-    return host.strip("[]"), int(port)
-
-
 class PeerHandler:
     """Hands the frames of an authenticated connection to ``conns`` (a Connections)."""
 
@@ -116,7 +111,7 @@ class PeerHandler:
 
 class InboundHandler(PeerHandler):
     """Runs the server handshake, then behaves as :class:`PeerHandler`. Holds one of the
-    agent's pre-auth slots (:class:`~kvxfer.agent.handshake.HandshakeGate`) from its accept until it
+    agent's pre-auth slots (:class:`~kvxfer.auth.HandshakeGate`) from its accept until it
     authenticates, fails, is evicted or closes."""
 
     def __init__(self, conns, source: str) -> None:
@@ -129,7 +124,7 @@ class InboundHandler(PeerHandler):
     @property
     def said_hello(self) -> bool:
         """Its HELLO arrived (the gate evicts connections that said nothing yet first)."""
-        return self.hs.state != Msg.HELLO
+        return self.hs.state != Hs.HELLO
 
     def on_open(self, conn) -> None:
         self.conn = conn
@@ -139,7 +134,7 @@ class InboundHandler(PeerHandler):
             if conn.peer is None and not conn.closed and still():
                 conn.loop.close_conn(conn, TransferTimeout(f"{what} timed out"))
 
-        conn.loop.call_later(HELLO_DEADLINE_S, lambda: expire("waiting for HELLO", lambda: self.hs.state == Msg.HELLO))
+        conn.loop.call_later(HELLO_DEADLINE_S, lambda: expire("waiting for HELLO", lambda: self.hs.state == Hs.HELLO))
         conn.loop.call_later(self.conns.handshake_timeout, lambda: expire("handshake", lambda: True))
 
     def evict(self, why: str) -> None:
@@ -149,7 +144,7 @@ class InboundHandler(PeerHandler):
         conn = self.conn
         if conn is None or conn.closed:
             return
-        conn.send(encode(Msg.REJECT, code="busy", reason=why[:200]))
+        conn.send(auth.encode(Hs.REJECT, code="busy", reason=why[:200]))
         try:
             conn.sock.shutdown(socket.SHUT_WR)
             conn.sock.recv(4096)  # unread bytes would turn the close into a reset that may overtake the REJECT
@@ -168,7 +163,7 @@ class InboundHandler(PeerHandler):
             if self.hs.reply_on_error is not None:
                 conn.send(self.hs.reply_on_error)
             raise
-        if self.hs.state in (Msg.INFO, Msg.REJECT):  # authenticated: no longer pre-auth, its INFO may be large
+        if self.hs.state in (Hs.INFO, Hs.REJECT):  # authenticated: no longer pre-auth, its INFO may be large
             self.conns.release_slot(self, True)
             conn.reader.max_payload = MAX_PAYLOAD
         if ready:
@@ -187,54 +182,6 @@ class InboundHandler(PeerHandler):
 
 
 # ---- the connections of an agent ------------------------------------------------
-def listen(address: str) -> tuple[socket.socket, str]:
-    """A non-blocking listening socket on ``address`` ("host:port", port 0: any) and its
-    actual "host:port"."""
-    host, port = split_address(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    lsock = socket.socket(family, socket.SOCK_STREAM)
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        lsock.bind((host, port))
-        lsock.listen(128)
-    except OSError:
-        lsock.close()
-        raise
-    lsock.setblocking(False)
-    return lsock, f"{host}:{lsock.getsockname()[1]}"
-
-
-def open_authenticated(address: str, secret: bytes, info: dict, check_info, timeout: float, *,
-                       what: str = "") -> tuple[socket.socket, dict]:
-    """Connect to ``address`` ("host:port") and run the client handshake (``info``: our
-    INFO, ``check_info``: see :func:`~kvxfer.agent.handshake.client_handshake`); the
-    blocking socket and the peer's INFO fields. Raises TransferTimeout, PeerDisconnected
-    or the handshake's typed error, having closed the socket. ``what``: how errors name
-    the peer (e.g. "store node ")."""
-    host, port = split_address(address)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except socket.timeout:
-        raise TransferTimeout(f"connecting to {what}{address} timed out") from None
-    except OSError as exc:
-        raise PeerDisconnected(f"cannot reach {what}{address}: {exc}") from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, client_handshake(sock, secret, info, check_info, timeout)
-    except socket.timeout:
-        sock.close()
-        raise TransferTimeout(f"handshake with {what}{address} timed out") from None
-    except KVXferError:
-        sock.close()
-        raise
-    except (ConnectionError, OSError) as exc:
-        sock.close()
-        raise PeerDisconnected(f"{what}{address} closed the connection during the handshake: {exc}") from None
-    except BaseException:
-        sock.close()
-        raise
-
-
 class Connections:
     """``handlers``: ``{Msg: fn(peer, fields)}`` after the handshake (built once by the
     agent); ``on_ready(peer)`` runs with the state's lock held once a peer is usable;

@@ -7,7 +7,10 @@ only way bytes from a peer become a message; anything else -- unknown type,
 invalid UTF-8/JSON/binary, a missing, extra or mistyped field, a negative id --
 raises :class:`~kvxfer.errors.ProtocolError`; for the binary ones a
 :class:`MalformedPayload` that says which message it was (``kind``) and
-holds the fields before the bad one. Frames are :mod:`kvxfer.framing`'s.
+holds the fields before the bad one. Frames are :mod:`kvxfer.framing`'s; the
+JSON field kinds and their checks are :mod:`kvxfer.fields`'; the handshake's
+messages (types 1-7) are :mod:`kvxfer.auth`'s, decoded here too since they share
+the connection.
 
 Binary payloads (RECV_POST, MATCHED, DATA_DONE). Their fields are strings,
 integers, integer lists, a bool and a head range, so a fixed little-endian
@@ -32,20 +35,19 @@ from a FAIL message whose ``code`` names the error class (:data:`CODES`).
 from __future__ import annotations
 
 import array
-import base64
-import binascii
 import enum
 import json
 import struct
 import sys
 
+from ..auth import SCHEMAS as HANDSHAKE_SCHEMAS, Hs
 from ..errors import InvalidDescriptor, KVXferError, LayoutMismatch, LimitExceeded, ProtocolError
+from ..fields import ENCODER as _ENCODER, MAX_LIST, MAX_STR, PASS as _PASS
+from ..fields import check as _check, ints_ok as _ints_ok, wire as _wire
 from ..framing import encode_frame
 
 
 # ---- binary payloads ------------------------------------------------------------
-MAX_STR = 256
-MAX_LIST = 1 << 20
 
 _U8, _U16, _U32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q"))
 _RANGE = struct.Struct("<II")
@@ -178,14 +180,14 @@ def decode_body(name: str, items: tuple, payload: bytes) -> dict:
 
 # ---- messages -------------------------------------------------------------------
 class Msg(enum.IntEnum):
-    # handshake (connecting side C, accepting side S), in order
-    HELLO = 1        # C->S: nonce_c
-    CHALLENGE = 2    # S->C: nonce_s
-    AUTH = 3         # C->S: HMAC(secret, "C" | nonce_s | nonce_c)
-    AUTH_OK = 4      # S->C: HMAC(secret, "S" | nonce_c | nonce_s)
-    AUTH_FAIL = 5    # S->C, then close
-    INFO = 6         # both ways, only after AUTH_OK: name, layout, backend metadata
-    REJECT = 7       # either way, then close: layout mismatch etc.
+    # the handshake (kvxfer.auth.Hs: the same numbers and names)
+    HELLO = Hs.HELLO
+    CHALLENGE = Hs.CHALLENGE
+    AUTH = Hs.AUTH
+    AUTH_OK = Hs.AUTH_OK
+    AUTH_FAIL = Hs.AUTH_FAIL
+    INFO = Hs.INFO
+    REJECT = Hs.REJECT
     # transfers
     RECV_POST = 10   # D->P: where request `req` goes (blocks, layers, global head range)
     MATCHED = 11     # P->D: P will write `req` (D now fails it if P dies)
@@ -200,16 +202,8 @@ class Msg(enum.IntEnum):
     FAIL = 20        # either way: request `req` failed; like CANCEL, with the error's `code`
 
 
-_NONCE = "hex32"
 SCHEMAS: dict[Msg, dict[str, str]] = {
-    Msg.HELLO: {"nonce": _NONCE},
-    Msg.CHALLENGE: {"nonce": _NONCE},
-    Msg.AUTH: {"mac": _NONCE},
-    Msg.AUTH_OK: {"mac": _NONCE},
-    Msg.AUTH_FAIL: {},
-    Msg.INFO: {"name": "str", "agent_id": "str", "layout": "obj", "backend": "b64",
-               "staging": "int"},
-    Msg.REJECT: {"code": "str", "reason": "str"},
+    **{Msg(int(k)): schema for k, schema in HANDSHAKE_SCHEMAS.items()},
     Msg.RECV_POST: {"req": "str", "xid": "int", "blocks": "ints", "layers": "ints",
                     "heads": "range", "skip": "int"},
     Msg.MATCHED: {"req": "str", "xid": "int"},
@@ -227,66 +221,8 @@ SCHEMAS: dict[Msg, dict[str, str]] = {
 }
 
 
-def _ints_ok(value) -> bool:
-    # json only yields int, float, bool, str, None, list, dict: one type check over the
-    # whole list in C (bool is its own type), then the range from min/max
-    return (type(value) is list and len(value) <= MAX_LIST
-            and (not value or (set(map(type, value)) == {int} and min(value) >= 0 and max(value) < (1 << 62))))
-
-
-def _check(kind: str, value):
-    """Return the validated (and for b64, decoded) value or raise ProtocolError."""
-    if kind == "int":
-        if type(value) is int and 0 <= value < (1 << 63):
-            return value
-    elif kind == "str":
-        if type(value) is str and len(value) <= MAX_STR:
-            return value
-    elif kind == "ints":
-        if _ints_ok(value):
-            return value
-    elif kind == "range":
-        if (type(value) is list and len(value) == 2 and type(value[0]) is int and type(value[1]) is int
-                and 0 <= value[0] <= value[1] < (1 << 31)):
-            return (value[0], value[1])
-    elif kind == "bool":
-        if type(value) is bool:
-            return value
-    elif kind == "hex32":
-        if type(value) is str and len(value) == 64:
-            try:
-                return bytes.fromhex(value)
-            except ValueError:
-                pass
-    elif kind == "b64":
-        if type(value) is str:
-            try:
-                return base64.b64decode(value, validate=True)
-            except (binascii.Error, ValueError):
-                pass
-    elif kind == "obj":
-        if type(value) is dict:
-            return value
-    raise ProtocolError(f"field of kind {kind} has an invalid value")
-
-
-def _wire(kind: str, value):
-    if kind == "hex32":
-        return bytes(value).hex()
-    if kind == "b64":
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if kind == "ints":
-        return list(map(int, value))
-    if kind == "range":
-        return [int(value[0]), int(value[1])]
-    return value
-
-
-# one encoder, built once (json.dumps with separators builds a new one per call)
-_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _SCHEMA_ITEMS = {t: tuple(s.items()) for t, s in SCHEMAS.items()}
 BINARY = frozenset((Msg.RECV_POST, Msg.MATCHED, Msg.DATA_DONE))  # payloads in the layout of .wire
-_PASS = frozenset(("int", "str", "bool", "obj"))  # encoded as given
 
 
 def _fast_ints(value) -> str | None:

@@ -274,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvxfer.serving.server.http_limits import raise_fd_limit, uvicorn_options
+    from kvxfer.net import raise_fd_limit
+    from kvxfer.serving.server.http_limits import uvicorn_options
     from kvxfer.serving.server.router import create_app
 
     try:

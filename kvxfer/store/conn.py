@@ -1,7 +1,7 @@
 """A client's connection to one store node: the handshake, then request/reply.
 
 :meth:`NodeConn.open` authenticates with the agents' handshake
-(:func:`kvxfer.agent.handshake.client_handshake`) and connects the client's backend
+(:func:`kvxfer.auth.client_handshake`) and connects the client's backend
 to the node's memory (the metadata arrives only after both sides proved the secret).
 On the same host (the backend's ``"vm"`` path) it also maps the node's slots
 (``slots_local``; 0 elsewhere) and :class:`~kvxfer.store.key_table.KeyTable` (``table``;
@@ -21,7 +21,7 @@ import threading
 import uuid
 
 from ..framing import HEADER, parse_header
-from ..agent.peers import open_authenticated
+from ..net import open_authenticated
 from ..errors import (InvalidDescriptor, KVXferError, LimitExceeded, PeerDisconnected, ProtocolError,
                       TransferTimeout)
 from .key_table import KeyTable

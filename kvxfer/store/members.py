@@ -31,7 +31,7 @@ def store_addresses(members: dict) -> list[str]:
 def check_address(a) -> str:
     """``a`` if it is a ``"HOST:PORT"`` string (a node given by address), else
     ``TypeError`` / ``ValueError``."""
-    from ..agent.peers import split_address
+    from ..net import split_address
 
     if not isinstance(a, str):
         raise TypeError(f"node addresses must be 'HOST:PORT' strings, got {type(a).__name__}")

@@ -6,9 +6,13 @@ It owns one registered host buffer of ``num_slots`` fixed-size slots (a
 the index's committed keys published as a :class:`~kvxfer.store.key_table.KeyTable`
 (registered too: same-host clients answer lookups from it, and the backend answers other
 hosts' lookups from it inside its progress, csrc/remote_lookup.cpp) and a listening socket.
-Clients authenticate with the agents' handshake (:mod:`kvxfer.agent.handshake`, the
-deployment's shared secret); only then does the
-node send its backend metadata (the memory keys). The bytes of objects never cross the
+Clients authenticate with the agents' handshake (:mod:`kvxfer.auth`, the deployment's
+shared secret), admitted through the same gate as an agent's listener
+(:class:`~kvxfer.auth.HandshakeGate`: pending slots per source and in total, a HELLO
+deadline, connections that said nothing evicted first); only then does the node send
+its backend metadata (the memory keys). Clients are bounded by the open-file limit
+(raised to its hard limit at start); at that limit the node stops accepting until a
+connection closes, logging it at most once a second. The bytes of objects never cross the
 socket: clients write and read slots one-sided, and the socket carries the requests of
 :mod:`kvxfer.store.protocol`.
 
@@ -35,13 +39,13 @@ import threading
 import time
 import uuid
 
-from ..secrets import normalize_secret
+from .. import auth
+from ..auth import HandshakeGate, Hs, ServerHandshake
+from ..config import HANDSHAKE_TIMEOUT_S, HELLO_DEADLINE_S, PREAUTH_MAX_FRAME
+from ..errors import AuthenticationError, KVXferError, LayoutMismatch, ProtocolError
 from ..framing import FrameReader
-from ..agent.handshake import ServerHandshake
-from ..config import HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_FRAME
-from ..agent.protocol import Msg, decode
-from ..agent.peers import split_address
-from ..errors import KVXferError, LayoutMismatch, ProtocolError
+from ..net import raise_fd_limit, split_address
+from ..secrets import normalize_secret
 from . import index as ix
 from .disk import DiskConfig, DiskTier
 from .key_table import KeyTable
@@ -55,8 +59,8 @@ __all__ = ["StoreNode", "STORE_INFO", "CLIENT_INFO"]
 STORE_INFO = "kvxfer-store"  # the "layout" object a node sends in its INFO
 CLIENT_INFO = "kvxfer-store-client"  # ... and a client in its own
 MAX_QUEUED_BYTES = 8 << 20
-MAX_HANDSHAKES = 64
-MAX_CLIENTS = 1024
+MAX_CLIENTS = 1024  # at most; less where the open-file limit is lower (FD_RESERVE kept back)
+FD_RESERVE = 64  # open files kept for the node's own use (disk, journal, backend, logs)
 # checksums one GET reply may carry (one per object put whole, one per part of the others):
 # 4,096 keys with 16,384 part checksums stay well inside a 1 MiB reply frame
 MAX_REPLY_PARTS = 16384
@@ -65,17 +69,27 @@ _DEFERRED = object()  # a request whose reply comes later (a GET waiting for its
 
 
 class _Client:
-    __slots__ = ("sock", "addr", "owner", "hs", "frames", "reader", "out", "deadline", "events", "backlog", "waiting")
+    """One connection; until it authenticates, an entry of the node's
+    :class:`~kvxfer.auth.HandshakeGate` (``source``, ``said_hello``)."""
+    __slots__ = ("sock", "addr", "source", "owner", "hs", "frames", "reader", "out", "deadline", "hello_by",
+                 "events", "backlog", "waiting")
 
     def __init__(self, sock, addr, owner: int, hs: ServerHandshake) -> None:
         self.sock, self.addr, self.owner, self.hs = sock, addr, owner, hs
+        self.source = str(addr[0]) if isinstance(addr, tuple) else str(addr)
         self.frames = FrameReader(max_payload=PREAUTH_MAX_FRAME)  # handshake frames, small until authenticated
         self.reader: RequestReader | None = None  # set once authenticated
         self.out = bytearray()
-        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        now = time.monotonic()
+        self.deadline = now + HANDSHAKE_TIMEOUT_S
+        self.hello_by = now + HELLO_DEADLINE_S
         self.events = selectors.EVENT_READ
         self.backlog: list = []  # frames read but not served yet (replies queued past the limit)
         self.waiting = None  # a GET whose reply waits for disk reads: nothing after it is served meanwhile
+
+    @property
+    def said_hello(self) -> bool:
+        return self.hs.state != Hs.HELLO
 
 
 class StoreNode:
@@ -136,6 +150,7 @@ class StoreNode:
             # clients on other hosts ask the table through the backend (answered in its progress)
             self._backend.serve_key_table(self.keys.base, self.keys.nbuckets)
             self._lsock = socket.create_server((host, port), backlog=128)
+            self.max_clients = max(1, min(MAX_CLIENTS, raise_fd_limit() - FD_RESERVE))
         except BaseException:
             self._backend.close()
             self.tiers.close()
@@ -146,7 +161,12 @@ class StoreNode:
         self._meta = self._backend.metadata()
         self._owners = itertools.count(1)
         self._clients: dict[int, _Client] = {}
+        self._gate = HandshakeGate()
+        self._accepting = True  # False while at the client or open-file limit
+        self._resume_at = 0.0
+        self._full_logged = 0.0
         self.num_requests = self.num_bad_requests = self.num_auth_failures = 0
+        self.num_evicted = self.num_full = 0  # pending connections the gate evicted; pauses at a limit
         self._stop = threading.Event()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._lsock, selectors.EVENT_READ, None)
@@ -207,7 +227,9 @@ class StoreNode:
                 "requests": self.num_requests, "bad_requests": self.num_bad_requests,
                 "queued_peak_bytes": self.queued_peak, "key_table_overflows": self.keys.num_overflows,
                 "lookups_answered_by_backend": int(getattr(self._backend, "num_lookups", 0)),
-                "auth_failures": self.num_auth_failures}
+                "auth_failures": self.num_auth_failures, "handshakes_pending": self._gate.total,
+                "handshakes_evicted": self.num_evicted, "accept_pauses": self.num_full,
+                "max_clients": self.max_clients}
 
     # ---- the I/O thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -237,8 +259,11 @@ class StoreNode:
                 self._answer_waiting([w for w in self._waiting if w.deadline <= now])
                 if not self._stop.is_set():
                     self.keys.beat()
-                for c in [c for c in self._clients.values() if c.reader is None and c.deadline <= now]:
-                    self._drop(c)
+                for c in self._gate.entries():  # handshakes past their deadlines
+                    if c.deadline <= now or (not c.said_hello and c.hello_by <= now):
+                        self._drop(c)
+                if not self._accepting and now >= self._resume_at:
+                    self._resume_accepting()
                 self._drive_backend()
 
     def _drive_backend(self) -> None:
@@ -248,25 +273,61 @@ class StoreNode:
             self._backend.progress()
 
     def _accept(self) -> None:
-        while True:
+        """Accept what the backlog holds. Every new connection gets a handshake slot
+        (the gate evicts an older pending one for it, one that said nothing first); at
+        the client limit or the open-file limit the node stops accepting (the backlog
+        waits) until a connection closes or a tick passes."""
+        while len(self._clients) < self.max_clients:
             try:
                 sock, addr = self._lsock.accept()
-            except BlockingIOError:
+            except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("store node %s: accept failed: %s", self.name, exc)
+                    self._pause_accepting(f"accept failed: {exc}")
                     return
                 raise
-            pending = sum(1 for c in self._clients.values() if c.reader is None)
-            if pending >= MAX_HANDSHAKES or len(self._clients) >= MAX_CLIENTS:
-                sock.close()
-                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             c = _Client(sock, addr, next(self._owners), ServerHandshake(self._secret, self._info, self._check_info))
             self._clients[c.owner] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
+            for old in self._gate.admit(c):
+                self.num_evicted += 1
+                self._reject_busy(old, "too many pending handshakes from this source or in total")
+        self._pause_accepting(f"{len(self._clients)} clients (its limit)")
+
+    def _pause_accepting(self, why: str) -> None:
+        """Stop watching the listening socket until a connection closes or a tick
+        passes (no spin on a backlog it cannot take); logged at most once a second."""
+        if self._accepting:
+            self._accepting = False
+            self.num_full += 1
+            try:
+                self._sel.unregister(self._lsock)
+            except (KeyError, ValueError):
+                pass
+        self._resume_at = time.monotonic() + _TICK_S
+        now = time.monotonic()
+        if now - self._full_logged >= 1.0:
+            self._full_logged = now
+            log.warning("store node %s: not accepting for now: %s", self.name, why)
+
+    def _resume_accepting(self) -> None:
+        if not self._accepting and not self._stop.is_set() and len(self._clients) < self.max_clients:
+            self._accepting = True
+            self._sel.register(self._lsock, selectors.EVENT_READ, None)
+
+    def _reject_busy(self, c: _Client, why: str) -> None:
+        """A pending connection the gate evicted: REJECT ``busy`` (its client raises
+        ConnectionRefused) and close."""
+        try:
+            c.sock.send(auth.encode(Hs.REJECT, code="busy", reason=why[:200]))
+            c.sock.shutdown(socket.SHUT_WR)
+            c.sock.recv(4096)  # unread bytes would turn the close into a reset that may overtake the REJECT
+        except OSError:
+            pass
+        self._drop(c)
 
     def _info(self) -> dict:
         return {"name": self.name, "agent_id": self.node_id, "backend": self._meta, "staging": 0,
@@ -301,11 +362,12 @@ class StoreNode:
     def _handshake(self, c: _Client, data: bytes) -> None:
         try:
             for msg_type, payload in c.frames.feed(data):
-                frames, ready = c.hs.on_frame(*decode(msg_type, payload))
+                frames, ready = c.hs.on_frame(*auth.decode(msg_type, payload))
                 for f in frames:
                     c.out += f
-                if c.hs.state == Msg.INFO:
-                    c.frames.max_payload = 1 << 16  # authenticated: its INFO carries backend metadata
+                if c.hs.state in (Hs.INFO, Hs.REJECT):  # authenticated: its slot is free, its INFO may be large
+                    self._gate.release(c)
+                    c.frames.max_payload = 1 << 16
                 if ready:
                     c.reader = RequestReader()
                     rest = c.frames.feed(b"")
@@ -315,7 +377,7 @@ class StoreNode:
         except (KVXferError, ValueError) as exc:
             if c.hs.reply_on_error is not None:
                 c.out += c.hs.reply_on_error
-            if isinstance(exc, KVXferError) and "challenge" in str(exc):
+            if isinstance(exc, AuthenticationError):
                 self.num_auth_failures += 1
             log.info("store node %s: handshake with %s failed: %s", self.name, c.addr, exc)
             self._flush(c)
@@ -499,6 +561,9 @@ class StoreNode:
     def _drop(self, c: _Client) -> None:
         if self._clients.pop(c.owner, None) is None:
             return
+        self._gate.release(c)
+        if not self._accepting and len(self._clients) < self.max_clients:
+            self._resume_accepting()
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):

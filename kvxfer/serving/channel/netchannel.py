@@ -2,7 +2,7 @@
 
 The same length-prefixed JSON frames and vocabulary as :mod:`kvxfer.serving.channel.ipc`,
 behind the agents' mutual HMAC-SHA256 challenge over the deployment's shared secret
-(:class:`kvxfer.HmacChallenge`, here with the domain ``kvxfer-router``: the secret
+(:class:`kvxfer.auth.HmacChallenge`, here with the domain ``kvxfer-router``: the secret
 never crosses the wire, and a proof made for the agents' handshake is refused here and
 the other way round)::
 
@@ -15,7 +15,7 @@ It has the agents' pre-auth bounds (:mod:`kvxfer.config`): before that exchange 
 frame may hold at most ``PREAUTH_MAX_FRAME`` bytes, and the whole exchange must finish
 within ``HANDSHAKE_TIMEOUT_S`` of the accept (the worker closes a connection that has
 not; the router gives up after its ``timeout``). Unauthenticated connections are
-admitted by the agents' gate (:class:`kvxfer.HandshakeGate`: bounded pending slots,
+admitted by the agents' gate (:class:`kvxfer.auth.HandshakeGate`: bounded pending slots,
 per source too; a new connection evicts the oldest pending one of the source holding
 the most, so connections that stall in the handshake never lock a router out). The
 traffic itself is not encrypted (as the agents' control traffic): run it on a private
@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 
-from ... import HmacChallenge
+from ...auth import HmacChallenge
 from ...config import HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_FRAME
 from ...secrets import normalize_secret
 from ...errors import AuthenticationError, ProtocolError
@@ -53,7 +53,7 @@ _SWEEP_S = 0.5  # how often the acceptor closes handshakes past their deadline
 
 
 class _Pending:
-    """A connection still in the handshake: an entry of the :class:`~kvxfer.HandshakeGate`."""
+    """A connection still in the handshake: an entry of the :class:`~kvxfer.auth.HandshakeGate`."""
 
     def __init__(self, sock: socket.socket, source: str):
         self.sock, self.source = sock, source
@@ -74,7 +74,8 @@ class NetWorkerChannel:
     message every newly connected router receives first."""
 
     def __init__(self, listen: str, secret: bytes):
-        from ... import HandshakeGate, split_address
+        from ...auth import HandshakeGate
+        from ...net import split_address
 
         self._secret = normalize_secret(secret)
         host, port = split_address(listen)
@@ -240,7 +241,7 @@ async def connect_worker(address: str, secret: bytes,
     """Router end: connect, prove the secret, check the worker's proof, all within
     ``timeout`` seconds; returns the channel and the worker's ``ready`` message. Raises
     ``OSError``/``asyncio.TimeoutError``, :class:`AuthenticationError` or :class:`ProtocolError`."""
-    from ... import split_address
+    from ...net import split_address
 
     secret = normalize_secret(secret)
     host, port = split_address(address)

@@ -10,7 +10,7 @@ through an :class:`Admission`:
 
 - a source address holds at most ``max_connections_per_source`` connections;
 - the server holds at most ``limit_concurrency`` (and never more than its open-file
-  limit allows, :func:`raise_fd_limit`);
+  limit allows, :func:`kvxfer.net.raise_fd_limit`);
 - when either bound is reached, the oldest connection that has not finished its
   request headers goes first (of that source, or of the source holding the most such
   connections); a new connection is refused (a 503 written at once, then closed) only
@@ -37,29 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
-import resource
-
-log = logging.getLogger("kvxfer.serve")
 
 FD_RESERVE = 64  # open files kept for everything but client connections (workers' channels, logs, discovery)
 _REFUSED_BODY = (b'{"error":{"message":"too many connections; retry later","type":"server_error",'
                  b'"param":null,"code":503}}')
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
            b"content-length: " + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's open-file soft limit to its hard limit; return the soft limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
-    return soft
 
 
 class Admission:
@@ -216,7 +199,7 @@ def protocol_class(header_timeout_s: float, base: type | None = None,
 def uvicorn_options(config, fd_limit: int | None = None) -> dict:
     """The keyword arguments ``uvicorn.run`` gets for ``config``
     (:class:`~kvxfer.serving.server.serve_config.ServeConfig`); ``fd_limit``: the process's
-    open-file limit (:func:`raise_fd_limit`), which bounds the connections kept."""
+    open-file limit (:func:`kvxfer.net.raise_fd_limit`), which bounds the connections kept."""
     cap = config.limit_concurrency
     if fd_limit is not None:
         cap = max(1, min(cap, fd_limit - FD_RESERVE))

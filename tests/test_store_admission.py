@@ -1,0 +1,154 @@
+"""A store node admits connections as an agent's listener does (``kvxfer.auth.HandshakeGate``):
+a flood of sockets that never speak -- reconnecting, from the legitimate clients' own
+address -- leaves their handshakes succeeding; and at its open-file limit the node stops
+accepting instead of spinning on its backlog (real node processes, real sockets)."""
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import threading
+import time
+
+import torch
+
+import kvxfer
+from kvxfer.errors import KVXferError
+from store_cases import SECRET, block_bits, make_layout, start_node, stop_node
+
+T = 20.0
+
+
+def _flood(address: str, stop: threading.Event, *, width: int = 80, source: str = "127.0.0.1",
+           period: float = 0.25) -> list:
+    """``width`` sockets from ``source`` that connect and never speak, each reopened every
+    ``period`` s until ``stop``; returns a list the thread appends its connect count to."""
+    host, port = address.rsplit(":", 1)
+    count = [0]
+
+    def run():
+        socks = []
+        while not stop.is_set():
+            for s in socks:
+                s.close()
+            socks = []
+            for _ in range(width):
+                s = socket.socket()
+                try:
+                    s.bind((source, 0))
+                    s.settimeout(2.0)
+                    s.connect((host, int(port)))
+                    socks.append(s)
+                    count[0] += 1
+                except OSError:
+                    s.close()
+            stop.wait(period)
+        for s in socks:
+            s.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return count
+
+
+def _legit_round_trip(address: str, src, dst, i: int) -> bool:
+    keys = kvxfer.block_keys(range(4 * 2), 4, salt=f"legit-{i}".encode())
+    try:
+        with kvxfer.KVStore(nodes=[address], secret=SECRET, timeout=T) as st:
+            put = st.put(keys, src, [0, 1])
+            put.wait(timeout=T)
+            if put.result.stored != 2:
+                return False
+            st.get(keys, dst, [2, 3]).wait(timeout=T)
+    except KVXferError:
+        return False
+    return all(torch.equal(block_bits(src, b), block_bits(dst, b + 2)) for b in (0, 1))
+
+
+def test_a_reconnecting_silent_flood_from_the_clients_address_does_not_lock_them_out():
+    """80 sockets from 127.0.0.1 that never send their HELLO, reopened 4 times a second
+    (more than the old node's 64 pending handshakes, which then refused every new
+    connection): >= 9 of 10 legitimate clients on the same address put and get bitwise."""
+    proc, address = start_node()
+    stop = threading.Event()
+    try:
+        src = make_layout("2 N B H D", 4, seed=11)
+        count = _flood(address, stop)
+        while count[0] < 200:  # the flood is on
+            time.sleep(0.05)
+        ok = 0
+        for i in range(10):
+            dst = make_layout("2 N B H D", 4)
+            ok += _legit_round_trip(address, src, dst, i)
+        assert ok >= 9, f"{ok}/10 legitimate clients got through"
+        assert proc.poll() is None
+    finally:
+        stop.set()
+        stop_node(proc)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_at_its_open_file_limit_the_node_pauses_accepting_without_spinning(tmp_path):
+    """A node whose hard open-file limit is 96 keeps at most 32 connections (64 files kept
+    back): 160 silent connections from 8 addresses (the gate holds 16 of each) fill it
+    again as fast as its HELLO deadline empties it. With the backlog holding more than it
+    can take it neither spins (the old node used ~65% of a CPU and wrote ~4 MB/s of
+    "accept failed" at its limit) nor logs more than once a second; once the flood
+    closes, a client gets through."""
+    log = open(tmp_path / "node.log", "w+")
+
+    def limited(cmd):
+        return ["prlimit", "--nofile=96:96", "--", *cmd]
+
+    proc, address = start_node(wrap=limited, stderr=log)
+    host, port = address.rsplit(":", 1)
+    socks = []
+    try:
+        for i in range(160):
+            s = socket.socket()
+            s.settimeout(2.0)
+            try:
+                s.bind((f"127.0.0.{2 + i % 8}", 0))
+                s.connect((host, int(port)))  # the kernel's backlog takes what the node does not
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        time.sleep(1.0)  # the node reaches its limit
+        cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(3.0)
+        busy = (_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0)
+        assert busy < 0.3, f"the node used {busy:.0%} of a CPU at its limit"
+        log.flush()
+        lines = [ln for ln in open(tmp_path / "node.log") if "not accepting" in ln or "accept failed" in ln]
+        assert 1 <= len(lines) <= 6, lines[:10]
+        for s in socks:
+            s.close()
+        socks = []
+        src = make_layout("2 N B H D", 4, seed=12)
+        dst = make_layout("2 N B H D", 4)
+        deadline = time.monotonic() + 30
+        while not _legit_round_trip(address, src, dst, 99):
+            assert time.monotonic() < deadline, "no client got through after the flood closed"
+            time.sleep(0.5)
+        assert proc.poll() is None
+    finally:
+        for s in socks:
+            s.close()
+        stop_node(proc)
+        log.close()
+
+
+def test_raise_fd_limit_takes_the_soft_limit_to_the_hard_one():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    out = subprocess.run(["prlimit", "--nofile=200:4096", "--", "python3", "-c",
+                          "import resource,sys; sys.path.insert(0, '.');"
+                          "from kvxfer.net import raise_fd_limit; print(raise_fd_limit(), "
+                          "resource.getrlimit(resource.RLIMIT_NOFILE)[0])"],
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(kvxfer.__file__)))
+    assert out.stdout.split() == ["4096", "4096"], out.stderr

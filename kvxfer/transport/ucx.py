@@ -50,7 +50,7 @@ _OPS = {"write": True, "read": False}
 # - TCP_*_SEG_SIZE: UCX carries kvxfer's target-checked messages (and emulated RMA) over
 #   TCP as active-message segments; 8 KiB segments cap it at ~0.4x a plain socket,
 #   64 KiB reached 0.76-0.81x iperf3 over veth at 64 KiB-1 MiB runs, 512 KiB 0.93-1.14x
-#   (docs/benchmarks.md, "UCX over TCP between two network namespaces").
+#   (docs/deploy.md, "Tuning KV transfers over TCP").
 # - CMA_MEMORY_INVALIDATE: with peer error handling UCX only puts an RMA lane on a memory
 #   domain that advertises remote-key invalidation, which UCX uses to fence a failed peer
 #   out of a rendezvous buffer. CMA does not claim it unless this is "y", so on one host

@@ -223,13 +223,14 @@ def test_forged_part_ranges_fail_that_request_only(local_node):
         assert [code for code, *_ in reserve([0, 2, 4])] == [1, 1]  # the same connection goes on
         assert [code for code, *_ in reserve([1, 3, 4])] == [5, 5]  # CONFLICT: overlaps its own part
         assert [code for code, *_ in reserve([2, 4, 8])] == [5, 5]  # another head count
-        assert [code for code, *_ in reserve([2, 4, 4], nbytes=fmt.nbytes - 2)] == [5, 5]  # another size
+        with pytest.raises(NodeError, match="bad_request"):  # another size than the format names
+            reserve([2, 4, 4], nbytes=fmt.nbytes - 2)
         # a commit quoting another token, or a checksum list, is refused / malformed
         assert c.request(Req.COMMIT, {"keys": keys, "tokens": [99999, 99998], "crcs": [1, 2]}, 10.0)["ok"] == [
             False, False]
         c._sock.sendall(_frame(Req.COMMIT, {"id": 77, "keys": 32, "tokens": [1, 2], "crcs": [[0, 2, 1], 2]}, keys))
         assert json.loads(_reply_payload(c))["error"] == "bad_request"
-        assert local_node.stats()["pending"] == 2 and local_node.stats()["bad_requests"] == 12
+        assert local_node.stats()["pending"] == 2 and local_node.stats()["bad_requests"] == 13
     finally:
         c.close()
         backend.close()

@@ -220,3 +220,52 @@ def test_a_node_that_requires_checksums_refuses_objects_without_one():
             finally:
                 c.close()
                 backend.close()
+
+
+# ---- #6: eviction does not pass over pinned objects --------------------------------------------
+def _index_lines(fn) -> int:
+    """Lines of the index and the allocator that ``fn()`` runs (deterministic: a measure
+    of work that needs no clock)."""
+    from kvxfer.store import alloc
+
+    files, count = {ix.__file__, alloc.__file__}, 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename in files else None)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _reserve_work(num_pinned: int, num_free: int = 256, num_new: int = 64) -> int:
+    """A full index whose ``num_pinned`` oldest objects are pinned: the lines ``num_new``
+    reserves run, each of which must evict."""
+    size = 64
+    idx = ix.SlotIndex((num_pinned + num_free) * size, size, high_watermark=1.0)
+    for i in range(num_pinned + num_free):
+        key = b"old%d" % i
+        _, obj = idx.reserve(key, size, "f/64", 1, 0.0, 30.0)
+        assert idx.commit(key, obj.token, 0, 1)
+        if i < num_pinned:
+            assert idx.get(key, "f/64", 2, 0.0, 1e9)[0] is obj  # a reader pins it, and holds it
+    assert idx.slots_used == num_pinned + num_free
+
+    def reserve():
+        for i in range(num_new):
+            code, _ = idx.reserve(b"new%d" % i, size, "f/64", 3, 0.0, 30.0)
+            assert code == ix.RESERVED
+    lines = _index_lines(reserve)
+    assert idx.evictions == num_new and all(idx.contains(b"old%d" % i) for i in range(num_pinned))
+    return lines
+
+
+def test_a_reserve_that_evicts_costs_the_same_however_many_objects_are_pinned():
+    none, many = _reserve_work(0), _reserve_work(3000)
+    assert many <= none * 1.1 + 50, (none, many)  # was ~50x more with 3,000 pinned

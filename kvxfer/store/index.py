@@ -22,7 +22,8 @@ object and frees its slot. Each part counts against its client's ``max_pending``
 until the object is committed or dropped (a committed part of an object that never
 completes still holds a slot, so it still counts).
 
-Eviction frees the least recently used committed object that no reader pins,
+Eviction frees the least recently used committed object that no reader pins (pinned
+objects leave the LRU list while pinned, so a victim is found in O(1) however many are),
 whenever the chunk bytes in use (pending and committed, less those an eviction still
 holds) exceed the high watermark ``high_watermark * capacity``; every such eviction is
 counted. A chunk needed now when none of its class is free (nor a free page) evicts
@@ -140,6 +141,9 @@ class SlotIndex:
         self.on_evict = self.elsewhere = self.can_hold = None  # a second tier's hooks (see the module doc)
         self.held_bytes = 0  # chunk bytes of evicted objects that on_evict holds
         self._objects: OrderedDict[bytes, Obj] = OrderedDict()  # committed, LRU first
+        # the committed objects eviction may take (unpinned), LRU first: a pinned object
+        # leaves it while pinned, so finding a victim never passes over pins
+        self._lru: OrderedDict[bytes, Obj] = OrderedDict()
         self._pending: dict[bytes, Obj] = {}
         self._spares: dict[int, Obj] = {}  # token -> a slot reserved for a client under no key
         self._pins: dict[int, _Pin] = {}
@@ -191,7 +195,7 @@ class SlotIndex:
             raise ValueError(f"object of {nbytes} bytes exceeds the largest this node holds ({self.slot_bytes} B)")
         obj = self._objects.get(key)
         if obj is not None:
-            self._objects.move_to_end(key)
+            self._touch(obj)
             return PRESENT, None
         if self.elsewhere is not None and self.elsewhere(key):
             return PRESENT, None
@@ -220,7 +224,7 @@ class SlotIndex:
         if not 0 <= lo < hi <= num_heads:
             raise ValueError(f"heads [{lo}, {hi}) are not a range of {num_heads}")
         if key in self._objects:
-            self._objects.move_to_end(key)
+            self._touch(self._objects[key])
             return PRESENT, None, None
         if self.elsewhere is not None and self.elsewhere(key):
             return PRESENT, None, None
@@ -321,7 +325,7 @@ class SlotIndex:
         if not self.fits(nbytes):
             raise ValueError(f"object of {nbytes} bytes exceeds the largest this node holds ({self.slot_bytes} B)")
         if key in self._objects:
-            self._objects.move_to_end(key)
+            self._touch(self._objects[key])
             return PRESENT
         if self.elsewhere is not None and self.elsewhere(key):
             return PRESENT
@@ -362,12 +366,10 @@ class SlotIndex:
 
     def pin_node(self, obj: Obj) -> None:
         """A pin of the node's own (no client, no lease): ``obj`` is not evicted until :meth:`unpin_node`."""
-        obj.pins += 1
+        self._pin(obj)
 
     def unpin_node(self, obj: Obj) -> None:
-        obj.pins -= 1
-        if obj.pins == 0 and obj.dropped:
-            self.alloc.free(obj.offset)
+        self._unpin_obj(obj)
 
     def unstage(self, obj: Obj) -> None:
         """Give staged ``obj`` up (its chunk is freed)."""
@@ -390,9 +392,9 @@ class SlotIndex:
             return None, 0
         if self._pins_by.get(owner, 0) >= self.max_pins:
             return None, -1
-        self._objects.move_to_end(key)
+        self._touch(obj)
         self.hits += 1
-        obj.pins += 1
+        self._pin(obj)
         pin_id = next(self._tokens)
         self._pins[pin_id] = _Pin(obj, owner, now + lease_s)
         self._pins_by[owner] = self._pins_by.get(owner, 0) + 1
@@ -455,15 +457,15 @@ class SlotIndex:
         """``on_evict`` is done with the chunk it kept (freed unless ``obj`` is back in the
         index, :meth:`readmit`, or pinned by readers)."""
         self.held_bytes -= chunk_bytes(obj.nbytes)
-        obj.pins -= 1
-        if obj.pins == 0 and obj.dropped:
-            self.alloc.free(obj.offset)
+        self._unpin_obj(obj)
 
     def readmit(self, obj: Obj) -> None:
         """Put evicted ``obj``, whose chunk is still held, back as the most recent object
         (a get came for it while a second tier was taking it)."""
         obj.dropped = False
         self._objects[obj.key] = obj
+        if obj.pins == 0:
+            self._lru[obj.key] = obj
         if self.mirror is not None:
             self.mirror.add(obj.key)
         self.bytes_used += obj.nbytes
@@ -471,19 +473,17 @@ class SlotIndex:
     def _evict_lru(self) -> bool:
         """Ahead of need (above the watermark): the LRU unpinned object goes, unless a
         second tier asks to wait (``can_hold`` false: its write-back queue is full; the
-        trim goes on as it drains, :meth:`trim`)."""
-        for obj in self._objects.values():  # oldest first; pinned ones are usually recent
-            if obj.pins == 0:
-                if self.can_hold is not None and not self.can_hold(obj):
-                    return False
-                self._evict(obj, hold=True)
-                return True
-        return False
+        trim goes on as it drains, :meth:`trim`). O(1): pinned objects are not in the list."""
+        obj = next(iter(self._lru.values()), None)
+        if obj is None or (self.can_hold is not None and not self.can_hold(obj)):
+            return False
+        self._evict(obj, hold=True)
+        return True
 
     def _evict_for(self, nbytes: int) -> bool:
         """Evict what a chunk for ``nbytes`` needs now (:func:`~kvxfer.store.alloc.victims_for`);
         False: nothing can go."""
-        victims = victims_for(self.alloc, self._objects.values(), nbytes, _evictable)
+        victims = victims_for(self.alloc, self._lru.values(), nbytes, _evictable)
         for obj in victims:
             self._evict(obj, hold=False)
         return bool(victims)
@@ -492,7 +492,7 @@ class SlotIndex:
         """Evict, ahead of need, what a chunk for ``nbytes`` needs (a second tier may hold
         the chunks a while: retry the allocation as they come back); False: nothing can
         go, or not yet (``can_hold`` says wait)."""
-        victims = victims_for(self.alloc, self._objects.values(), nbytes, _evictable)
+        victims = victims_for(self.alloc, self._lru.values(), nbytes, _evictable)
         if not victims or (self.can_hold is not None and not all(self.can_hold(o) for o in victims)):
             return False
         for obj in victims:
@@ -502,6 +502,8 @@ class SlotIndex:
     def _remove(self, obj: Obj) -> None:
         """Take a committed object out of the index; free its chunk unless pinned."""
         del self._objects[obj.key]
+        if self._lru.get(obj.key) is obj:
+            del self._lru[obj.key]
         if self.mirror is not None:
             self.mirror.remove(obj.key)
         self.bytes_used -= obj.nbytes
@@ -512,10 +514,29 @@ class SlotIndex:
     def _unpin(self, pin_id: int, pin: _Pin) -> None:
         del self._pins[pin_id]
         self._pins_by[pin.owner] -= 1
-        obj = pin.obj
+        self._unpin_obj(pin.obj)
+
+    def _touch(self, obj: Obj) -> None:
+        """``obj`` (committed) was used now: most recent."""
+        self._objects.move_to_end(obj.key)
+        if obj.key in self._lru:
+            self._lru.move_to_end(obj.key)
+
+    def _pin(self, obj: Obj) -> None:
+        obj.pins += 1
+        if obj.pins == 1 and self._lru.get(obj.key) is obj:
+            del self._lru[obj.key]  # not evictable while pinned
+
+    def _unpin_obj(self, obj: Obj) -> None:
+        """One pin of ``obj`` ends: at the last, its chunk is freed if it left the index
+        meanwhile, else it is evictable again (most recent: it was just read)."""
         obj.pins -= 1
-        if obj.pins == 0 and obj.dropped:
+        if obj.pins:
+            return
+        if obj.dropped:
             self.alloc.free(obj.offset)
+        elif obj.committed and self._objects.get(obj.key) is obj:
+            self._lru[obj.key] = obj
 
     def _place(self, obj: Obj) -> bool:
         """Give ``obj`` a chunk, evicting for it if none is free, then trim to the
@@ -576,6 +597,8 @@ class SlotIndex:
         self._drop_pending(obj)
         obj.committed = True
         self._objects[obj.key] = obj
+        if obj.pins == 0:
+            self._lru[obj.key] = obj
         if self.mirror is not None:
             self.mirror.add(obj.key)
         self.bytes_used += obj.nbytes

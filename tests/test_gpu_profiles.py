@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvxfer.sim.cost_model import StepCostModel, features
+from kvxfer.sim.cost_model import TERMS, StepCostModel, features
 from kvxfer.sim.distserve import DATA_DIR, profile_from_distserve
 from kvxfer.sim.profile import ProfileError, load_profile
 
@@ -111,3 +111,32 @@ def test_causal_attention_form_and_large_batch_round_trip():
                 dict(large_batch=(1.0, 1.0, 1.0), large_batch_from=0), dict(large_batch_from=3)):
         with pytest.raises(ValueError):
             StepCostModel((0.0,) * 7, **{"attention": "masked", **bad})
+
+
+def test_attention_efficiencies_fit_distserves_opt13b_and_make_the_vidur_terms():
+    # the method of kvxfer.sim.attention: eta_mem from DistServe's decode b, eta_flop from
+    # its prefill c; OPT-13B's b (both batch fits, every degree) within 25% of DistServe's
+    from kvxfer.sim.attention import (GPUS, decode_context_seconds, fit_efficiencies,
+                                      prefill_attention_seconds)
+
+    eff = fit_efficiencies(FITS)
+    assert 0.3 < eff.eta_mem <= 1.0 and 0.05 < eff.eta_flop <= 1.0
+    opt13b_b = {k: v for k, v in eff.errors.items() if k.startswith("facebook/opt-13b") and k.endswith(" b")}
+    assert len(opt13b_b) == 6  # TP 1, 2, 4 x small and large batch
+    assert all(0.75 <= ratio <= 1.25 for ratio in opt13b_b.values()), opt13b_b
+    # the shipped Vidur profiles' attention terms are these, at every degree
+    for name, gpu, d_model in (("a100-llama2-7b-vidur", "a100", 4096), ("a100-llama3-8b-vidur", "a100", 4096),
+                               ("h100-llama2-7b-vidur", "h100", 4096)):
+        prof = load_profile(name)
+        assert prof.tp_degrees == (1, 2, 4, 8)
+        for tp in prof.tp_degrees:
+            fit = prof.at_tp(tp).fit
+            coef = dict(zip(TERMS, fit.coefficients))
+            assert fit.attention == "causal"
+            assert coef["e_decode_context"] == pytest.approx(
+                decode_context_seconds(prof.kv_bytes_per_token, GPUS[gpu], tp, eff.eta_mem), rel=1e-9)
+            assert coef["c_prefill_attention"] >= prefill_attention_seconds(
+                d_model, 32, GPUS[gpu], tp, eff.eta_flop) * (1 - 1e-9)
+        # an 80 GB A100 holds ~110k tokens of Llama-2-7B KV (the Mooncake prompts of 18-36k fit)
+        caps = [prof.at_tp(tp).kv_capacity_tokens for tp in prof.tp_degrees]
+        assert caps == sorted(caps) and caps[0] > 100_000

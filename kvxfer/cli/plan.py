@@ -22,8 +22,6 @@ import time
 
 from .simulate import add_common, load_inputs, print_table, write_json
 
-PLOT_POINTS = (-24, -16, -10, -6, -3, 0, 3, 6)  # grid steps (5%) around the best's capacity
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the best configuration of N GPUs: capacity per GPU under SLOs",
@@ -64,7 +62,7 @@ def run(args) -> int:
     import os
 
     from ..loadgen.metrics import SLO
-    from ..sim.plan import Planner, PlanSpec, ProcessRunner, candidates, grid_index
+    from ..sim.plan import Planner, PlanSpec, ProcessRunner, candidates
     from ..sim.vclock import prompt_hashes
 
     began = time.perf_counter()
@@ -83,12 +81,7 @@ def run(args) -> int:
                           prompt_hashes(requests, profile.block_size), runner)
         runner.bind(planner)
         doc = planner.plan()
-        curves = {}
-        if args.plot and doc["best"] is not None:
-            ranked = [r for r in sorted(doc["configs"], key=lambda r: -(r["per_gpu_rate_rps"] or 0))
-                      if r["per_gpu_rate_rps"]][:max(args.top, 1)]
-            k = grid_index(doc["best_per_gpu_rate_rps"])
-            curves = planner.curves([r["name"] for r in ranked], [k + d for d in PLOT_POINTS])
+        curves = planner.best_curves(doc, args.top) if args.plot else {}
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"kvxfer plan: {exc}") from None
     finally:

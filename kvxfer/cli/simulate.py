@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 
-DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = "benchmarks/traces/mooncake_conversation_1000.jsonl"  # in the repository
 
 
 def add_common(p) -> None:
     """The trace, profile, engine and SLO options ``simulate`` and ``plan`` share."""
     from .serve import add_adaptive_timing
 
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake jsonl trace")
+    p.add_argument("--trace", default=DEFAULT_TRACE,
+                   help=f"Mooncake jsonl trace (default {DEFAULT_TRACE}, from the repository root)")
     p.add_argument("--profile", required=True, help="cost profile: a shipped name or a JSON file")
     p.add_argument("--start", type=int, default=0, help="first trace line (0-based)")
     p.add_argument("--max-requests", type=int, default=None, help="at most this many requests")

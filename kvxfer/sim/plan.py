@@ -39,6 +39,9 @@ def grid_rate(k: int) -> float:
     return STEP ** k
 
 
+CURVE_POINTS = (-24, -16, -10, -6, -3, 0, 3, 6)  # grid steps (5%) around the best's capacity
+
+
 def grid_index(per_gpu_rate: float) -> int:
     """The highest grid point at or below ``per_gpu_rate``."""
     k = math.floor(math.log(per_gpu_rate) / math.log(STEP))
@@ -478,6 +481,17 @@ class Planner:
             self.results[job] = res
         return {n: [{"per_gpu_rate_rps": grid_rate(k), **self.results[(n, k, "full")]}
                     for k in points] for n in names}
+
+    def best_curves(self, doc: dict, top: int) -> dict[str, list[dict]]:
+        """:meth:`curves` of the ``top`` configurations of a :meth:`plan` document (by
+        capacity per GPU), at :data:`CURVE_POINTS` around the best's capacity; ``{}``
+        where nothing met the SLO."""
+        if doc["best"] is None:
+            return {}
+        ranked = [r for r in sorted(doc["configs"], key=lambda r: -(r["per_gpu_rate_rps"] or 0))
+                  if r["per_gpu_rate_rps"]][:max(top, 1)]
+        k = grid_index(doc["best_per_gpu_rate_rps"])
+        return self.curves([r["name"] for r in ranked], [k + d for d in CURVE_POINTS])
 
 
 _PLANNER: Planner | None = None  # the plan a forked worker process runs probes of

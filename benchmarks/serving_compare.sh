@@ -2,7 +2,7 @@
 # Serve each configuration in turn on the same two cores and replay the same load
 # against it with `kvxfer loadgen`; results in $OUT/<label>.json.
 #
-#   OUT=/tmp/serving LOAD="--trace ../shared/traces/mooncake_conversation_trace.jsonl \
+#   OUT=/tmp/serving LOAD="--trace benchmarks/traces/mooncake_conversation_1000.jsonl \
 #     --start 0 --max-requests 40 --length-scale 0.05 --time-scale 12" \
 #     SLO=4000,200 benchmarks/serving_compare.sh
 #

@@ -163,3 +163,49 @@ def test_the_router_channel_handshake_has_a_deadline(monkeypatch):
         assert chan._gate.total == 0
     finally:
         chan.close()
+
+
+def test_a_silent_flood_does_not_lock_a_router_out_of_its_worker():
+    """The worker channel admits through the same gate as the agents and store nodes: 80
+    connections from the router's own address that never answer the worker's hello,
+    reopened 4 times a second, leave >= 9 of 10 router handshakes succeeding."""
+    chan = NetWorkerChannel("127.0.0.1:0", SECRET)
+    chan.set_hello({"ev": "ready", "name": "w"})
+    stop = threading.Event()
+    host, port = _address(chan)
+
+    def flood():
+        socks = []
+        while not stop.is_set():
+            for s in socks:
+                s.close()
+            socks = []
+            for _ in range(80):
+                try:
+                    socks.append(socket.create_connection((host, port), timeout=2.0))
+                except OSError:
+                    pass
+            stop.wait(0.25)
+        for s in socks:
+            s.close()
+
+    async def attempt():
+        channel, ready = await connect_worker(f"{host}:{port}", SECRET, timeout=10)
+        channel.close()
+        return ready
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        ok = 0
+        for _ in range(10):
+            try:
+                ok += asyncio.run(attempt()) == {"ev": "ready", "name": "w"}
+            except (kvxfer.KVXferError, ConnectionError, OSError, asyncio.TimeoutError):
+                pass
+        assert ok >= 9, f"{ok}/10 router handshakes got through"
+    finally:
+        stop.set()
+        thread.join(10)
+        chan.close()

@@ -14,7 +14,8 @@ the other way round)::
 It has the agents' pre-auth bounds (:mod:`kvxfer.config`): before that exchange a
 frame may hold at most ``PREAUTH_MAX_FRAME`` bytes, and the whole exchange must finish
 within ``HANDSHAKE_TIMEOUT_S`` of the accept (the worker closes a connection that has
-not; the router gives up after its ``timeout``). Unauthenticated connections are
+not, and one whose router has not answered the hello within ``HELLO_DEADLINE_S``; the
+router gives up after its ``timeout``). Unauthenticated connections are
 admitted by the agents' gate (:class:`kvxfer.auth.HandshakeGate`: bounded pending slots,
 per source too; a new connection evicts the oldest pending one of the source holding
 the most, so connections that stall in the handshake never lock a router out). The
@@ -39,7 +40,7 @@ import threading
 import time
 
 from ...auth import HmacChallenge
-from ...config import HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_FRAME
+from ...config import HANDSHAKE_TIMEOUT_S, HELLO_DEADLINE_S, PREAUTH_MAX_FRAME
 from ...secrets import normalize_secret
 from ...errors import AuthenticationError, ProtocolError
 from .ipc import RouterChannel, encode, recv_message, recv_message_async
@@ -58,7 +59,9 @@ class _Pending:
     def __init__(self, sock: socket.socket, source: str):
         self.sock, self.source = sock, source
         self.said_hello = False  # the router answered the worker's hello
-        self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        now = time.monotonic()
+        self.deadline = now + HANDSHAKE_TIMEOUT_S
+        self.hello_by = now + HELLO_DEADLINE_S  # its answer to the hello, as the agents' HELLO deadline
 
 
 class _Conn:
@@ -154,7 +157,7 @@ class NetWorkerChannel:
         now = time.monotonic()
         with self._lock:  # under the lock: a connection that authenticated meanwhile is no entry any more
             for entry in self._gate.entries():
-                if entry.deadline <= now:
+                if entry.deadline <= now or (not entry.said_hello and entry.hello_by <= now):
                     _shutdown(entry.sock)
 
     def _handshake(self, entry: _Pending, peer: str) -> None:

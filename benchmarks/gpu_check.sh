@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, one command on a fresh lent GPU machine (no network there):
+# GPU check, one command on a fresh GPU machine (it needs no network):
 #   0. wheels carried in .whl/ (libucx-cu12, nixl-cu12: benchmarks/gpu/wheels.sh fetches them here) go to /tmp/site,
 #   1. builds kvxfer._C with that machine's python3/torch,
 #   2. the GPU tests (Triton kernels vs the reference on CUDA pools, the pool-to-pool copy, regions vs driver

@@ -58,7 +58,7 @@ def plan(trace: str, profile_name: str, gpus: int, slo: str, *, tps=(1,), config
     """``kvxfer plan`` in this process: its JSON document and run time."""
     from kvxfer.loadgen.metrics import SLO
     from kvxfer.sim.plan import Planner, PlanSpec, ProcessRunner
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
     from kvxfer.sim.replay import RunOptions, TraceSlice
     from kvxfer.sim.vclock import prompt_hashes
 

@@ -72,7 +72,7 @@ def best_of_family(requests, hashes, profile, slo, gpus: int, mode: str, chunked
 
 def main() -> int:
     from kvxfer.loadgen.metrics import SLO
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
     from kvxfer.sim.replay import TraceSlice
     from kvxfer.sim.vclock import prompt_hashes
 

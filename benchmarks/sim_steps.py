@@ -40,7 +40,7 @@ def main() -> int:
     from kvxfer.serving.engine.engine import Engine
     from kvxfer.serving.engine.sampling import SamplingParams
     from kvxfer.serving.workers.main import pin_threads
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
 
     pin_threads(args.cpus, 1)
     prof = load_profile(args.profile)

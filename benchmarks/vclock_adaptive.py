@@ -56,7 +56,7 @@ def _run(name: str) -> dict:
 def main() -> int:
     from kvxfer.sim.replay import RunOptions, TraceSlice
     from kvxfer.loadgen.metrics import SLO as Slo
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=16)

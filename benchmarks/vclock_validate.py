@@ -270,7 +270,7 @@ def tokens_vs_words(args) -> dict:
 
 
 def vclock_run(name: str, args, requests, slo: SLO) -> dict:
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
     from kvxfer.sim.replay import RunOptions, run_config
 
     options = RunOptions(routing=args.routing, num_blocks=args.num_blocks,
@@ -299,7 +299,7 @@ def dilated_profile(name: str, factor: float, path: str) -> str:
     link's latency times ``factor``, its bandwidth divided by it) to ``path``: the same
     cluster on a clock ``factor`` times slower, whose host costs per modelled second are
     ``factor`` times smaller. Returns ``path``."""
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
 
     raw = load_profile(name).as_dict()
     raw["fit"] = {k: v * factor for k, v in raw["fit"].items()}

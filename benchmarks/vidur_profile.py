@@ -2,9 +2,9 @@
 with attention from the model's shape at efficiencies fitted to DistServe's OPT fits.
 
     python benchmarks/vidur_profile.py --vidur /work/.mirror/microsoft+vidur/repo \
-        --gpu h100 --out kvxfer/sim/profiles/h100-llama2-7b-vidur.json
+        --gpu h100 --out kvxfer/serving/simulated/profiles/h100-llama2-7b-vidur.json
     python benchmarks/vidur_profile.py --vidur /work/.mirror/microsoft+vidur/repo \
-        --gpu a100 --model llama3-8b --out kvxfer/sim/profiles/a100-llama3-8b-vidur.json
+        --gpu a100 --model llama3-8b --out kvxfer/serving/simulated/profiles/a100-llama3-8b-vidur.json
 
 Reads, from the Vidur repository (a git directory, at its HEAD):
 
@@ -43,10 +43,10 @@ import numpy as np
 
 from kvxfer.sim.attention import (GPUS, decode_context_seconds, fit_efficiencies,
                                   kv_capacity_tokens, prefill_attention_seconds)
-from kvxfer.sim.cost_model import TERMS, StepCostModel
+from kvxfer.serving.simulated.cost_model import TERMS, StepCostModel
 from kvxfer.sim.distserve import DATA_DIR
-from kvxfer.sim.link import Link
-from kvxfer.sim.profile import Profile, residuals
+from kvxfer.serving.simulated.link import Link
+from kvxfer.serving.simulated.profile import Profile, residuals
 
 OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
        "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")

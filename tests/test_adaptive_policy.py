@@ -189,9 +189,9 @@ def test_virtual_clock_observes_the_admit_queue_apart_from_the_prefill_queue(mon
     part of ``kv_use`` that admitted prompts without a first token hold."""
     from kvxfer.sim import vclock
     from kvxfer.sim.configs import parse_config
-    from kvxfer.sim.cost_model import StepCostModel
-    from kvxfer.sim.link import Link
-    from kvxfer.sim.profile import Profile
+    from kvxfer.serving.simulated.cost_model import StepCostModel
+    from kvxfer.serving.simulated.link import Link
+    from kvxfer.serving.simulated.profile import Profile
 
     seen = []
 

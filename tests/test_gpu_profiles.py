@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvxfer.sim.cost_model import TERMS, StepCostModel, features
+from kvxfer.serving.simulated.cost_model import TERMS, StepCostModel, features
 from kvxfer.sim.distserve import DATA_DIR, profile_from_distserve
-from kvxfer.sim.profile import ProfileError, load_profile
+from kvxfer.serving.simulated.profile import ProfileError, load_profile
 
 FITS = os.path.join(DATA_DIR, "profiler-a100-80g.distserve.json")
 VLLM_FITS = os.path.join(DATA_DIR, "profiler-a100-80g.vllm.json")

@@ -3,8 +3,10 @@
 - the library core never imports serving, bench, loadgen, cli, integrations, report or store;
 - report (shared by bench and loadgen) imports no other kvxfer module, and loadgen
   and report never import bench;
-- the parts of serving (model, engine, channel, server, workers) import each other
-  without a cycle: the router (server) and the workers meet in the channel;
+- the parts of serving (model, engine, simulated, channel, server, workers) import each
+  other without a cycle: the router (server) and the workers meet in the channel; and
+  kvxfer's packages import each other without a cycle (the planner, sim, runs serving's
+  simulated engine; serving never imports the planner);
 - the library's clients -- bench, loadgen, serving, integrations and sim -- reach it
   only through its public surface: the names in ``__all__`` of the modules in
   ``PUBLIC_MODULES`` (docs/api.md, "Public surface"), plus their own package and the
@@ -31,8 +33,8 @@ PUBLIC_MODULES = ("kvxfer", "kvxfer.errors", "kvxfer.kernels", "kvxfer.transport
 # client -> the other packages it is built on, any of whose modules it may import
 OPEN = {
     "bench": ("kvxfer.report",),
+    "serving": (),
     "loadgen": ("kvxfer.report",),
-    "serving": ("kvxfer.sim",),  # --engine sim: the simulated engine core
     "integrations": ("kvxfer.serving.model",),  # export-hf: the embedded model's GGUF reader
     # the real scheduler, block manager and runtime, forward pass modelled; the store
     # nodes' own index and placement, no bytes moved (kvxfer simulate --store); a trace
@@ -200,7 +202,7 @@ def test_the_check_allows_the_public_surface():
               "from ..config import PREAUTH_MAX_FRAME\nfrom ..auth import HmacChallenge\nfrom .. import CostModel\n")
     assert public_surface_violations(ROOT / "bench" / "probe.py", source) == []
     source = ("from ... import Agent\nfrom ...net import split_address\nfrom ..engine.config import EngineConfig\n"
-              "from ...sim.runtime import SimRuntime\n")
+              "from ..simulated.runtime import SimRuntime\n")
     assert public_surface_violations(ROOT / "serving" / "workers" / "probe.py", source) == []
 
 
@@ -235,3 +237,16 @@ def test_nothing_outside_the_agent_imports_its_internals():
 
 def test_the_root_package_exports_the_user_api_not_plumbing():
     assert not {"split_address", "HandshakeGate", "HmacChallenge"} & set(kvxfer.__all__)
+
+
+def test_packages_import_each_other_without_a_cycle():
+    """Top-level packages of kvxfer (agent, store, serving, sim, cli, ...) -> the others
+    their modules import: no cycle, none allowed."""
+    edges: dict[str, set[str]] = {}
+    for path in _files("*/*.py", "*/*/*.py", "*/*/*/*.py"):
+        part = path.relative_to(ROOT).parts[0]
+        edges.setdefault(part, set()).update(
+            m.split(".")[1] for m, _ in imports(path) if m.startswith("kvxfer.") and (ROOT / m.split(".")[1]).is_dir())
+        edges[part].discard(part)
+    assert not cycle(edges), f"import cycle between packages: {' -> '.join(cycle(edges))}"
+    assert "sim" not in edges["serving"]

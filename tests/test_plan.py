@@ -14,11 +14,11 @@ import pytest
 from kvxfer.loadgen.metrics import SLO, summarize_run
 from kvxfer.sim.configs import (ConfigError, canonical, gpus_of, layout_of, parse_config,
                                 placements)
-from kvxfer.sim.cost_model import StepCostModel
-from kvxfer.sim.link import Link
+from kvxfer.serving.simulated.cost_model import StepCostModel
+from kvxfer.serving.simulated.link import Link
 from kvxfer.sim.plan import (K_MIN, Planner, PlanSpec, SLOWatch, attainment, capacity_probes,
                              grid_index, grid_rate)
-from kvxfer.sim.profile import Profile, ProfileError, load_profile
+from kvxfer.serving.simulated.profile import Profile, ProfileError, load_profile
 from kvxfer.sim.replay import RunOptions, TraceSlice, run_config
 from kvxfer.sim.vclock import simulate
 from kvxfer.sim.virtual_worker import place_on_nodes

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from kvxfer.errors import KVXferError
-from kvxfer.sim.cost_model import TERMS, StepCostModel, features
-from kvxfer.sim.link import Link, NicQueue
-from kvxfer.sim.profile import Profile, ProfileError, load_profile, residuals, shipped_profiles
+from kvxfer.serving.simulated.cost_model import TERMS, StepCostModel, features
+from kvxfer.serving.simulated.link import Link, NicQueue
+from kvxfer.serving.simulated.profile import Profile, ProfileError, load_profile, residuals, shipped_profiles
 
 
 def _model(*coefs):
@@ -134,7 +134,7 @@ def test_nic_queues_transfers_that_share_it():
 
 
 def test_pool_content_is_verifiable_and_prefix_stable():
-    from kvxfer.sim.pool import SimPool
+    from kvxfer.serving.simulated.pool import SimPool
 
     pool = SimPool(16, 16, real_block_bytes=737280, kv_scale=256)
     assert pool.cache.bytes_per_block * pool.scale == 737280
@@ -152,8 +152,8 @@ def test_pool_content_is_verifiable_and_prefix_stable():
 def test_sim_step_imports_no_model_code():
     code = (
         "import sys\n"
-        "from kvxfer.sim.runtime import SimRuntime\n"
-        "from kvxfer.sim.profile import load_profile\n"
+        "from kvxfer.serving.simulated.runtime import SimRuntime\n"
+        "from kvxfer.serving.simulated.profile import load_profile\n"
         "from kvxfer.serving.engine.config import EngineConfig\n"
         "from kvxfer.serving.engine.sequence import Sequence\n"
         "from kvxfer.serving.engine.sampling import SamplingParams\n"
@@ -211,7 +211,7 @@ def test_sim_server_answers_max_tokens_and_verifies_every_transfer(sim_server):
 
 def test_sim_server_workers_log_their_steps(sim_server):
     from kvxfer.serving.engine.step_log import read_step_log
-    from kvxfer.sim.runtime import HOST_OVERLAP_S
+    from kvxfer.serving.simulated.runtime import HOST_OVERLAP_S
 
     sim_server.complete("a prompt of some words " * 8, max_tokens=4, ignore_eos=True)
     prof = load_profile("h100-llama2-7b-vidur")
@@ -245,7 +245,7 @@ def test_sim_server_takes_prompts_past_the_embedded_models_context():
 
 
 def test_shared_devices_slow_steps_by_the_busy_share(tmp_path):
-    from kvxfer.sim.devices import QUANTUM_S, SharedDevices, create_device_file
+    from kvxfer.serving.simulated.devices import QUANTUM_S, SharedDevices, create_device_file
 
     path = create_device_file(4)
     try:

@@ -11,9 +11,9 @@ from kvxfer.serving.engine.config import EngineConfig
 from kvxfer.serving.engine.sampling import SamplingParams
 from kvxfer.serving.engine.sequence import Sequence
 from kvxfer.serving.engine.step_log import StepLog, read_step_log, step_kind
-from kvxfer.sim.cost_model import StepCostModel
-from kvxfer.sim.profile import load_profile
-from kvxfer.sim.runtime import HOST_OVERLAP_S, SimRuntime
+from kvxfer.serving.simulated.cost_model import StepCostModel
+from kvxfer.serving.simulated.profile import load_profile
+from kvxfer.serving.simulated.runtime import HOST_OVERLAP_S, SimRuntime
 
 
 def test_runtime_logs_every_step_it_runs(tmp_path):

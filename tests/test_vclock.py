@@ -14,9 +14,9 @@ from kvxfer.loadgen.prompts import PromptBuilder
 from kvxfer.loadgen.trace import TraceRequest
 from kvxfer.serving.server.adaptive_policy import AdaptivePolicy
 from kvxfer.sim.configs import ConfigError, configs_for, parse_config
-from kvxfer.sim.cost_model import StepCostModel
-from kvxfer.sim.link import Link
-from kvxfer.sim.profile import Profile
+from kvxfer.serving.simulated.cost_model import StepCostModel
+from kvxfer.serving.simulated.link import Link
+from kvxfer.serving.simulated.profile import Profile
 from kvxfer.sim.vclock import prompt_hashes, simulate
 
 FIT = StepCostModel((0.01, 1e-4, 0.0, 0.005, 1e-3, 1e-6, 0.0))  # a, b, c (prefill); a, d, e (decode); a_mixed

@@ -13,7 +13,7 @@ from kvxfer.serving.engine.sampling import SamplingParams
 from kvxfer.serving.engine.sequence import Sequence
 from kvxfer.serving.workers.pool import PrefillPool
 from kvxfer.sim.configs import parse_config
-from kvxfer.sim.link import Link, NicQueue
+from kvxfer.serving.simulated.link import Link, NicQueue
 from kvxfer.sim.store import StoreSpec, VirtualStore, VirtualStoreClient
 from kvxfer.sim.vclock import VirtualCluster, simulate
 from kvxfer.sim.virtual_worker import VirtualRuntime

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                         "DIR writes DIR/NAME.jsonl) instead of timing the grid")
     p.add_argument("--from-distserve", default=None, metavar="FILE",
                    help="with --out and --model: import one model of a DistServe profiler file "
-                        "(e.g. kvxfer/sim/profiles/distserve/profiler-a100-80g.distserve.json)")
+                        "(e.g. kvxfer/serving/simulated/profiles/distserve/profiler-a100-80g.distserve.json)")
     p.add_argument("--max-num-tokens", default=None, metavar="CSV",
                    help="--from-distserve: its KV capacities (default: max_num_tokens.csv beside FILE)")
     p.add_argument("--distserve-engine", default=None, choices=("distserve", "vllm"),
@@ -62,7 +62,7 @@ SAME_HOST_LINK = (5.17e9, 193e-6, "kvxfer bench e2e --model smollm2-135m --rtt-i
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvxfer.sim.profile import ProfileError, load_profile, shipped_profiles
+    from kvxfer.serving.simulated.profile import ProfileError, load_profile, shipped_profiles
 
     if args.list:
         for name in shipped_profiles():
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _link(args: argparse.Namespace):
-    from kvxfer.sim.link import Link
+    from kvxfer.serving.simulated.link import Link
 
     if not args.link:
         return Link(*SAME_HOST_LINK)
@@ -105,7 +105,7 @@ def _from_distserve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvxfer.sim.distserve import profile_from_distserve
-    from kvxfer.sim.profile import ProfileError
+    from kvxfer.serving.simulated.profile import ProfileError
 
     if not args.model:
         raise SystemExit("kvxfer profile: --from-distserve needs --model NAME (e.g. facebook/opt-13b)")
@@ -129,8 +129,8 @@ def _from_steps(args: argparse.Namespace) -> int:
     import sys
 
     from kvxfer.serving.engine.step_log import read_step_log
-    from kvxfer.sim.cost_model import StepCostModel
-    from kvxfer.sim.profile import Profile, residuals
+    from kvxfer.serving.simulated.cost_model import StepCostModel
+    from kvxfer.serving.simulated.profile import Profile, residuals
 
     points, headers = [], []
     for path in args.from_steps:
@@ -178,8 +178,8 @@ def _from_steps(args: argparse.Namespace) -> int:
 def _refit(path: str, hold: list[str]) -> int:
     """Fit the file's points again; every other field is kept (the fit of an older
     version's cost model need not parse)."""
-    from kvxfer.sim.cost_model import TERMS, StepCostModel
-    from kvxfer.sim.profile import Profile, ProfileError, residuals
+    from kvxfer.serving.simulated.cost_model import TERMS, StepCostModel
+    from kvxfer.serving.simulated.profile import Profile, ProfileError, residuals
 
     try:
         with open(path) as f:
@@ -205,9 +205,9 @@ def _measure(args: argparse.Namespace) -> int:
     from kvxfer.serving.engine.config import EngineConfig
     from kvxfer.serving.engine.runtime import Runtime
     from kvxfer.serving.workers.main import pin_threads, runtime_model_name
-    from kvxfer.sim.cost_model import StepCostModel
-    from kvxfer.sim.measure import blocks_needed, cpu_name, measure
-    from kvxfer.sim.profile import Profile, residuals
+    from kvxfer.serving.simulated.cost_model import StepCostModel
+    from kvxfer.serving.simulated.measure import blocks_needed, cpu_name, measure
+    from kvxfer.serving.simulated.profile import Profile, residuals
 
     pin_threads(args.cpus, args.threads)
     link = _link(args)

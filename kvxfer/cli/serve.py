@@ -197,7 +197,7 @@ def _budgets(args: argparse.Namespace) -> dict:
     engine's (``--engine sim``, as kvxfer simulate takes them) or the engine's defaults."""
     engine = {}
     if args.engine == "sim" and args.profile:
-        from kvxfer.sim.profile import load_profile
+        from kvxfer.serving.simulated.profile import load_profile
 
         engine = load_profile(args.profile).engine  # ProfileError: a ValueError
     whole = args.schedule != "mixed"

@@ -148,7 +148,7 @@ def load_inputs(args):
     """(profile, slo or None, the slice, run options, requests); ``SystemExit`` with a clear
     message on bad input."""
     from ..loadgen.metrics import SLO
-    from ..sim.profile import ProfileError, load_profile
+    from ..serving.simulated.profile import ProfileError, load_profile
 
     try:
         slo = SLO.parse(args.slo) if args.slo else None

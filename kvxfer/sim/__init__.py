@@ -1,14 +1,9 @@
-"""Simulated accelerators and the planner that runs on them. See docs/simulate.md.
+"""The planner: when does disaggregation pay, and how. See docs/simulate.md.
 
-The simulated engine (a worker whose forward pass is a modelled time):
-``cost_model`` (the step-time form) -> ``profile`` (a JSON file: hardware, model, a fit
-per tensor-parallel degree, KV capacity, the profiled engine's scheduling; shipped ones
-by name) -> ``distserve`` (DistServe's published fits as profiles) and ``attention``
-(attention terms from a model's shape and a GPU's peaks) -> ``measure`` (how ``kvxfer
-profile`` times the embedded engine) -> ``link`` (bytes over a modelled NIC, FIFO) ->
-``pool`` (the scaled-down, verifiable KV pool a simulated worker registers) -> ``devices``
-(modelled devices that workers share) -> ``runtime`` (the engine core whose step sleeps
-for the modelled time). Everything else a simulated worker runs is the real serving stack.
+It runs the simulated engine (:mod:`kvxfer.serving.simulated`: profiles, the step-time
+model, modelled links) on a virtual clock; ``distserve`` (DistServe's published fits as
+profiles) and ``attention`` (attention terms from a model's shape and a GPU's peaks)
+build profiles for it.
 
 The planner (no processes, no sleeping): ``configs`` (the configuration names,
 ``xPyD@A,B``) -> ``virtual_worker`` and ``vclock`` (a cluster of them on a virtual

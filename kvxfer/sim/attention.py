@@ -1,7 +1,7 @@
 """Attention's cost from a model's shape and a GPU's published peaks, at efficiencies
 fitted to DistServe's measured OPT fits.
 
-Two terms of the cost model (:mod:`kvxfer.sim.cost_model`) are attention:
+Two terms of the cost model (:mod:`kvxfer.serving.simulated.cost_model`) are attention:
 
 - **decode reads the KV**: a decode step reads every context token's K and V from HBM,
   ``kv_bytes_per_token`` a token (all layers), spread over the ``tp`` GPUs of a worker:

@@ -9,7 +9,7 @@ milliseconds, a prefill batch of prompts ``l_i`` takes ``a + b*sum(l_i) + c*sum(
 ``max_num_tokens.csv``, the KV tokens one instance holds per (model, tp, pp).
 
 :func:`profile_from_distserve` maps one model of such a file onto the kvxfer cost
-model (:mod:`kvxfer.sim.cost_model`), every degree it publishes, and records where
+model (:mod:`kvxfer.serving.simulated.cost_model`), every degree it publishes, and records where
 each term comes from in the profile's ``terms``:
 
 - ``a_prefill`` = prefill ``a`` + 3 ms, ``b_prefill_tokens`` = prefill ``b`` + 1e-4 ms:
@@ -38,14 +38,14 @@ import csv
 import json
 import os
 
-from .cost_model import StepCostModel
-from .link import Link
-from .profile import Profile, ProfileError
+from ..serving.simulated.cost_model import StepCostModel
+from ..serving.simulated.link import Link
+from ..serving.simulated.profile import SHIPPED_DIR, Profile, ProfileError
 
-DATA_DIR = os.path.join(os.path.dirname(__file__), "profiles", "distserve")
+DATA_DIR = os.path.join(SHIPPED_DIR, "distserve")
 SOURCE = ("LLMServe/DistServe@82831f1604cc6b10bebd360f6c437a07790dde9f "
           "simdistserve/estimators/profile_data/")
-LICENCE = "Apache-2.0 (LLMServe/DistServe), copied in kvxfer/sim/profiles/distserve/"
+LICENCE = "Apache-2.0 (LLMServe/DistServe), copied in kvxfer/serving/simulated/profiles/distserve/"
 RAY_S, RAY_PER_TOKEN_S, PIPELINE_S = 2e-3, 1e-7, 1e-3  # DistServe simulator's overheads
 # (layers, hidden size) of the models DistServe profiles; fp16 KV: 2 x layers x hidden x 2 B
 MODEL_SHAPES = {"facebook/opt-13b": (40, 5120), "facebook/opt-66b": (64, 9216),

@@ -13,7 +13,7 @@ orders a profile's engine names (``profile.engine["handoff"]``):
   prefilled and takes the KV when it has the blocks; the prefill worker holds them
   meanwhile.
 
-The prompt's uncached blocks then go over :class:`~kvxfer.sim.link.NicQueue` pairs,
+The prompt's uncached blocks then go over :class:`~kvxfer.serving.simulated.link.NicQueue` pairs,
 ``tp`` GPUs wide: the ``node_link`` (NVLink) between workers on one node, the ``link``
 across nodes. Egress on the prefill worker frees its blocks at the modelled end (after
 its pool put, where it has a pool); ingress on the decode worker, booked when the send

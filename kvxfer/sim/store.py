@@ -10,7 +10,7 @@ from :class:`VirtualStore`:
   slots of one real block each: LRU eviction past its high watermark, an object readable
   only once its put committed), and each key goes to the node
   :class:`~kvxfer.store.placement.Placement` ranks first (rendezvous hashing, one replica);
-- the bytes move as modelled times over :class:`~kvxfer.sim.link.NicQueue`\\ s, one a
+- the bytes move as modelled times over :class:`~kvxfer.serving.simulated.link.NicQueue`\\ s, one a
   direction (NICs are full duplex): a put of ``n`` blocks occupies the worker's egress
   (the queue its KV sends to decode workers use) for ``n`` real blocks and each node's
   ingress for its share; a get, each node's egress for its share and the worker's
@@ -36,7 +36,7 @@ from ..errors import KVXferError
 from ..store import index as ix
 from ..store.alloc import chunk_bytes
 from ..store.placement import Placement
-from .link import NicQueue
+from ..serving.simulated.link import NicQueue
 
 FMT = "vclock"  # the one object format of a simulated model
 LEASE_S = 1e9  # reservations and pins never lapse on their own: commits and releases end them

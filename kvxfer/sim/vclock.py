@@ -10,10 +10,10 @@ scores. What runs is the serving code itself, each worker with its own:
   replaced by the profile's modelled step time (:class:`VirtualRuntime`);
 - a device of its own, or with ``config.sim_devices`` K (``kvxfer serve --sim-devices``)
   a share of K devices common to all workers: while B workers are in a step, each
-  step advances at ``min(1, K/B)`` of its modelled speed (:mod:`kvxfer.sim.devices`;
+  step advances at ``min(1, K/B)`` of its modelled speed (:mod:`kvxfer.serving.simulated.devices`;
   every step's end is recomputed when a step starts or ends);
 - its tensor-parallel degree (``ServeConfig.tp_degrees``, the configuration's ``@K``
-  suffix): the profile's fit at that degree (:meth:`~kvxfer.sim.profile.Profile.at_tp`)
+  suffix): the profile's fit at that degree (:meth:`~kvxfer.serving.simulated.profile.Profile.at_tp`)
   and, unless ``config.num_blocks`` is set, its KV capacity as the pool;
 - the P->D handoff (:mod:`kvxfer.sim.handoff`): the profile's links, ``tp`` GPUs wide,
   NVLink within a node and the network across (workers' GPUs laid out on nodes in
@@ -67,7 +67,7 @@ from ..serving.server.serve_config import ServeConfig
 from ..serving.server.routing import make_policy
 from ..serving.server.pool_lookup import lookup_keys
 from ..serving.workers.pool import PrefillPool
-from .profile import Profile
+from ..serving.simulated.profile import Profile
 from .handoff import KVHandoff
 from .store import StoreSpec, VirtualStore, VirtualStoreClient
 from .virtual_worker import SimRequest, SimResult, SimWorker, gc_paused, place_on_nodes

@@ -20,9 +20,9 @@ from ..serving.engine.scheduler import ScheduledChunk
 from ..serving.engine.sequence import Sequence
 from ..serving.server.worker_ref import WorkerRef
 from ..serving.workers.pool import PrefillPool
-from .link import NicQueue
-from .profile import Profile
-from .runtime import next_token
+from ..serving.simulated.link import NicQueue
+from ..serving.simulated.profile import Profile
+from ..serving.simulated.runtime import next_token
 
 
 @contextlib.contextmanager
@@ -41,7 +41,7 @@ def gc_paused():
 
 class VirtualRuntime(Runtime):
     """The engine core with no model and no pool: a step's time is the profile's model
-    (:attr:`last_step_s`), its tokens :func:`kvxfer.sim.runtime.next_token`'s."""
+    (:attr:`last_step_s`), its tokens :func:`kvxfer.serving.simulated.runtime.next_token`'s."""
 
     def __init__(self, config: EngineConfig, profile: Profile) -> None:
         if config.block_size != profile.block_size:

@@ -82,7 +82,7 @@ class Runtime:
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
 
-    nic = None  # the modelled NIC (kvxfer.sim.link.NicQueue) of a simulated engine; None: real
+    nic = None  # the modelled NIC (kvxfer.serving.simulated.link.NicQueue) of a simulated engine; None: real
     # kvxfer.serving.engine.step_log.StepLog (or anything with its record()): each step's
     # chunks and the seconds of its forward pass and sampling; None: not recorded
     step_log = None

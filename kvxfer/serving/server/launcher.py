@@ -173,7 +173,7 @@ class Cluster:
         self.routing = config.routing_policy()  # its prefix index follows the workers' kv_events
         self.sim_device_file = None  # --sim-devices: the busy file the simulated workers share
         if config.sim_devices and self.workers:
-            from ...sim.devices import create_device_file
+            from ..simulated.devices import create_device_file
 
             self.sim_device_file = create_device_file(len(self.workers))
             for slot, w in enumerate(self.workers):

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
         profile = None
         if args.engine == "sim":
-            from ...sim.profile import load_profile
+            from ..simulated.profile import load_profile
 
             profile = load_profile(args.profile).at_tp(args.tp)
         num_blocks = args.num_blocks or (EngineConfig.num_blocks if profile is None else
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 def _step_log(args, runtime):
     """``--step-log DIR``: this worker's :class:`~kvxfer.serving.engine.step_log.StepLog`,
     ``DIR/NAME.jsonl`` (appended to: a restarted worker adds a header and goes on)."""
-    from ...sim.measure import cpu_name
+    from ..simulated.measure import cpu_name
     from ..engine.step_log import StepLog
 
     if os.sep in args.name or args.name in (".", ".."):
@@ -255,12 +255,12 @@ def _runtime(config: EngineConfig, args, profile=None):
     """The engine core: the model (``--engine real``) or the simulated engine (``profile``
     at its degree)."""
     if args.engine == "sim":
-        from ...sim.pool import DEFAULT_KV_SCALE
-        from ...sim.runtime import SimRuntime
+        from ..simulated.pool import DEFAULT_KV_SCALE
+        from ..simulated.runtime import SimRuntime
 
         devices = None
         if args.sim_devices is not None:
-            from ...sim.devices import SharedDevices
+            from ..simulated.devices import SharedDevices
 
             path, _, slot = args.sim_share.rpartition(":")
             devices = SharedDevices(path, int(slot), args.sim_devices)

@@ -15,7 +15,7 @@ hits before it is scheduled; its computed full blocks are put into the pool afte
 prefill, posted after the send so that the decode worker's KV is first on the wire
 (async; the blocks are freed once both the send and the put ended).
 
-Simulated engine (``runtime.nic`` set, :mod:`kvxfer.sim.link`): the write is
+Simulated engine (``runtime.nic`` set, :mod:`kvxfer.serving.simulated.link`): the write is
 posted at once; the transfer is booked on this worker's modelled egress, its
 blocks are freed at the modelled end (never before the real write is done),
 and ``sent`` reports the modelled time (egress queueing included).

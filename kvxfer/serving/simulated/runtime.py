@@ -2,13 +2,13 @@
 
 :class:`SimRuntime` is a :class:`kvxfer.serving.engine.runtime.Runtime` whose
 forward pass sleeps for the profile's modelled step time
-(:class:`~kvxfer.sim.cost_model.StepCostModel`) instead of running a model,
-fills the prompt blocks of its scaled-down pool (:class:`~kvxfer.sim.pool.SimPool`)
+(:class:`~kvxfer.serving.simulated.cost_model.StepCostModel`) instead of running a model,
+fills the prompt blocks of its scaled-down pool (:class:`~kvxfer.serving.simulated.pool.SimPool`)
 and emits deterministic tokens. Everything around the step (scheduling,
 prefix caching, preemption, the worker loops, kvxfer transfers) is the real
 code. Its :attr:`nic` models the worker's link for transfer timing
-(:mod:`kvxfer.sim.link`); its :attr:`devices`, where given, the devices it
-shares with the server's other simulated workers (:mod:`kvxfer.sim.devices`).
+(:mod:`kvxfer.serving.simulated.link`); its :attr:`devices`, where given, the devices it
+shares with the server's other simulated workers (:mod:`kvxfer.serving.simulated.devices`).
 
 Tokens: the next token is a function of the previous token and the position
 only, in ``[TOKEN_BASE, TOKEN_BASE + TOKEN_RANGE)`` (ordinary ids of any
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import time
 
-from ..serving.engine.block_manager import BlockManager
-from ..serving.engine.config import EngineConfig
-from ..serving.engine.runtime import Runtime
-from ..serving.engine.scheduler import ScheduledChunk, Scheduler
-from ..serving.engine.sequence import Sequence
+from ..engine.block_manager import BlockManager
+from ..engine.config import EngineConfig
+from ..engine.runtime import Runtime
+from ..engine.scheduler import ScheduledChunk, Scheduler
+from ..engine.sequence import Sequence
 from .devices import SharedDevices
 from .link import NicQueue
 from .pool import DEFAULT_KV_SCALE, SimPool

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
-from ..serving.engine.block_manager import block_hash
+from ..engine.block_manager import block_hash
 
 DEFAULT_KV_SCALE = 256
 
@@ -43,7 +43,7 @@ class SimPool:
                  kv_scale: float = DEFAULT_KV_SCALE, tag: str = "sim") -> None:
         import torch
 
-        from ..serving.model.kv_cache import KVCache
+        from ..model.kv_cache import KVCache
 
         if not isinstance(kv_scale, (int, float)) or isinstance(kv_scale, bool) or kv_scale < 1:
             raise ValueError(f"kv_scale must be a number >= 1, got {kv_scale!r}")

@@ -3,11 +3,11 @@
 Fields: ``name``, ``hardware``, ``model``, ``dtype``, ``block_size``,
 ``kv_bytes_per_token`` (the real model's KV bytes per token, all tensor-parallel
 ranks together: what a transfer carries), ``fit``
-(:class:`~kvxfer.sim.cost_model.StepCostModel` coefficients) at the tensor-parallel
+(:class:`~kvxfer.serving.simulated.cost_model.StepCostModel` coefficients) at the tensor-parallel
 degree ``tp`` (default 1), ``kv_capacity_tokens`` (the KV one worker of that degree
 holds; absent: unknown, and a simulated worker keeps the engine's default pool),
 ``tensor_parallel`` (the other degrees: ``{"K": {"fit", "kv_capacity_tokens"}}``),
-``link`` (:class:`~kvxfer.sim.link.Link`, one GPU's link across nodes) and
+``link`` (:class:`~kvxfer.serving.simulated.link.Link`, one GPU's link across nodes) and
 ``node_link`` (within a node, e.g. NVLink; absent: ``link``) with ``gpus_per_node``,
 ``engine`` (the profiled engine's scheduling: :data:`ENGINE_FIELDS`), ``terms``
 (what each coefficient is, in words), ``residuals`` (relative error of the fit on
@@ -18,7 +18,7 @@ only), ``source`` and ``licence`` (where the measurements come from), ``command`
 A worker of tensor-parallel degree K is :meth:`Profile.at_tp` (K): that degree's fit
 and capacity; it counts as K GPUs and moves KV over K GPUs' links.
 
-Profiles shipped with kvxfer live in ``kvxfer/sim/profiles/NAME.json`` and are
+Profiles shipped with kvxfer live in ``kvxfer/serving/simulated/profiles/NAME.json`` and are
 found by name (:func:`shipped_profiles`, :func:`load_profile`).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from ..errors import KVXferError
+from ...errors import KVXferError
 from .cost_model import StepCostModel
 from .link import Link
 

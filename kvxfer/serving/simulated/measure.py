@@ -41,7 +41,7 @@ def measure(model, block_size: int, repeats: int = 3,
             on_point: Callable[[dict], None] | None = None) -> list[dict]:
     """Time every grid step on ``model`` (a :class:`kvxfer.serving.model.model.LlamaModel`);
     returns profile points ``{"kind", "chunks", "seconds"}``."""
-    from ..serving.model.attention import Chunk
+    from ..model.attention import Chunk
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

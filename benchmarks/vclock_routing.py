@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vclock_scale import write_doc  # noqa: E402  (benchmarks/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+TRACE = os.path.join(ROOT, "benchmarks", "traces", "mooncake_conversation_1000.jsonl")  # its first 1,000 lines
 SLO = "2500,150"
 GPUS = 16
 
@@ -56,7 +56,7 @@ def main() -> int:
     from kvxfer.sim.replay import RunOptions, TraceSlice, run_config
     from kvxfer.loadgen.metrics import SLO as Slo
     from kvxfer.serving.engine.config import EngineConfig
-    from kvxfer.sim.profile import load_profile
+    from kvxfer.serving.simulated.profile import load_profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=TRACE)

@@ -25,17 +25,27 @@ BIG = 640  # head dim of 120 KiB objects: 4 KiB-aligned chunks, moved with O_DIR
 
 
 def disk_node(path, *, dram_objects: int = 16, disk_bytes: int = 8 << 20, queue_objects: int = 4, **kw):
-    """A node in this process: DRAM of ``dram_objects`` largest objects, a disk tier at ``path``."""
+    """A node in this process: DRAM of ``dram_objects`` largest objects, a disk tier at ``path``
+    (gets wait for reads from disk as long as a loaded machine may need)."""
     return StoreNode("127.0.0.1:0", dram_objects * SLOT, secret=SECRET, slot_bytes=SLOT,
-                     disk=DiskConfig(str(path), disk_bytes, queue_bytes=queue_objects * SLOT), **kw)
+                     disk=DiskConfig(str(path), disk_bytes, queue_bytes=queue_objects * SLOT, promote_timeout_s=30.0),
+                     **kw)
 
 
 def _store(node, **kw):
-    return kvxfer.KVStore(nodes=[node.address], secret=SECRET, **kw)
+    return kvxfer.KVStore(nodes=[node.address], secret=SECRET, timeout=60.0, **kw)
 
 
 def _drained(node) -> bool:
     return node.stats()["writeback_queue"] == 0
+
+
+def _settled(node) -> bool:
+    """No write or read in flight and DRAM at its watermark (a trim that a write's end lets
+    go on has run: the queue alone reads empty for a moment between the two)."""
+    ix = node.index
+    return (node.tiers.queued_objects == 0 and (node.tiers.disk is None or node.tiers.disk.jobs == 0)
+            and ix.alloc.bytes_allocated - ix.held_bytes <= ix.watermark)
 
 
 @pytest.mark.parametrize("head_dim", [8, 128, BIG])
@@ -176,10 +186,11 @@ def test_a_directory_removed_under_the_node_empties_the_tier_and_dram_serves(tmp
     with disk_node(tier) as node, _store(node) as st:
         for i in range(0, 40, 4):
             st.put(keys[i:i + 4], src, range(i, i + 4)).wait(timeout=60)
-            until(lambda: _drained(node), "write-back drained", timeout=30, interval=0.01)
+            until(lambda: _settled(node), "write-back drained", timeout=30, interval=0.01)
         assert st.lookup(keys) == 40 and node.stats()["disk_objects"] > 0
         shutil.rmtree(tier)
         until(lambda: node.stats()["disk_state"] == "vanished", "the tier noticed", timeout=30)
+        until(lambda: _settled(node), "writes in flight ended", timeout=30, interval=0.01)
         s = node.stats()
         assert s["disk_objects"] == 0 and st.lookup(keys) == 0  # the oldest were on disk
         in_dram = [i for i, k in enumerate(keys) if node.index.contains(k)]
@@ -202,13 +213,13 @@ def test_sigkill_mid_write_back_then_restart_serves_only_whole_objects(tmp_path)
     n = 600
     src = make_layout("2 N B H D", 32, seed=7, head_dim=BIG)
     keys = kvxfer.block_keys(range(4 * n), 4, salt=b"sigkill")
-    disk = ["--disk", str(tmp_path), "--disk-capacity", "256M", "--writeback-queue", "1M"]
+    disk = ["--disk", str(tmp_path), "--disk-capacity", "256M", "--writeback-queue", "1M", "--disk-get-wait", "30"]
     proc, addr = start_node(capacity="4M", slot="128K", extra=disk)
     put_done = threading.Event()
     killed = threading.Event()
 
     def putter():
-        with kvxfer.KVStore(nodes=[addr], secret=SECRET, retry_s=60.0) as st:
+        with kvxfer.KVStore(nodes=[addr], secret=SECRET, retry_s=60.0, timeout=60.0) as st:
             for i in range(0, n, 8):
                 if killed.is_set():
                     break
@@ -232,7 +243,7 @@ def test_sigkill_mid_write_back_then_restart_serves_only_whole_objects(tmp_path)
         stop_node(proc, signal.SIGKILL)
     proc, addr = start_node(capacity="4M", slot="128K", extra=disk)
     try:
-        with kvxfer.KVStore(nodes=[addr], secret=SECRET) as st:
+        with kvxfer.KVStore(nodes=[addr], secret=SECRET, timeout=60.0) as st:
             s = st.stats()
             recovered = [i for i, k in enumerate(keys) if st.lookup([k]) == 1]
             assert s["disk_recovered"] == len(recovered) > 0 and s["dram_objects"] == 0
@@ -270,12 +281,12 @@ def test_a_full_file_system_drops_and_counts_and_the_node_keeps_serving(tmp_path
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     log = open(tmp_path / "node.log", "w+")
-    disk = ["--disk", str(mnt / "tier"), "--disk-capacity", "32M", "--writeback-queue", "512K"]
+    disk = ["--disk", str(mnt / "tier"), "--disk-capacity", "32M", "--writeback-queue", "512K", "--disk-get-wait", "30"]
     proc, addr = start_node(capacity="4M", slot="128K", extra=disk, wrap=_in_small_tmpfs(mnt, "2m"), stderr=log)
     src = make_layout("2 N B H D", 32, seed=8, head_dim=BIG)
     keys = kvxfer.block_keys(range(4 * 64), 4, salt=b"full")
     try:
-        with kvxfer.KVStore(nodes=[addr], secret=SECRET, timeout=10.0) as st:
+        with kvxfer.KVStore(nodes=[addr], secret=SECRET, timeout=60.0) as st:
             assert st.stats()["per_node"][addr]["disk_state"] == "ok"
             for i in range(0, 64, 4):
                 st.put(keys[i:i + 4], src, [(i + j) % 32 for j in range(4)]).wait(timeout=60)
@@ -304,7 +315,7 @@ def test_a_read_only_directory_leaves_the_node_serving_dram(tmp_path):
     src = make_layout("2 N B H D", 8, seed=9, head_dim=BIG)
     keys = kvxfer.block_keys(range(4 * 8), 4, salt=b"read-only")
     try:
-        with kvxfer.KVStore(nodes=[addr], secret=SECRET, timeout=10.0) as st:
+        with kvxfer.KVStore(nodes=[addr], secret=SECRET, timeout=60.0) as st:
             s = st.stats()["per_node"][addr]
             assert s["disk_state"] == "unavailable" and "Read-only file system" in s["disk_error"]
             st.put(keys, src, range(8)).wait(timeout=60)
@@ -330,3 +341,134 @@ def test_the_journal_keeps_what_was_committed_and_cuts_a_torn_tail(tmp_path):
     data[40] ^= 1  # a flipped bit in the first record: nothing after it is trusted
     open(path, "wb").write(bytes(data))
     assert replay(path)[0] == []
+
+
+def _on_disk(node, keys) -> list:
+    return [i for i, k in enumerate(keys) if node.tiers.disk.contains(k)]
+
+
+def test_a_promoted_object_evicted_again_is_relinked_without_a_write(tmp_path):
+    """Objects read back from disk keep their bytes there as shadows; evicted from DRAM
+    again, each takes its shadow back (same chunk, nothing written: ``disk_relinks`` up,
+    write-back counters and the data file's written bytes unchanged), then reads back
+    bitwise, also after a restart (the relink's commit record is the first write's)."""
+    src = make_layout("2 N B H D", 16, seed=10, head_dim=BIG)
+    keys = kvxfer.block_keys(range(4 * 16), 4, salt=b"shadows")
+    with disk_node(tmp_path) as node:
+        with _store(node) as writer:
+            for i in range(0, 16, 4):
+                writer.put(keys[i:i + 4], src, range(i, i + 4)).wait(timeout=60)
+                until(lambda: _settled(node), "write-back settled", timeout=30, interval=0.01)
+        on_disk = _on_disk(node, keys)
+        assert len(on_disk) >= 8
+        promoted, later = on_disk[:4], on_disk[4:8]
+        dst = make_layout("N 2 H B D", 16, head_dim=BIG)
+        with _store(node) as st:  # gets only: no spare slots held
+            h = st.get([keys[i] for i in promoted], dst, promoted)
+            h.wait(timeout=60)
+            assert h.result.from_disk == 4
+            until(lambda: _settled(node), "write-back settled", timeout=30, interval=0.01)
+            disk = node.tiers.disk
+            chunks = {i: disk.shadows[keys[i]].offset for i in promoted}
+            before = node.stats()
+            assert before["disk_shadows"] == 4 and before["disk_shadow_bytes"] == 4 * 122880
+            rest = [i for i in range(16) if node.index.contains(keys[i]) and i not in promoted]
+            st.get([keys[i] for i in rest], dst, rest).wait(timeout=60)  # the promoted are DRAM's LRU now
+            h = st.get([keys[i] for i in later], dst, later)  # read back: DRAM evicts the promoted
+            h.wait(timeout=60)
+            assert h.result.from_disk == 4
+            until(lambda: _settled(node), "evictions settled", timeout=30, interval=0.01)
+            after = node.stats()
+            assert after["disk_relinks"] - before["disk_relinks"] == 4
+            assert after["dram_evictions"] - before["dram_evictions"] == 4
+            for name in ("writeback_bytes", "writeback_objects", "writeback_drops", "disk_bytes_written"):
+                assert after[name] == before[name], name
+            assert {i: disk.peek(keys[i]).offset for i in promoted} == chunks  # the same chunks
+            assert after["disk_shadows"] == 4  # now the later ones'
+            back = make_layout("N 2 B H D", 16, head_dim=BIG)
+            h = st.get([keys[i] for i in promoted], back, promoted)
+            h.wait(timeout=60)
+            assert h.result.from_disk == 4
+            for i in promoted:
+                assert torch.equal(block_bits(src, i), block_bits(back, i))
+    with disk_node(tmp_path) as node, _store(node) as st:  # DRAM was flushed (shadows relinked): all on disk
+        s = node.stats()
+        assert s["disk_recovered"] == 16 and s["dram_objects"] == 0
+        back = make_layout("2 N B H D", 16, head_dim=BIG)
+        h = st.get(keys[:16], back, range(16))
+        h.wait(timeout=60)
+        assert h.result.from_disk == 16 and node.stats()["disk_bad_objects"] == 0
+        for b in range(16):
+            assert torch.equal(block_bits(src, b), block_bits(back, b))
+
+
+def test_a_promoted_object_dropped_for_its_checksum_takes_its_shadow_along(tmp_path):
+    """A promoted object whose DRAM bytes fail a reader's checksum is dropped with its
+    shadow (drop record written: it is not back after a restart either); the key put again
+    with other bytes is written back anew, never relinked to the old shadow."""
+    src = make_layout("2 N B H D", 16, seed=11, head_dim=BIG)
+    other = make_layout("2 N B H D", 16, seed=12, head_dim=BIG)
+    keys = kvxfer.block_keys(range(4 * 16), 4, salt=b"shadow-drop")
+    with disk_node(tmp_path) as node:
+        with _store(node) as writer:
+            for i in range(0, 16, 4):
+                writer.put(keys[i:i + 4], src, range(i, i + 4)).wait(timeout=60)
+                until(lambda: _settled(node), "write-back settled", timeout=30, interval=0.01)
+        k = _on_disk(node, keys)[0]
+        dst = make_layout("N 2 B H D", 16, head_dim=BIG)
+        with _store(node) as st:
+            st.get([keys[k]], dst, [k]).wait(timeout=60)
+            until(lambda: _settled(node), "settled", timeout=30, interval=0.01)
+            assert keys[k] in node.tiers.disk.shadows
+            at = node.index.peek(keys[k]).offset + 77
+            node.buffer[at] ^= 0x20  # the DRAM copy goes bad
+            with pytest.raises(kvxfer.StoreMiss):
+                st.get([keys[k]], dst, [k]).wait(timeout=60)
+            until(lambda: keys[k] not in node.tiers.disk.shadows, "the shadow dropped", timeout=30)
+            s = node.stats()
+            assert s["disk_shadows"] == 0 and s["bad_objects"] == 1 and st.lookup([keys[k]]) == 0
+            assert [r.kind for r in replay(str(tmp_path / "journal"))[0] if r.key == keys[k]][-1] == DROP
+            relinks, written = s["disk_relinks"], s["writeback_objects"]
+            st.put([keys[k]], other, [k]).wait(timeout=60)  # the key again, other bytes
+            fresh = kvxfer.block_keys(range(4 * 16), 4, salt=b"shadow-drop-fresh")
+            for i in range(0, 16, 4):  # push it out of DRAM
+                st.put(fresh[i:i + 4], src, range(i, i + 4)).wait(timeout=60)
+                until(lambda: _settled(node), "write-back settled", timeout=30, interval=0.01)
+            assert node.tiers.disk.contains(keys[k])
+            s = node.stats()
+            assert s["disk_relinks"] == relinks and s["writeback_objects"] > written
+            back = make_layout("N 2 H B D", 16, head_dim=BIG)
+            h = st.get([keys[k]], back, [k])
+            h.wait(timeout=60)
+            assert h.result.from_disk == 1 and torch.equal(block_bits(other, k), block_bits(back, k))
+    with disk_node(tmp_path) as node, _store(node) as st:
+        back = make_layout("2 N B H D", 16, head_dim=BIG)
+        st.get([keys[k]], back, [k]).wait(timeout=60)
+        assert torch.equal(block_bits(other, k), block_bits(back, k))
+
+
+def test_a_write_that_ends_after_the_directory_vanished_is_not_committed(tmp_path):
+    """The tier notices a removed directory while a write is in flight (its completion not
+    polled yet): the tier is empty and its state says so, and the write ending afterwards
+    is not committed into it (the write-back is a miss, never an object of a dead tier)."""
+    import select
+
+    from kvxfer.store.disk import DiskTier
+
+    gone = []
+    tier = DiskTier(str(tmp_path / "tier"), 4 << 20, SLOT, on_gone=gone.append)
+    try:
+        buf = kvxfer.shared_empty(SLOT)
+        buf.fill_(7)
+        first = tier.write(b"k1", SLOT, "f", 0, buf.data_ptr(), hash_bytes=True)
+        select.select([tier.file.event_fd], [], [], 30)
+        assert [ok for *_, ok in tier.poll()] == [True] and tier.contains(b"k1") and first.committed
+        tier.write(b"k2", SLOT, "f", 0, buf.data_ptr(), hash_bytes=True)
+        select.select([tier.file.event_fd], [], [], 30)  # ended, not polled
+        shutil.rmtree(tmp_path / "tier")
+        tier.check(0.0)
+        assert tier.state == "vanished" and not tier.objects and gone == [b"k1"] and tier.bytes_used == 0
+        assert [(k, ok) for k, _, _, ok in tier.poll()] == [("write", False)]
+        assert not tier.contains(b"k2") and tier.stats()["disk_objects"] == 0 and not tier.writable
+    finally:
+        tier.close()

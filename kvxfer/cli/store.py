@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--writeback-queue", type=parse_size, default=None, metavar="SIZE",
                    help="DRAM chunks write-back may hold at once; twice this is kept free (default: 1/16 of "
                         "--capacity, at most 512M)")
+    p.add_argument("--disk-get-wait", type=float, default=1.0, metavar="S",
+                   help="how long a get's reply waits for objects read back from disk; later ones miss (default 1; "
+                        "keep it under the clients' timeout)")
     p.add_argument("--flush-timeout", type=float, default=30.0, metavar="S",
                    help="at SIGTERM, seconds to spend writing DRAM's objects to disk (default 30; 0: none)")
     p.add_argument("--log-level", default="info")
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             disk = DiskConfig(args.disk, args.disk_capacity, threads=args.disk_threads, sync=args.disk_sync == "commit",
                               direct=not args.no_direct_io, queue_bytes=args.writeback_queue,
-                              flush_s=args.flush_timeout)
+                              flush_s=args.flush_timeout, promote_timeout_s=args.disk_get_wait)
         except ValueError as exc:
             raise SystemExit(f"kvxfer store: {exc}") from None
     stop = threading.Event()

@@ -18,6 +18,18 @@ read (XXH3-64) and is good only if that matches the record's ``dcrc``. Disk capa
 evicted LRU (recency: order of arrival, refreshed by :meth:`DiskTier.touch`), with the
 same page policy as DRAM (:func:`~kvxfer.store.alloc.victims_for`).
 
+An object read back into DRAM leaves the tier (the tiers are exclusive) but its bytes
+stay as a **shadow** (:meth:`DiskTier.shadow`) for as long as the tier has room: shadows
+are evicted before any object, and a DRAM eviction of that object takes its shadow back
+(:meth:`DiskTier.relink`) instead of writing the bytes again. A shadow names the DRAM
+object it backs (its *twin*: the very object read from these bytes, or taken back into
+DRAM while they were written) and only that object relinks it; when the twin leaves DRAM
+any other way (a reader found its checksum wrong, a clear) the shadow is dropped
+(:meth:`DiskTier.drop_shadow`), as is a shadow whose key is written anew. A shadow keeps
+its commit record (it holds the committed bytes of its key), so a node killed while its
+twin is in DRAM recovers it as an object; a relinked object's recency after a restart is
+that of its first write.
+
 At start the journal is replayed (:meth:`DiskTier.recover`): every object committed and
 not dropped, whose chunk is consistent, is back, in its old recency order; the journal
 is rewritten with those records only. A node restarted on the same directory therefore
@@ -27,7 +39,8 @@ size; objects their layout's ``fmt``).
 Faults (``state``): a write that meets a full file system drops that object, and the
 tier stops using more than it holds now for a minute (``full_drops``); a read-only file
 system or a journal that cannot be appended stops write-back (``read-only``); a
-directory removed under the node (``vanished``) empties the tier. Reads that fail or do
+directory removed under the node (``vanished``) empties the tier (a write that ends
+afterwards is not committed). Reads that fail or do
 not check are misses and drop the object (``bad_objects``). Each is logged once per
 state change or per 10 s. Not thread-safe: the node's I/O thread owns it.
 """
@@ -100,7 +113,8 @@ class DiskConfig:
 NO_DISK = {"disk_state": "none", "disk_objects": 0, "disk_bytes_used": 0, "disk_capacity_bytes": 0,
            "disk_evictions": 0, "disk_bad_objects": 0, "disk_full_drops": 0, "disk_errors": 0, "disk_recovered": 0,
            "disk_recovered_bytes": 0, "disk_recovery_s": 0.0, "disk_direct": False, "disk_rounding_bytes": 0,
-           "disk_bytes_written": 0, "disk_bytes_read": 0}
+           "disk_bytes_written": 0, "disk_bytes_read": 0, "disk_shadows": 0, "disk_shadow_bytes": 0,
+           "disk_relinks": 0}
 
 
 @dataclass(eq=False)
@@ -114,6 +128,8 @@ class DiskObj:
     pins: int = 0  # reads in flight
     committed: bool = False  # written and recorded (False: its write is in flight)
     gone: bool = False  # removed while pinned: its chunk is freed at the last unpin
+    shadow: bool = False  # its object is in DRAM now; these bytes wait to be taken back or evicted
+    twin: object = None  # a shadow: the DRAM object it backs (the only one that may relink it)
 
 
 class DiskTier:
@@ -140,6 +156,7 @@ class DiskTier:
         try:
             self.alloc = ChunkAllocator(capacity_bytes, largest_bytes)
             self.objects: OrderedDict[bytes, DiskObj] = OrderedDict()  # committed, LRU first
+            self.shadows: OrderedDict[bytes, DiskObj] = OrderedDict()  # read back into DRAM, oldest first
             self.num_recovered = self.recovered_bytes = 0
             self.recovery_s = 0.0
             self._journal_path = os.path.join(self.path, "journal")
@@ -156,8 +173,9 @@ class DiskTier:
         self.state = "ok"
         self.limit = self.alloc.region_bytes  # bytes it may hold (less after a full file system)
         self._limit_until = 0.0
-        self.evictions = self.bad_objects = self.full_drops = self.errors = 0
+        self.evictions = self.bad_objects = self.full_drops = self.errors = self.relinks = 0
         self.bytes_used = sum(o.nbytes for o in self.objects.values())
+        self.shadow_bytes = 0
         self._logged: dict[str, float] = {}
 
     # ---- recovery ----------------------------------------------------------------------
@@ -224,6 +242,7 @@ class DiskTier:
     def stats(self) -> dict:
         f = self.file
         return {"disk_state": self.state, "disk_objects": len(self.objects), "disk_bytes_used": self.bytes_used,
+                "disk_shadows": len(self.shadows), "disk_shadow_bytes": self.shadow_bytes, "disk_relinks": self.relinks,
                 "disk_capacity_bytes": self.alloc.region_bytes, "disk_evictions": self.evictions,
                 "disk_bad_objects": self.bad_objects, "disk_full_drops": self.full_drops,
                 "disk_errors": self.errors, "disk_recovered": self.num_recovered,
@@ -242,6 +261,7 @@ class DiskTier:
         chunk: everything pinned)."""
         if not self.writable or not self.alloc.fits(nbytes):
             return None
+        self.drop_shadow(key)  # one not relinked is stale: the key is written anew
         obj = DiskObj(key, -1, nbytes, fmt, crc, 0 if hash_bytes else crc)
         off = self._reserve(obj)
         if off is None:
@@ -295,11 +315,18 @@ class DiskTier:
         return out
 
     def remove(self, obj: DiskObj) -> None:
-        """Drop committed ``obj`` (its drop record, then its chunk is free)."""
-        if self.objects.get(obj.key) is not obj:
+        """Drop committed ``obj``, or a shadow (its drop record, then its chunk is free)."""
+        if obj.shadow:
+            if self.shadows.get(obj.key) is not obj:
+                return
+            del self.shadows[obj.key]
+            self.shadow_bytes -= obj.nbytes
+            obj.twin = None
+        elif self.objects.get(obj.key) is not obj:
             return
-        del self.objects[obj.key]
-        self.bytes_used -= obj.nbytes
+        else:
+            del self.objects[obj.key]
+            self.bytes_used -= obj.nbytes
         try:
             self.journal.append(encode(Record(DROP, obj.key, obj.offset)))
         except OSError as exc:  # the chunk cannot be reused safely: keep it, write nothing more
@@ -308,25 +335,69 @@ class DiskTier:
             obj.gone = True
             if not obj.pins:
                 self.alloc.free(obj.offset)
+        if self.on_gone is not None and not obj.shadow:
+            self.on_gone(obj.key)
+
+    def shadow(self, obj: DiskObj, twin) -> None:
+        """Committed ``obj``'s bytes are in DRAM now, as the object ``twin``: it leaves the
+        tier (``on_gone``), its bytes stay as ``twin``'s shadow."""
+        if self.objects.get(obj.key) is not obj:
+            return
+        del self.objects[obj.key]
+        self.bytes_used -= obj.nbytes
+        obj.shadow, obj.twin = True, twin
+        self.shadows[obj.key] = obj
+        self.shadow_bytes += obj.nbytes
         if self.on_gone is not None:
             self.on_gone(obj.key)
 
-    def discard(self, obj: DiskObj) -> None:
-        """Give up the chunk of a write that ended ``ok`` but is not wanted (removes it)."""
-        self.remove(obj)
+    def has_shadow(self, twin) -> bool:
+        """DRAM object ``twin`` has a shadow here (:meth:`relink` would take it)."""
+        obj = self.shadows.get(twin.key)
+        return obj is not None and obj.twin is twin and self.state != "vanished"
+
+    def relink(self, twin) -> bool:
+        """DRAM evicts ``twin``: if its own shadow is here, that is the tier's object again
+        (most recent), with nothing written (its commit record still stands); else False.
+        A shadow of another object of the same key (a stale one) is never taken."""
+        if not self.has_shadow(twin):
+            return False
+        obj = self.shadows[twin.key]
+        if obj.nbytes != twin.nbytes or obj.fmt != twin.fmt or obj.crc != twin.crc:
+            self.remove(obj)  # cannot happen (the twin was published with this record's size,
+            return False  # format and checksum); were it to, the shadow is not that object
+        del self.shadows[twin.key]
+        self.shadow_bytes -= obj.nbytes
+        obj.shadow, obj.twin = False, None
+        self.objects[obj.key] = obj
+        self.bytes_used += obj.nbytes
+        self.relinks += 1
+        return True
+
+    def drop_shadow(self, key: bytes) -> None:
+        """The DRAM object of ``key`` left DRAM other than by an eviction (or ``key`` is
+        written anew): its shadow, if any, goes (its drop record, then its chunk is free)."""
+        obj = self.shadows.get(key)
+        if obj is not None:
+            self.remove(obj)
 
     # ---- housekeeping ----------------------------------------------------------------------
     def check(self, now: float) -> None:
         """Periodic: notice a directory removed under the node; lift a full-disk limit."""
-        if self.state not in ("vanished",) and self.journal is not None and self.journal.vanished():
-            self.state = "vanished"
-            log.error("disk tier %s: the directory was removed; the tier is dropped (the node serves DRAM only)",
-                      self.path)
+        if self.state != "vanished" and self.journal is not None and self.journal.vanished():
+            # emptied first, the state last: whoever reads "vanished" (stats() from another
+            # thread too) finds the tier empty and its keys gone
             for obj in list(self.objects.values()):
                 del self.objects[obj.key]
                 if self.on_gone is not None:
                     self.on_gone(obj.key)
-            self.bytes_used = 0
+            for obj in self.shadows.values():
+                obj.twin = None
+            self.shadows.clear()
+            self.bytes_used = self.shadow_bytes = 0
+            self.state = "vanished"
+            log.error("disk tier %s: the directory was removed; the tier is dropped (the node serves DRAM only)",
+                      self.path)
         if self.limit < self.alloc.region_bytes and now >= self._limit_until:
             self.limit = self.alloc.region_bytes
 
@@ -349,19 +420,27 @@ class DiskTier:
                 off = self.alloc.alloc(obj.nbytes, obj)
                 if off is not None:
                     return off
-                victims = victims_for(self.alloc, self.objects.values(), obj.nbytes, _evictable)
+                # shadows go first (their objects are in DRAM), then LRU objects
+                victims = (victims_for(self.alloc, self.shadows.values(), obj.nbytes, _evictable)
+                           or victims_for(self.alloc, self.objects.values(), obj.nbytes, _evictable))
             else:  # over the limit a full file system set: make room, any class
-                victims = next(([o] for o in self.objects.values() if _evictable(o)), [])
+                victims = next(([o] for o in itertools.chain(self.shadows.values(), self.objects.values())
+                                if _evictable(o)), [])
             if not victims or not self.writable:
                 return None
             for v in victims:
-                self.evictions += 1
+                self.evictions += not v.shadow
                 self.remove(v)
             if not self.writable:  # a drop record failed
                 return None
 
     def _commit(self, objs: list) -> bool:
-        """Append the commit records of written ``objs`` and make them readable."""
+        """Append the commit records of written ``objs`` and make them readable (not in a
+        tier whose directory vanished: that would bring objects back into an emptied tier)."""
+        if self.state == "vanished":
+            for o in objs:
+                self.alloc.free(o.offset)
+            return False
         try:  # (with sync, each write synced its data before it completed)
             self.journal.append(b"".join(encode(Record(COMMIT, o.key, o.offset, o.nbytes, o.dcrc, o.fmt, o.crc))
                                          for o in objs))

@@ -13,7 +13,9 @@ The tiers are exclusive: an object is in one of them (briefly in both while it m
   key table too) show it, a put of it is a no-op that refreshes it (on disk: its recency).
 - **Gets.** A key in DRAM is served at once. One being written back is taken back into
   DRAM (its chunk still holds it). One only on disk is read back into a DRAM chunk (a
-  *promotion*: it then leaves the disk), its bytes checked against the disk record's
+  *promotion*: it then leaves the disk, its bytes staying there as a shadow that a later
+  DRAM eviction of that object takes back without a write; any other removal from DRAM
+  drops the shadow), its bytes checked against the disk record's
   checksum (a bad one is a miss, and the object is dropped), and served from DRAM. A
   get's reply waits for its promotions, at most ``promote_timeout_s``; one not done by
   then misses (it still lands in DRAM for the next get). Gets of one key share its read.
@@ -42,7 +44,7 @@ TIER_COUNTS = ("dram_hits", "disk_hits", "dram_evictions", "disk_evictions", "dr
                "writeback_queue", "writeback_queue_bytes", "writeback_objects", "writeback_bytes", "writeback_drops",
                "writeback_rescues", "disk_promotions", "disk_promote_failures", "disk_bad_objects",
                "disk_full_drops", "disk_errors", "disk_recovered", "disk_recovered_bytes", "disk_bytes_written",
-               "disk_bytes_read")
+               "disk_bytes_read", "disk_shadows", "disk_shadow_bytes", "disk_relinks")
 
 
 @dataclass(eq=False)
@@ -88,6 +90,7 @@ class Tiers:
         self._want_chunk: list = []  # promotions waiting for a DRAM chunk
         self._ready: list = []  # PendingGets whose promotions all ended
         self.writeback_objects = self.writeback_bytes = self.writeback_drops = self.rescues = 0
+        self._busy_s, self._busy_since = 0.0, 0.0  # wall time with writes in flight
         self.promotions = self.promote_failures = self.disk_hits = 0
         index.mirror = self
         if disk is not None:
@@ -110,6 +113,10 @@ class Tiers:
             self.keys.add(key)
 
     def remove(self, key: bytes) -> None:
+        # the DRAM object left: an eviction relinked its shadow already (see _on_evict), any
+        # other removal (a bad checksum, a clear) ends the shadow with the object it backed
+        if self.disk is not None:
+            self.disk.drop_shadow(key)
         if key not in self._writeback and not (self.disk is not None and self.disk.contains(key)):
             self.keys.remove(key)
 
@@ -121,10 +128,14 @@ class Tiers:
     def _can_hold(self, obj) -> bool:
         """An eviction ahead of need waits while the write-back queue has no room for ``obj``
         (it would be dropped); a tier that takes no writes does not hold it up."""
-        return not self.disk.writable or self._queued + chunk_bytes(obj.nbytes) <= self.queue_bytes
+        return (not self.disk.writable or self.disk.has_shadow(obj)
+                or self._queued + chunk_bytes(obj.nbytes) <= self.queue_bytes)
 
     def _on_evict(self, obj, hold: bool) -> bool:
-        """The index evicts ``obj``: start writing it to disk (keeping its chunk) when it may."""
+        """The index evicts ``obj``: its shadow on disk takes it back (nothing written), or
+        its write to disk starts (keeping its chunk) when it may."""
+        if self.disk.relink(obj):
+            return False
         chunk = chunk_bytes(obj.nbytes)
         if not hold or self._queued + chunk > self.queue_bytes:
             self.writeback_drops += 1
@@ -136,8 +147,13 @@ class Tiers:
             return False
         self._writeback[obj.key] = obj  # before the index removes it: the key stays published
         obj.pins += 1
-        self._queued += chunk
+        self._hold(chunk)
         return True
+
+    def _hold(self, chunk: int) -> None:
+        if not self._queued:
+            self._busy_since = time.monotonic()
+        self._queued += chunk
 
     @property
     def queued_objects(self) -> int:
@@ -244,7 +260,7 @@ class Tiers:
                 self.index.publish_staged(ctx.obj, dobj.crc)
                 if ctx.holds:
                     self.index.pin_node(ctx.obj)
-                self.disk.remove(dobj)  # the disk's copy goes
+                self.disk.shadow(dobj, ctx.obj)  # the disk's copy stays as its shadow while there is room
                 self.promotions += 1
                 self._end(ctx, True)
             else:
@@ -264,11 +280,15 @@ class Tiers:
         if ok and ours:
             self.writeback_objects += 1
             self.writeback_bytes += obj.nbytes
-        elif ok:  # taken back into DRAM meanwhile: the disk's copy is not wanted
-            self.disk.discard(dobj)
+        elif ok and self.index.peek(key) is obj:  # taken back into DRAM meanwhile: the copy is its shadow
+            self.disk.shadow(dobj, obj)
+        elif ok:  # taken back, then gone from DRAM (not evicted: it was pinned by this write)
+            self.disk.remove(dobj)
         elif ours and not self.index.contains(key) and not self.disk.contains(key):
             self.keys.remove(key)  # the write failed: the object is gone
         self._queued -= chunk_bytes(obj.nbytes)
+        if not self._queued:
+            self._busy_s += time.monotonic() - self._busy_since
         self.index.unhold(obj)
 
     def tick(self, now: float) -> None:
@@ -291,6 +311,7 @@ class Tiers:
                "writeback_queue_bytes": self._queued, "writeback_objects": self.writeback_objects,
                "writeback_bytes": self.writeback_bytes, "writeback_drops": self.writeback_drops,
                "writeback_rescues": self.rescues, "disk_promotions": self.promotions,
+               "writeback_busy_s": self._busy_s + (time.monotonic() - self._busy_since if self._queued else 0.0),
                "disk_promote_failures": self.promote_failures}
         out.update(self.disk.stats() if self.disk is not None else NO_DISK)
         return out
@@ -310,14 +331,14 @@ class Tiers:
                 self._wait(deadline)
             if time.monotonic() >= deadline or not d.writable:
                 break
-            if obj.key in self._writeback or d.contains(obj.key):
+            if obj.key in self._writeback or d.contains(obj.key) or d.relink(obj):
                 continue
             whole = type(obj.crc) is int and obj.crc != NO_CRC
             if d.write(obj.key, obj.nbytes, obj.fmt, obj.crc, self.base + obj.offset, hash_bytes=not whole,
                        context=obj) is not None:
                 self._writeback[obj.key] = obj
                 obj.pins += 1
-                self._queued += chunk
+                self._hold(chunk)
                 self.index.held_bytes += chunk
         while self._queued and time.monotonic() < deadline:
             self._wait(deadline)

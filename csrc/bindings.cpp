@@ -330,7 +330,6 @@ PYBIND11_MODULE(_C, m) {
                     d["peer_host"] = c.peer.hostname;
                     d["ucx_info"] = c.ucx_info;
                     d["lanes"] = c.lanes.size();
-                    d["failed"] = c.failed;
                     d["regions"] = regions;
                     d["shared_regions"] = shared;  // remote regions written with memcpy (vm path)
                     d["shared_addrs"] = shared_addrs;  // region id -> where it is mapped here

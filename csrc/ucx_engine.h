@@ -8,8 +8,8 @@
 // active message, a closed socket), so an idle owner can sleep in poll/select
 // and still serve emulated RMA and reap closed connections. Every public method
 // takes the engine lock, so the engine may be shared by threads, except the
-// accessors uid(), event_fd(), closed(), num_rejected() and num_endpoints(), which
-// read one word without it (a snapshot, possibly a step behind).
+// accessors uid(), event_fd(), closed(), num_rejected(), num_endpoints() and
+// num_lookups(), which read one word without it (a snapshot, possibly a step behind).
 //
 // Completion: a request is complete when test() returns true / wait() returns.
 // For a write the bytes are then visible in the peer's memory (UCX path: after

@@ -1,8 +1,12 @@
 """kvxfer: paged KV-cache transfer for disaggregated prefill/decode serving.
 
-Pipeline (one stage a module): describe (:mod:`kvxfer.layout`) -> pack/unpack
-(:mod:`kvxfer.kernels`) -> register (:mod:`kvxfer.memory`, ``kvxfer._C``) ->
-move (:mod:`kvxfer.transport`) -> agent API (:mod:`kvxfer.agent`) -> serving/CLI.
+Pipeline (one stage a module or package): describe (:mod:`kvxfer.layout`) ->
+pack/unpack (:mod:`kvxfer.kernels`) -> register (:mod:`kvxfer.memory`, ``kvxfer._C``) ->
+move (:mod:`kvxfer.transport`) -> agent API (:mod:`kvxfer.agent`, admitted through
+:mod:`kvxfer.auth`, sockets from :mod:`kvxfer.net`) -> the KV pool
+(:mod:`kvxfer.store`) -> the reference serving stack (:mod:`kvxfer.serving`, its
+simulated engine in :mod:`kvxfer.serving.simulated`), engine integrations
+(:mod:`kvxfer.integrations`), the planner (:mod:`kvxfer.sim`) and the ``kvxfer`` CLI.
 
 Heavy dependencies (torch, triton, UCX) are imported lazily: ``import kvxfer``
 alone loads only the error hierarchy.

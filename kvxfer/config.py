@@ -10,9 +10,11 @@ given no config uses ``AgentConfig()``, the defaults. The ``KVXFER_*`` variables
 read in one place, :meth:`AgentConfig.from_env`, which only entry points call (the
 ``kvxfer`` CLI commands, ``kvxfer worker``, the vLLM connector, the benchmarks;
 documented in ``docs/api.md``, "AgentConfig"); there a field the caller gives
-explicitly beats the environment. The deployment's secret (``KVXFER_SECRET``) is read
-the same way, by :func:`kvxfer.secrets.load_secret`, which only entry points call.
-Nothing below the entry point reads a ``KVXFER_*`` variable. What else is read is
+explicitly beats the environment. The deployment's secret (a file, else
+``KVXFER_SECRET``) is read by :func:`kvxfer.secrets.load_secret`, called by the entry
+points and by the router's clients of remote workers and of the KV pool (which take the
+file from ``ServeConfig.secret_file``). Nothing else below the entry point reads a
+``KVXFER_*`` variable. What else is read is
 another tool's process-wide knob, not an agent's: UCX reads its own ``UCX_*``
 variables (an explicit one beats ``AgentConfig.ucx``, UCX's rule), loading ``kvxfer._C`` sets ``UCX_MM_ERROR_HANDLING=y`` unless it is set (or ``UCX_TLS``
 leaves out UCX's shared-memory transports), the
@@ -78,7 +80,7 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a whole handshake, from accept (AgentConfig.handsh
 PREAUTH_MAX_FRAME = 4096  # bytes of one frame before authentication (the proofs are ~100)
 MAX_PENDING_HANDSHAKES = 256  # unauthenticated connections held at once (HandshakeGate)
 MAX_PENDING_PER_SOURCE = 16  # of them from one source address
-HELLO_DEADLINE_S = 2.0  # an agents' or store node's listener drops a connection without HELLO by then
+HELLO_DEADLINE_S = 2.0  # every listener drops a connection whose handshake has not begun by then
 
 # what a tombstone costs besides the characters of its request id and reason: the
 # two str headers, the (xid, code, reason, nbytes) tuple, its ints and the table slot

@@ -159,7 +159,11 @@ def regions(layout, allocation_range=None) -> tuple:
 
 
 def block_runs(layout, block_ids, *, layers=None, heads=None) -> np.ndarray:
-    """int64 ``[num_runs, 4]``: region, offset in region, wire offset, length (coalesced)."""
+    """int64 ``[num_runs, 4]``: region, offset in region, wire offset, length (coalesced).
+
+    Block -> wire runs (one side's bytes in a contiguous buffer: the store's objects);
+    block -> block runs between two pools are
+    :func:`kvxfer.transport.descriptors._tile_runs`'s, which pair two layouts' offsets."""
     job = tile_copy(layout, block_ids, layers=layers, heads=heads)
     if job.nbytes == 0:
         return np.zeros((0, 4), dtype=np.int64)

@@ -2,8 +2,8 @@
 
 - :mod:`.agent`: the facade (construct, register, connect, send/recv/write/read, close);
 - :mod:`.state`: what the components share, and the in-flight records;
-- :mod:`.protocol`: the message vocabulary (schemas, binary payloads, FAIL codes);
-- :mod:`.handshake`: HMAC proofs, both halves of the handshake, pre-auth admission;
+- :mod:`.protocol`: the message vocabulary (schemas, binary payloads, FAIL codes; the
+  handshake's messages, proofs and admission are :mod:`kvxfer.auth`'s);
 - :mod:`.io_loop`: the I/O thread and its buffered control connections;
 - :mod:`.peers`: peers, connect / accept / dispatch, per-peer books;
 - :mod:`.pool`: the registered pool, its region parts and staging rings;

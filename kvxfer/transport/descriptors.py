@@ -125,7 +125,9 @@ def overlap(a: tuple, b: tuple) -> tuple | None:
 
 @lru_cache(maxsize=256)
 def _tile_runs(item: int, B: int, nh: int, D: int, s_str: tuple, d_str: tuple, s0: int, d0: int):
-    """Runs ``(src_rel, dst_rel, nbytes)`` covering one block tile ``[B, nh, D]``."""
+    """Runs ``(src_rel, dst_rel, nbytes)`` covering one block tile ``[B, nh, D]``: block ->
+    block between two layouts (block -> wire runs of one layout are
+    :func:`kvxfer.runs.block_runs`')."""
     sizes = (B, nh, D)
     order = (0, 1, 2)
     if s_str == d_str:  # same inner layout: walk in memory order for the longest runs

@@ -1,4 +1,4 @@
-"""Argument checks at the agent's calls (issue 25, items 2, 4 and 10): block ids go
+"""Argument checks at the agent's calls: block ids go
 through one strict validator (integers only), request ids must fit the wire, and
 timeouts must be finite and > 0. A refused call raises ValueError/TypeError and
 changes nothing: no lease, no RECV_POST on the peer."""

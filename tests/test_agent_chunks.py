@@ -1,6 +1,6 @@
 """Pack transfers larger than the staging ring: completion is tracked per
 (layer, head range, block) chunk, so a recv is done only once every chunk
-landed (issue 9, item 1). A small ``staging_bytes`` keeps the requests small:
+landed. A small ``staging_bytes`` keeps the requests small:
 with 1 KiB block-layers and an 8 KiB ring (4 KiB chunks), 2x and 5x the ring
 split each layer across several chunks."""
 from __future__ import annotations

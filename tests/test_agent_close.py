@@ -1,4 +1,4 @@
-"""Agent.close() always finishes, and frees the staging buffers at once (issue 9, items 11-12)."""
+"""Agent.close() always finishes, and frees the staging buffers at once."""
 from __future__ import annotations
 
 import contextlib
@@ -145,7 +145,7 @@ def _race_round(rnd: int) -> list:
 
 
 def test_no_handle_pending_after_close_races_send_and_recv():
-    """Issue 25, item 9: send()/recv() racing close() must not return a handle that never
+    """send()/recv() racing close() must not return a handle that never
     finishes. 200 rounds; every handle is final once close() returned."""
     pending = []
     for rnd in range(200):

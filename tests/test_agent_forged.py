@@ -1,4 +1,4 @@
-"""An authenticated peer that lies (issue 9, items 5, 6 and 13): forged
+"""An authenticated peer that lies: forged
 RECV_POSTs, DATA_DONEs and staging frames, sent over a real control connection
 between two agents. Each lie fails only its own request, with a typed error on
 both sides; threads, staging space and other requests survive."""

@@ -1,4 +1,4 @@
-"""Per-peer and per-agent bounds (issue 9, items 7 and 14; issue 25, items 3 and 8):
+"""Per-peer and per-agent bounds:
 an authenticated peer that floods RECV_POSTs, NOTIFYs or STAGE_REQs, or a client
 that streams bytes before authenticating, is bounded on its own; the other peers
 keep working; many peers together stay under the agent's totals; what a peer made
@@ -167,7 +167,7 @@ def test_refused_posts_leave_small_plain_tombstones_that_go_with_the_peer(agents
     flood = agents("flood")
     flood.connect(p.address)
     to_p = _peer_named(flood, "p")
-    for i in range(8):  # 8 posts of 100k block ids: before issue 25 each kept its ids and traceback
+    for i in range(8):  # 8 posts of 100k block ids: each must not keep its ids and traceback
         assert to_p.conn.send(_refused_posts(1, f"big{i}-", num_ids=100_000))
         _until(lambda: len(to_p.conn._out) == 0, "the post to go out")
     assert to_p.conn.send(_refused_posts(3000, "long-", req_len=250))  # 3000 x 250-char ids

@@ -87,7 +87,7 @@ def test_tp2_prefill_processes_feed_one_decode():
 
 
 def test_overlapping_recv_refused_and_no_block_holds_another_requests_bytes():
-    """Issue 25, item 1: ``recv("c2", [6, 7])`` while ``recv("c1", [5, 6])`` is pending
+    """``recv("c2", [6, 7])`` while ``recv("c1", [5, 6])`` is pending
     used to be accepted, and c1's block 6 then held c2's bytes."""
     d_layout = make_pool("2 N B H D", None)
     d = Agent("d", secret=SECRET)

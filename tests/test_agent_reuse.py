@@ -1,4 +1,4 @@
-"""Requests that do not fit together fail both sides at once (issue 9, item 9),
+"""Requests that do not fit together fail both sides at once,
 and a request id can be reused once its previous handle finished, whichever
 side comes first (item 8)."""
 from __future__ import annotations

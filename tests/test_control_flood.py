@@ -1,5 +1,4 @@
-"""Handshake floods (issue 9, item 3; issue 25, items 5 and 6) and weak secrets
-(issue 9, item 15, agent part).
+"""Handshake floods and weak secrets.
 
 The attacker connects from 127.0.0.2 (any 127/8 address reaches the loopback
 listener) or from 127.0.0.1, the address it shares with every legitimate peer on
@@ -159,7 +158,7 @@ def test_new_connection_evicts_the_oldest_pending_of_its_full_source():
     try:
         c.register_kv(make_pool("2 N B H D", 1))
         stalled = [_said_hello(srv.address, host) for _ in range(MAX_PENDING_PER_SOURCE)]
-        peer = c.connect(srv.address, timeout=T)  # refused (ConnectionRefused) before issue 25
+        peer = c.connect(srv.address, timeout=T)  # once refused (ConnectionRefused)
         assert peer.is_connected
         kind, fields = decode(*recv_frame(stalled[0], T))  # the oldest was told why, then closed
         assert kind == Msg.REJECT and fields["code"] == "busy"

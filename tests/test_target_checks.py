@@ -1,4 +1,4 @@
-"""The memory owner checks every range over UCX's emulated RMA (issue 9, item 4).
+"""The memory owner checks every range over UCX's emulated RMA.
 
 An authenticated peer that forges the metadata it was given (its copy of the
 target's region grown by 256 KiB on each side) passes its own validation; over

@@ -1,4 +1,4 @@
-"""A target agent that never calls into kvxfer still serves UCX (issue 9, items 2 and 10).
+"""A target agent that never calls into kvxfer still serves UCX.
 
 UCX accepts connections, reaps closed ones and serves RMA emulated over TCP only
 while the target progresses. The agent's I/O thread sleeps on the UCX worker's

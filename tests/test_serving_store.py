@@ -1,10 +1,11 @@
 """``kvxfer serve --store``: prefill workers read and fill a KV pool (real processes, HTTP).
 
-One ``kvxfer store`` node; server A (1 prefill + 1 decode) serves a long prompt cold
-(its prefill worker puts the prompt's full blocks into the pool), then again from its
-own prefix cache (the reference: the tail computed over cached KV). A fresh server B
-serves the same prompt: its prefill worker loads the blocks from the pool (its
-``store_hit_tokens`` counter on ``/metrics``), computes only the tail, and answers
+One ``kvxfer store`` node with a disk tier; server A (1 prefill + 1 decode) serves a long
+prompt cold (its prefill worker puts the prompt's full blocks into the pool), then again
+from its own prefix cache (the reference: the tail computed over cached KV). The node
+restarts (its DRAM written to disk at SIGTERM). A fresh server B serves the same prompt:
+its prefill worker loads the blocks from the pool, read back from the node's disk tier
+(``store_hit_tokens`` and ``store_disk_hit_tokens`` on ``/metrics``), computes only the tail, and answers
 A's reference tokens exactly. Then the node is SIGKILLed: B recomputes a new prompt
 (no hang) and answers what A answers cold for it.
 
@@ -34,10 +35,13 @@ ENV = {"KVXFER_SECRET": SECRET.decode()}
 
 
 @pytest.fixture(scope="module")
-def node():
-    proc, addr = start_node(capacity="64M", slot="1M")
-    yield proc, addr
-    stop_node(proc)
+def node(tmp_path_factory):
+    """A node with a disk tier: ``{"proc", "addr", "disk"}`` (a test may restart it)."""
+    disk = ("--disk", str(tmp_path_factory.mktemp("tier")), "--disk-capacity", "64M")
+    proc, addr = start_node(capacity="64M", slot="1M", extra=disk)
+    state = {"proc": proc, "addr": addr, "disk": disk}
+    yield state
+    stop_node(state["proc"])
 
 
 def _server(addr) -> Server:
@@ -76,7 +80,7 @@ def _wait_for(pred, timeout: float = 60.0) -> bool:
 
 
 def test_second_server_prefills_from_the_pool(node):
-    _, addr = node
+    addr = node["addr"]
     a = _server(addr)
     try:
         cold, n = _tokens(a.complete(PROMPT, max_tokens=MAX_TOKENS, logprobs=0))
@@ -89,14 +93,18 @@ def test_second_server_prefills_from_the_pool(node):
         other_cold, _ = _tokens(a.complete(OTHER, max_tokens=MAX_TOKENS, logprobs=0))
     finally:
         a.stop()
+    # the node restarts (SIGTERM writes DRAM to its disk tier): B loads the prompt from disk
+    stop_node(node["proc"])
+    node["proc"], _ = start_node(port=int(addr.rsplit(":", 1)[1]), capacity="64M", slot="1M", extra=node["disk"])
     b = _server(addr)
     try:
         got, _ = _tokens(b.complete(PROMPT, max_tokens=MAX_TOKENS, logprobs=0))
         assert got == ref
         assert _stat(b, "store_hit_tokens") == pooled and _stat(b, "store_local_hit_tokens") == 0
+        assert _stat(b, "store_disk_hit_tokens") == pooled  # read back from the disk tier
         assert _stat(b, "store_lookups") == 1 and _stat(b, "store_load_failed") == 0
         # the node dies: B goes on serving, recomputing (OTHER is pooled, but unreachable now)
-        stop_node(node[0], signal.SIGKILL)
+        stop_node(node["proc"], signal.SIGKILL)
         t0 = time.monotonic()
         again, _ = _tokens(b.complete(OTHER, max_tokens=MAX_TOKENS, logprobs=0))
         assert again == other_cold and time.monotonic() - t0 < 60.0

@@ -121,12 +121,44 @@ def test_evicted_objects_are_written_back_and_read_back_while_running(tmp_path):
         for i in range(0, 48, 8):
             h = st.get(keys[i:i + 8], dst, range(i, i + 8))
             h.wait(timeout=60)
-            until(lambda: _drained(node), "write-back drained", timeout=30, interval=0.01)
+            until(lambda: _settled(node), "write-back settled", timeout=30, interval=0.01)
         for b in range(48):
             assert torch.equal(block_bits(src, b), block_bits(dst, b))
         s = node.stats()
         assert s["disk_hits"] > 0 and s["disk_hits"] == s["disk_promotions"] and s["disk_bad_objects"] == 0
-        assert st.stats()["client"]["get_disk_objects"] == s["disk_hits"]
+        pool = st.stats()
+        assert pool["client"]["get_disk_objects"] == s["disk_hits"] == pool["disk_hits"]
+        assert pool["dram_hits"] == s["dram_hits"] and pool["writeback_objects"] == s["writeback_objects"]
+        metrics = _scrape(node)  # the node's Prometheus metrics, per tier
+        assert metrics[("kvxfer_store_tier_hits_total", "disk")] == s["disk_hits"]
+        assert metrics[("kvxfer_store_tier_hits_total", "dram")] == s["dram_hits"]
+        assert metrics[("kvxfer_store_tier_evictions_total", "dram")] == s["dram_evictions"] > 0
+        assert metrics[("kvxfer_store_tier_objects", "disk")] == s["disk_objects"]
+        assert metrics[("kvxfer_store_tier_capacity_bytes", "disk")] == s["disk_capacity_bytes"] > 0
+        assert metrics[("kvxfer_store_writeback_objects_total", None)] == s["writeback_objects"]
+        assert metrics[("kvxfer_store_writeback_drops_total", None)] == 0
+        assert metrics[("kvxfer_store_disk_up", None)] == 1
+
+
+def _scrape(node) -> dict:
+    """``{(name, tier label or None): value}`` of the node's kvxfer_store_* samples."""
+    import re
+
+    import httpx
+
+    from kvxfer.store.metrics import serve_metrics
+
+    server, port = serve_metrics(node, "127.0.0.1:0")
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10.0).text
+    finally:
+        server.shutdown()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(kvxfer_store_\w+)\{node="[^"]*"(?:,tier="(\w+)")?\} (\S+)$', line)
+        if m:
+            out[(m.group(1), m.group(2))] = float(m.group(3))
+    return out
 
 
 def test_a_flipped_byte_on_disk_is_a_miss_and_the_object_is_dropped(tmp_path):

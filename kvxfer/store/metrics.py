@@ -5,7 +5,15 @@ node's own ``CollectorRegistry``, labelled ``node`` (its name). Counters (``_tot
 hits, misses, evictions, bad objects (checksum failures reported by readers), requests,
 bad requests, authentication failures, lookups answered by the backend (other hosts).
 Gauges: objects, pending reservations, spare slots held for clients, pins, bytes used,
-capacity, slots used and in all, connected clients. The endpoint serves counts only (no
+capacity, slots used and in all, connected clients.
+
+Per tier, labelled ``tier`` (``dram``, ``disk``): ``kvxfer_store_tier_{hits,evictions}_total``
+and the gauges ``kvxfer_store_tier_{objects,bytes_used,capacity_bytes}`` (a node without a
+disk tier reports zeros for it). The disk tier's own: counters
+``kvxfer_store_{writeback_objects,writeback_bytes,writeback_drops,disk_promotions,disk_relinks,
+disk_bad_objects,disk_full_drops,disk_errors}_total``, gauges
+``kvxfer_store_{writeback_queue,writeback_queue_bytes,disk_recovered,disk_shadows}`` and
+``kvxfer_store_disk_up`` (1 while the tier takes writes). The endpoint serves counts only (no
 key, slot or secret); bind it where your scraper can reach it.
 """
 from __future__ import annotations
@@ -31,6 +39,31 @@ GAUGES = {
     "num_slots": "Slots in all.",
     "clients": "Authenticated clients connected.",
 }
+TIER_COUNTERS = {
+    "hits": "Keys a get found, by the tier that held them (disk: read back into DRAM first).",
+    "evictions": "Objects evicted from the tier (DRAM: to disk when it has one; disk: gone).",
+}
+TIER_GAUGES = {
+    "objects": "Objects the tier holds.",
+    "bytes_used": "Bytes of the objects the tier holds.",
+    "capacity_bytes": "The tier's capacity in bytes.",
+}
+DISK_COUNTERS = {
+    "writeback_objects": "Objects written back from DRAM to disk.",
+    "writeback_bytes": "Bytes written back from DRAM to disk.",
+    "writeback_drops": "Objects evicted from DRAM and dropped, not written (queue full, disk unusable).",
+    "disk_promotions": "Objects read back from disk into DRAM.",
+    "disk_relinks": "Objects evicted from DRAM whose bytes were still on disk (nothing written).",
+    "disk_bad_objects": "Objects on disk dropped because their bytes failed the read-back check.",
+    "disk_full_drops": "Objects not written because the file system was full.",
+    "disk_errors": "Other disk write errors.",
+}
+DISK_GAUGES = {
+    "writeback_queue": "Objects being written back now.",
+    "writeback_queue_bytes": "DRAM bytes held by writes in flight.",
+    "disk_recovered": "Objects recovered from the disk tier at start.",
+    "disk_shadows": "Objects read back into DRAM whose bytes stay on disk until evicted.",
+}
 
 
 class NodeCollector:
@@ -51,6 +84,21 @@ class NodeCollector:
             family = GaugeMetricFamily(f"kvxfer_store_{key}", doc, labels=["node"])
             family.add_metric([stats["name"]], float(stats[key]))
             yield family
+        for table, kind in ((TIER_COUNTERS, CounterMetricFamily), (TIER_GAUGES, GaugeMetricFamily)):
+            for key, doc in table.items():
+                family = kind(f"kvxfer_store_tier_{key}", doc, labels=["node", "tier"])
+                for tier in ("dram", "disk"):
+                    family.add_metric([stats["name"], tier], float(stats.get(f"{tier}_{key}", 0)))
+                yield family
+        for table, kind in ((DISK_COUNTERS, CounterMetricFamily), (DISK_GAUGES, GaugeMetricFamily)):
+            for key, doc in table.items():
+                family = kind(f"kvxfer_store_{key}", doc, labels=["node"])
+                family.add_metric([stats["name"]], float(stats.get(key, 0)))
+                yield family
+        family = GaugeMetricFamily("kvxfer_store_disk_up", "1 while the node's disk tier takes writes.",
+                                   labels=["node"])
+        family.add_metric([stats["name"]], float(stats.get("disk_state") == "ok"))
+        yield family
 
 
 def serve_metrics(node, listen: str):

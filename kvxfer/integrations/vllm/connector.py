@@ -40,7 +40,8 @@ from .worker import WorkerHalf
 class KVXferStats(KVConnectorStats):
     """Per-step counters. Worker: ``sends``, ``recvs`` (completed), ``failed`` loads,
     ``bytes`` moved and ``seconds`` spent (post to visible, summed); with a pool also
-    ``store_loads``, ``store_load_blocks``, ``store_load_failed``, ``store_put_blocks``
+    ``store_loads``, ``store_load_blocks`` (``store_load_disk_blocks`` of them read back from a
+    node's disk tier), ``store_load_failed``, ``store_put_blocks``
     (committed or present), ``store_put_failed``, ``store_put_drops`` (over
     ``store_put_blocks`` in flight), ``store_bytes``. Scheduler, with a pool:
     ``store_lookups``, ``store_hit_tokens`` (tokens loaded from the pool),

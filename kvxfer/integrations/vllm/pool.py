@@ -188,8 +188,8 @@ class PoolMover:
         self._puts: dict = {}  # request id -> [pending put handles]
         self._release: set = set()  # requests whose blocks wait for their puts
         self._blocks_in_flight = 0
-        self.stats = {"store_loads": 0, "store_load_blocks": 0, "store_load_failed": 0, "store_put_blocks": 0,
-                      "store_put_failed": 0, "store_put_drops": 0, "store_bytes": 0}
+        self.stats = {"store_loads": 0, "store_load_blocks": 0, "store_load_disk_blocks": 0, "store_load_failed": 0,
+                      "store_put_blocks": 0, "store_put_failed": 0, "store_put_drops": 0, "store_bytes": 0}
 
     def open(self, layout) -> None:
         self.layout = layout
@@ -280,6 +280,7 @@ class PoolMover:
                 if ok:
                     self.stats["store_loads"] += 1
                     self.stats["store_load_blocks"] += blocks
+                    self.stats["store_load_disk_blocks"] += getattr(handle.result, "from_disk", 0)
                 else:
                     log.warning("kvxfer: pool load of %s failed: %r", req_id, handle.error)
                     self.stats["store_load_failed"] += 1

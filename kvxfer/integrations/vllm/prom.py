@@ -22,6 +22,7 @@ COUNTERS = {
     "store_queried_tokens": "Prompt tokens of the requests that consulted the pool.",
     "store_loads": "Pool loads that completed.",
     "store_load_blocks": "Blocks loaded from the pool.",
+    "store_load_disk_blocks": "Of the blocks loaded from the pool, those its nodes read back from their disk tier.",
     "store_load_failed": "Pool loads that failed (recomputed or failed per kv_load_failure_policy).",
     "store_put_blocks": "Blocks put into the pool (committed, or present already).",
     "store_put_failed": "Blocks whose put failed (node down or timed out).",

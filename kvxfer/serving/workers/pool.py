@@ -45,9 +45,9 @@ class PrefillPool:
         self.salt = salt
         self.max_put_blocks = max_put_blocks
         # reported with the worker's counters (the router's kvxfer_worker_stat{stat=...})
-        self.counters = dict.fromkeys(("store_lookups", "store_hit_tokens", "store_local_hit_tokens",
-                                       "store_load_failed", "store_put_blocks", "store_put_failed",
-                                       "store_put_drops"), 0)
+        self.counters = dict.fromkeys(("store_lookups", "store_hit_tokens", "store_disk_hit_tokens",
+                                       "store_local_hit_tokens", "store_load_failed", "store_put_blocks",
+                                       "store_put_failed", "store_put_drops"), 0)
         self._keys: dict = {}  # request id -> (keys, first block this worker computed)
         self._puts: dict = {}  # request id -> (handle, blocks)
         self._deferred: dict = {}  # request id -> sequence to release once its put ended
@@ -87,15 +87,19 @@ class PrefillPool:
             self.counters["store_lookups"] += 1
             hits = self.store.lookup(keys[local:usable])
             if hits:
+                handle = None
                 try:
-                    self.store.get(keys[local:local + hits], self.layout,
-                                   seq.block_table[local:local + hits]).wait(GET_TIMEOUT_S)
+                    handle = self.store.get(keys[local:local + hits], self.layout, seq.block_table[local:local + hits])
+                    handle.wait(GET_TIMEOUT_S)
                     loaded = hits
                 except KVXferError as exc:
                     loaded = int(getattr(exc, "loaded", 0) or 0)
                     self.counters["store_load_failed"] += 1
                     log.warning("%s: pool load failed after %d of %d blocks: %s", seq.request_id, loaded,
                                 hits, exc)
+                if handle is not None:  # the blocks the nodes read back from their disk tier
+                    disk = getattr(handle.result, "from_disk", 0) or 0
+                    self.counters["store_disk_hit_tokens"] += min(disk, loaded) * size
         self.counters["store_local_hit_tokens"] += local * size
         self.counters["store_hit_tokens"] += loaded * size
         seq.num_computed_tokens = (local + loaded) * size

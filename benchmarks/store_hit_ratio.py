@@ -91,37 +91,44 @@ def lru_replay(trace, capacity: int, engines: int = 1) -> tuple[int, int]:
     return hits, total
 
 
-def hit_ratio(args) -> dict:
+def replay(addrs: list, trace) -> tuple[int, int, dict]:
+    """Replay ``trace`` through the nodes at ``addrs`` as an engine with the pool would:
+    ``lookup`` the chain, ``get`` the hit prefix (which refreshes it), ``put`` the rest.
+    Returns ``(hits, blocks, the pool's stats())``; a get that misses part of its prefix
+    (a node's read from disk outlasting its wait) counts what it loaded and puts the rest."""
     import torch
 
     import kvxfer
 
+    layout = kvxfer.KVLayout.from_tensors([torch.zeros(2, 256, 1, 1, 4, dtype=torch.float16)], "2 N B H D")
+    hits = total = 0
+    with kvxfer.KVStore(nodes=addrs, secret=SECRET, timeout=30.0) as st:
+        for ids in trace:
+            keys = [b"h" + h.to_bytes(8, "little") for h in ids]
+            n = st.lookup(keys)
+            for s in range(0, len(keys), 256):  # the pool has 256 blocks; a chain may be longer
+                part = keys[s:s + 256]
+                ids_ = list(range(len(part)))
+                k = min(max(n - s, 0), len(part))
+                if k:
+                    try:
+                        st.get(part[:k], layout, ids_[:k]).wait(timeout=60)
+                    except kvxfer.StoreMiss as exc:
+                        n, k = s + exc.loaded, exc.loaded
+                if k < len(part):
+                    st.put(part[k:], layout, ids_[k:]).wait(timeout=60)
+            hits += n
+            total += len(keys)
+        return hits, total, st.stats()
+
+
+def hit_ratio(args) -> dict:
     trace = load_trace(args.trace, args.requests)
     slots = args.capacity_blocks // args.nodes
     procs = start_nodes(args.nodes, str(slots * 64), "64", ("--high-watermark", str(args.high_watermark)))
     try:
-        layout = kvxfer.KVLayout.from_tensors([torch.zeros(2, 256, 1, 1, 4, dtype=torch.float16)], "2 N B H D")
-        hits = total = 0
         t0 = time.perf_counter()
-        with kvxfer.KVStore(nodes=[a for _, a in procs], secret=SECRET, timeout=30.0) as st:
-            for ids in trace:
-                keys = [b"h" + h.to_bytes(8, "little") for h in ids]
-                n = st.lookup(keys)
-                for s in range(0, len(keys), 256):  # the pool has 256 blocks; a chain may be longer
-                    part = keys[s:s + 256]
-                    ids_ = list(range(len(part)))
-                    if s + len(part) <= n:
-                        h = st.get(part, layout, ids_)
-                    elif s >= n:
-                        h = st.put(part, layout, ids_)
-                    else:
-                        k = n - s
-                        st.get(part[:k], layout, ids_[:k]).wait(timeout=60)
-                        h = st.put(part[k:], layout, ids_[k:])
-                    h.wait(timeout=60)
-                hits += n
-                total += len(keys)
-            stats = st.stats()
+        hits, total, stats = replay([a for _, a in procs], trace)
         elapsed = time.perf_counter() - t0
     finally:
         stop_nodes(procs)

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
                    help="a directory for the disk tier (created if absent; one node per directory)")
     p.add_argument("--disk-capacity", type=parse_size, default=None, metavar="SIZE",
                    help="bytes of the disk tier's data file (with --disk; e.g. 1T, 200G)")
-    p.add_argument("--disk-threads", type=int, default=4, metavar="N", help="disk I/O threads (default 4)")
+    p.add_argument("--disk-threads", type=int, default=8, metavar="N", help="disk I/O threads (default 8)")
     p.add_argument("--disk-sync", choices=("none", "commit"), default="none",
                    help="commit: fdatasync an object's data and its journal record before it counts as written "
                         "(survives power loss); none (default): a killed node loses nothing written, a host's "

@@ -86,7 +86,7 @@ class DiskConfig:
     """
     path: str
     capacity_bytes: int
-    threads: int = 4
+    threads: int = 8
     sync: bool = False
     direct: bool = True
     queue_bytes: int | None = None
@@ -133,7 +133,7 @@ class DiskObj:
 
 
 class DiskTier:
-    """``DiskTier(path, capacity_bytes, largest_bytes, *, threads=4, sync=False, direct=True)``.
+    """``DiskTier(path, capacity_bytes, largest_bytes, *, threads=8, sync=False, direct=True)``.
 
     ``largest_bytes``: the node's largest object. ``sync``: ``fdatasync`` the data before
     each commit record and the journal after each batch of them (survives a host's power
@@ -142,7 +142,7 @@ class DiskTier:
     when the directory cannot be used.
     """
 
-    def __init__(self, path: str, capacity_bytes: int, largest_bytes: int, *, threads: int = 4,
+    def __init__(self, path: str, capacity_bytes: int, largest_bytes: int, *, threads: int = 8,
                  sync: bool = False, direct: bool = True, on_gone=None) -> None:
         from .._native import load
 

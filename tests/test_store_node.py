@@ -321,11 +321,13 @@ def test_a_node_without_spare_slots_gets_reserve_and_commit():
 
 
 class _NodeWithBadSpares(StoreNode):
-    """A node whose spares asked for ahead of need (``evict`` false) lie past its slots."""
+    """A node whose spares lie past its slots once ``lie`` is set."""
+
+    lie = False
 
     def _serve(self, c, msg_type, payload, now):
         reply = super()._serve(c, msg_type, payload, now)
-        if msg_type == Req.SPARE and not json.loads(bytes(payload))["evict"]:
+        if msg_type == Req.SPARE and self.lie:
             reply["s"] = [[self.index.region_bytes, tok] for _, tok in reply["s"]]
         return reply
 
@@ -333,10 +335,13 @@ class _NodeWithBadSpares(StoreNode):
 def test_a_spare_outside_the_nodes_slots_marks_it_down():
     with _NodeWithBadSpares("127.0.0.1:0", 64 * SLOT, secret=SECRET, slot_bytes=SLOT) as node:
         src = make_layout("2 N B H D", 4, seed=51)
-        keys = kvxfer.block_keys(range(16), 4, salt=b"bad-spares")
+        keys = kvxfer.block_keys(range(32), 4, salt=b"bad-spares")
         with _store(node, retry_s=60.0) as st:
-            st.put(keys, src, range(4)).wait(timeout=60)  # its own spares were fine: done
-            _until(lambda: st.nodes()[node.address] == "down")  # the refill's were not
+            st.put(keys[:4], src, range(4)).wait(timeout=60)
+            _until(lambda: node.stats()["spares"] == 4)  # refilled, truthfully
+            node.lie = True
+            st.put(keys[4:], src, range(4)).wait(timeout=60)  # into the spares it held: done
+            _until(lambda: st.nodes()[node.address] == "down")  # the refill's were outside the slots
             assert st.stats()["client"]["node_failures"] == 1 and node.index.contains(keys[0])
 
 

@@ -5,6 +5,7 @@ clients that try to hold a whole node. Real StoreNodes on real sockets in this p
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 import time
@@ -176,7 +177,8 @@ def test_an_object_named_at_the_wrong_size_is_a_miss_dropped_at_first_sight():
                 h.wait(timeout=60)
             assert err.value.loaded == 2 and h.result.loaded == 3 and h.result.misses == 1
             assert all(torch.equal(block_bits(src, i), block_bits(dst, i)) for i in (0, 1, 3))
-            assert st.lookup(keys) == 2 and node.stats()["bad_objects"] == 1  # dropped on first detection
+            assert st.stats()["bad_objects"] == 1  # (a request: after the get's RELEASE)
+            assert st.lookup(keys) == 2  # dropped on first detection
             node.lie_about = b"nothing"
             h = st.put(keys, src, range(4))  # a correct re-put stores it again
             h.wait(timeout=60)
@@ -269,3 +271,129 @@ def _reserve_work(num_pinned: int, num_free: int = 256, num_new: int = 64) -> in
 def test_a_reserve_that_evicts_costs_the_same_however_many_objects_are_pinned():
     none, many = _reserve_work(0), _reserve_work(3000)
     assert many <= none * 1.1 + 50, (none, many)  # was ~50x more with 3,000 pinned
+
+
+# ---- #7: quotas that bound a node, not a connection -----------------------------------------------
+def _conn(node):
+    backend = kvxfer.transport.make_backend("auto")
+    return NodeConn.open(node.address, SECRET, backend, 10.0), backend
+
+
+def test_a_spare_flood_evicts_nothing_and_takes_at_most_a_clients_share():
+    src = _filled(48)
+    keys = kvxfer.block_keys(range(4 * 48), 4, salt=b"spare-flood")
+    with _node(64) as node:
+        with kvxfer.KVStore(nodes=[node.address], secret=SECRET) as st:
+            st.put(keys, src, range(48)).wait(timeout=60)
+        c, backend = _conn(node)
+        try:
+            got = c.request(Req.SPARE, {"count": 4096, "evict": True, "nbytes": SLOT}, 10.0)["s"]
+            for _ in range(20):  # and again, and again
+                got += c.request(Req.SPARE, {"count": 4096, "evict": True, "nbytes": SLOT}, 10.0)["s"]
+            assert len(got) == 64 // 16  # Quotas().client_spares: 1/16 of the node (was: all 64)
+            assert node.index.evictions == 0 and all(node.index.contains(k) for k in keys)
+        finally:
+            c.close()
+            backend.close()
+
+
+def test_a_re_reserving_client_leaves_other_writers_putting():
+    n_writers, n_puts, per_put = 4, 10, 4
+    with _node(64, lease_s=1.0) as node:
+        stop, rounds = threading.Event(), [0]
+        fmt = ObjectFormat(_filled(1)).fmt
+
+        def hog():  # reserve all it can, never commit, reserve again as they lapse; spares too
+            c, backend = _conn(node)
+            try:
+                while not stop.is_set():
+                    rounds[0] += 1
+                    ks = [b"hog%d-%d" % (rounds[0], i) for i in range(4096)]
+                    c.request(Req.RESERVE, {"keys": ks, "nbytes": SLOT, "fmt": fmt}, 10.0)
+                    c.request(Req.SPARE, {"count": 4096, "evict": True, "nbytes": SLOT}, 10.0)
+                    time.sleep(0.01)
+            finally:
+                c.close()
+                backend.close()
+
+        t = threading.Thread(target=hog)
+        t.start()
+        try:
+            stored = []
+
+            def writer(w):
+                src = _filled(n_puts * per_put, seed=100 * w)
+                keys = kvxfer.block_keys(range(4 * n_puts * per_put), 4, salt=b"writer%d" % w)
+                with kvxfer.KVStore(nodes=[node.address], secret=SECRET) as st:
+                    for p in range(n_puts):
+                        span = range(p * per_put, (p + 1) * per_put)
+                        h = st.put(keys[span.start:span.stop], src, span)
+                        h.wait(timeout=60)
+                        stored.append(h.result.stored)
+
+            until_rounds = time.monotonic() + 30
+            while rounds[0] < 3 and time.monotonic() < until_rounds:
+                time.sleep(0.01)
+            ws = [threading.Thread(target=writer, args=(w,)) for w in range(n_writers)]
+            for w in ws:
+                w.start()
+            for w in ws:
+                w.join(120)
+        finally:
+            stop.set()
+            t.join(60)
+        total = n_writers * n_puts * per_put
+        assert rounds[0] >= 3 and sum(stored) >= 0.8 * total, (sum(stored), total)  # was 0
+        s = node.stats()
+        assert s["quota_refusals"] > 0 and s["reserved_bytes"] <= 0.75 * s["capacity_bytes"]
+
+
+def test_idle_clients_hold_at_most_a_quarter_of_a_small_node_and_their_spares_lapse():
+    from kvxfer.store.quotas import Quotas
+
+    with _node(256, quotas=Quotas(spare_lease_s=1.0)) as node:
+        stores = [kvxfer.KVStore(nodes=[node.address], secret=SECRET, staging_bytes=1 << 20) for _ in range(24)]
+        try:
+            src = _filled(16)
+            for n, st in enumerate(stores):
+                st.put(kvxfer.block_keys(range(4 * 16), 4, salt=b"idle%d" % n), src, range(16)).wait(timeout=60)
+            time.sleep(0.3)  # their refills asked
+            held = node.stats()["spare_bytes"]
+            assert 0 < held <= 0.25 * node.index.region_bytes  # was 84-87% of the node
+            deadline = time.monotonic() + 10
+            while node.stats()["spares"] and time.monotonic() < deadline:  # idle: they lapse
+                time.sleep(0.1)
+            assert node.stats()["spares"] == 0
+        finally:
+            for st in stores:
+                st.close()
+
+
+def test_unread_replies_are_bounded_per_client_and_in_total():
+    from kvxfer.store.quotas import Quotas
+    from kvxfer.framing import encode_frame
+
+    quotas = Quotas(client_replies=16 << 10, total_replies=32 << 10)
+    with _node(16, quotas=quotas) as node:
+        conns = [_conn(node) for _ in range(6)]
+        try:
+            frame = encode_frame(Req.STATS, b'{"id":1}')
+            for n, (c, _) in enumerate(conns):  # small kernel buffers (but the first's): replies pile up in the node
+                if n:
+                    c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                c._sock.sendall(frame * 4500)  # ~6 MB of replies each (the kernel takes ~4), not read for now
+            served, deadline = -1, time.monotonic() + 60
+            while served != node.stats()["requests"] and time.monotonic() < deadline:  # until it stops
+                served = node.stats()["requests"]
+                time.sleep(0.5)
+            with kvxfer.KVStore(nodes=[node.address], secret=SECRET) as st:  # others are still answered
+                assert st.lookup([b"k"]) == 0
+            peak = node.stats()["queued_total_peak_bytes"]
+            assert peak <= (32 << 10) + 6 * 4096, peak  # one more reply a client at most (was 6 x 16 KiB)
+            c, _ = conns[0]
+            for _ in range(4500):  # every reply comes, in order, once read
+                assert c.recv(1, 30.0)["id"] == 1
+        finally:
+            for c, backend in conns:
+                c.close()
+                backend.close()

@@ -12,9 +12,10 @@
 
 Placement (:mod:`kvxfer.store.placement`): each key goes to its highest-ranked live
 node(s) by rendezvous hashing; no master is asked. A node that fails a request (dropped
-connection, no answer within ``timeout``) is marked down: its keys are misses (lookups
-stop at them, gets fail on them, puts place them on the next node) until ``retry_s``
-later, when the client tries it again.
+connection, no answer within ``timeout``, or a handshake refusing this client's secret)
+is marked down: its keys are misses (lookups stop at them, gets fail on them, puts place
+them on the next node) until ``retry_s`` later, when the client tries it again. With
+every node down, lookups find nothing and puts count every key skipped.
 
 Data moves one-sided between a registered staging buffer of this client and the node's
 slots (no byte of KV through a socket): a put packs each block into staging
@@ -23,7 +24,8 @@ with its checksum (or writes straight from the blocks when their runs are long).
 on this host also keeps a few **spare** slots reserved for this client (asked for after
 each put, off its critical path): a put of whole objects there skips the keys its key
 table shows present, writes the others into spares and commits them under their keys,
-one round trip instead of two (a put with too few spares asks for the rest first); a TP
+one round trip instead of two (a put with too few spares asks for free ones first, and
+reserves the keys it still has none for); a TP
 rank's put reserves, writes and commits its part of each object (its heads, with the
 part's checksum), and the node publishes the object once the group's parts cover every
 head; a get reads pinned slots into staging, checks every object's checksum (every
@@ -119,6 +121,7 @@ class KVStore:
         self._conns: dict[str, NodeConn] = {}
         self._down: dict[str, float] = {}  # address -> monotonic time it may be tried again
         self._refused: set[str] = set()  # members whose last handshake refused our secret
+        self.client_id = os.urandom(16).hex()  # this client's identity for the nodes' quotas, over reconnects
         self._placements: dict[int, Placement] = {}
         self._pools: dict[int, tuple] = {}  # id(layout) -> (layout, backend region ids)
         self._formats: dict[int, ObjectFormat] = {}
@@ -192,7 +195,7 @@ class KVStore:
             c = self._conns.get(address)
         if c is not None and not c.closed:
             return c
-        c = NodeConn.open(address, self._secret, self._backend, self.timeout)
+        c = NodeConn.open(address, self._secret, self._backend, self.timeout, client_id=self.client_id)
         with self._lock:
             old = self._conns.get(address)
             if old is not None and not old.closed:
@@ -527,24 +530,44 @@ class KVStore:
         finally:
             self._refill_spares(used)
 
-    def _put_batch(self, c: NodeConn, keys, ids, fmt) -> list:
-        """Put one batch on one node; return the keys refused with CONFLICT."""
+    def _put_batch(self, c: NodeConn, keys, ids, fmt, *, spares: bool = True) -> list:
+        """Put one batch on one node; return the keys refused with CONFLICT. Keys the node
+        answered LIMIT (this client at its quota of reservations, :mod:`kvxfer.store.quotas`)
+        are put again once the round's commits gave the quota back, while rounds store
+        something (so a small node's quota makes a long put take several rounds)."""
+        conflicts: list = []
+        while True:
+            more, limited, progress = self._put_round(c, keys, ids, fmt, spares=spares)
+            conflicts += more
+            if not limited:
+                return conflicts
+            if not progress:
+                self.counters["put_skipped"] += len(limited)
+                return conflicts
+            keys, ids, spares = [keys[j] for j in limited], [ids[j] for j in limited], False
+
+    def _put_round(self, c: NodeConn, keys, ids, fmt, *, spares: bool):
+        """One round of :meth:`_put_batch`: ``(conflicts, limited, progress)``, the keys
+        refused with CONFLICT, the positions answered LIMIT, and whether any key got a slot."""
         import numpy as np
 
         size, psize = fmt.nbytes, fmt.part_nbytes
         if size > c.slot_bytes:
             raise LimitExceeded(f"objects of {size} B exceed the largest store node {c.address} holds ({c.slot_bytes} B)")
         # whole objects to a node on this host: into spare slots, one round trip (COMMIT_SPARE)
-        spared = fmt.full and c.table is not None and size <= c.slot_bytes and c.spare_slots
+        spared = spares and fmt.full and c.table is not None and c.spare_slots
         conflicts: list = []
+        limited: list = []  # positions the node answered LIMIT
         if spared:
-            got, present = self._spares_for(c, keys, size)
+            got, present, rest = self._spares_for(c, keys, size)
             spared = c.spare_slots  # (a node that answers no SPARE: reserve and commit)
+            if spared and rest:  # keys the node had no free spare for: reserved, as any put's
+                conflicts += self._put_batch(c, [keys[j] for j in rest], [ids[j] for j in rest], fmt, spares=False)
         if spared:
             if not got:
                 if present:
                     self._commit_spares(c, keys, got, present, [], size, fmt)
-                return conflicts
+                return conflicts, [], False
         elif fmt.full:
             r = c.request(Req.RESERVE, {"keys": keys, "nbytes": size, "fmt": fmt.fmt}, self.timeout)["r"]
         else:
@@ -554,10 +577,11 @@ class KVStore:
             got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == ix.RESERVED]
             conflicts = [keys[j] for j, (code, _, _) in enumerate(r) if code == ix.CONFLICT]
             self.counters["put_present"] += sum(1 for code, _, _ in r if code == ix.PRESENT)
+            limited = [j for j, (code, _, _) in enumerate(r) if code == ix.LIMIT]
             self.counters["put_skipped"] += sum(1 for code, _, _ in r
-                                                if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT))
+                                                if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT, ix.LIMIT))
             if not got:
-                return conflicts
+                return conflicts, limited, False
         # same host with the slots mapped here: one native pass copies and hashes (below;
         # without checksums the same pass copies alone)
         fused = fmt.full and c.slots_local != 0
@@ -609,7 +633,8 @@ class KVStore:
             if not c.closed:
                 self._give_back(c, keys, got, spared)
             raise
-        return self._commit(c, keys, got, present if spared else None, crcs, size, psize, fmt, conflicts)
+        self._commit(c, keys, got, present if spared else None, crcs, size, psize, fmt, conflicts)
+        return conflicts, limited, True
 
     def _staged_descs(self, c: NodeConn, slot_offsets, size: int):
         """int64 ``[n, 5]`` descriptors moving whole objects of ``size`` bytes between
@@ -645,11 +670,12 @@ class KVStore:
         return conflicts
 
     def _spares_for(self, c: NodeConn, keys, size: int):
-        """For a put of whole objects on a node on this host: ``(got, present)``.
+        """For a put of whole objects on a node on this host: ``(got, present, rest)``.
         ``present``: the positions the node's key table shows present (none when it
         cannot be read now); ``got``: ``[(position, offset, token, use_by)]``, a spare slot
         for each other key, from those the connection holds, then from a SPARE request for
-        the rest (a key the node has no slot for is skipped, as a full node's are)."""
+        the rest (unless the node's last answer had no free chunks: a spare never costs
+        an object); ``rest``: the positions left without a spare (to reserve)."""
         with c.mapped_lock:
             codes = c.table.find(keys) if c.table_usable() else b""
         present = [j for j, code in enumerate(codes) if code == PRESENT]
@@ -657,15 +683,14 @@ class KVStore:
         want = [j for j in range(len(keys)) if not codes or codes[j] != PRESENT]
         now = time.monotonic()
         c.spares = [sp for sp in c.spares if sp[2] > now]  # past use_by: left to lapse on the node
-        if len(c.spares) < len(want):  # needed now: the node evicts for them, as for a reserve
-            self._ask_spares(c, len(want) - len(c.spares), evict=True)
+        if len(c.spares) < len(want) and not c.spares_dry:  # free chunks only: the rest are reserved
+            self._ask_spares(c, len(want) - len(c.spares), evict=False)
             if not c.spare_slots:
-                return [], []
+                return [], [], []
         take, c.spares = c.spares[:len(want)], c.spares[len(want):]
         got = [(j, off, tok, use_by) for j, (off, tok, use_by) in zip(want, take)]
-        self.counters["put_skipped"] += len(want) - len(got)
         c.spares_wanted = min(SPARES_HELD, len(want), c.num_slots // 16)
-        return got, present
+        return got, present, want[len(got):]
 
     def _ask_spares(self, c: NodeConn, count: int, *, evict: bool) -> None:
         """Ask the node for ``count`` more spare slots (it may give fewer; ``evict``: as
@@ -681,6 +706,7 @@ class KVStore:
             log.info("store node %s keeps no spare slots (%s): puts reserve and commit", c.address, exc)
             return
         use_by = sent + float(r.get("lease_s", 0)) / 2
+        c.spares_dry = len(r["s"]) < count
         for off, tok in r["s"]:
             if not 0 <= off <= c.region_bytes - c.spare_nbytes:
                 raise KVXferError(f"store node {c.address} named a spare slot outside its region")

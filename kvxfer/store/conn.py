@@ -58,6 +58,7 @@ class NodeConn:
         self.spare_nbytes = 0
         self.spares_wanted = 0
         self.spare_slots = True  # False once the node refused a SPARE request (it knows none)
+        self.spares_dry = False  # the node's last SPARE answer gave fewer than asked (no free chunks)
         table = info["key_table"]
         if len(regions) != 2 or self.region not in regions or table["region"] not in regions \
                 or table["region"] == self.region:
@@ -83,8 +84,10 @@ class NodeConn:
         self.closed = False
 
     @classmethod
-    def open(cls, address: str, secret: bytes, backend, timeout: float) -> "NodeConn":
-        info = {"name": "kvxfer-store-client", "agent_id": uuid.uuid4().hex, "backend": b"", "staging": 0,
+    def open(cls, address: str, secret: bytes, backend, timeout: float, *, client_id: str | None = None) -> "NodeConn":
+        """Connect and authenticate; ``client_id``: the identity the node's quotas count this
+        connection under (a client's connections share it; default: one of its own)."""
+        info = {"name": "kvxfer-store-client", "agent_id": client_id or uuid.uuid4().hex, "backend": b"", "staging": 0,
                 "layout": {"kind": CLIENT_INFO}}
         seen: dict = {}
 

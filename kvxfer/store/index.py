@@ -36,7 +36,10 @@ pinned (a reader found its checksum wrong) leaves the index at once and frees it
 slot when the last pin goes.
 
 A client may also hold **spare** slots (:meth:`SlotIndex.reserve_spare`): reserved for it
-under no key, they lapse like reservations and count against the same per-client limit.
+under no key, they lapse like reservations and count against the same per-client limits.
+With ``quotas`` (:class:`~kvxfer.store.quotas.Quotas`) the chunk bytes of reservations and
+spares are bounded per client identity and in total: past a bound a reservation or spare
+answers :data:`LIMIT` before anything is evicted for it.
 Such a client writes an object into a spare it holds and commits it under its key in one
 step (:meth:`SlotIndex.commit_spare`), which saves a put its reserve round trip; a spare
 whose key turned out present or busy stays the client's.
@@ -104,6 +107,7 @@ class Obj:
     parts: list | None = None  # multi-part objects: their Parts, sorted by head (never overlapping)
     by_token: dict | None = None  # multi-part objects: token -> Part
     covered: int = 0  # multi-part objects: heads of the committed parts
+    charge: tuple | None = None  # (client identity, chunk bytes, is a spare) while it counts against a quota
 
 
 def _evictable(obj: Obj) -> bool:
@@ -124,11 +128,14 @@ class SlotIndex:
     ``largest_bytes``: the largest object it takes (``slot_bytes``; ``num_slots`` is how
     many of those the region holds). ``max_pending`` / ``max_pins``: per client, the
     reservations and pins it may hold at once (more: that key's request answers
-    :data:`LIMIT`). ``mirror``: see the module doc.
+    :data:`LIMIT`). ``mirror``: see the module doc. ``quotas``: a
+    :class:`~kvxfer.store.quotas.Quotas` bounding the bytes of reservations and spares per
+    client identity (:meth:`identify`) and in total (past them: :data:`LIMIT`, nothing
+    evicted); None: unbounded.
     """
 
     def __init__(self, capacity_bytes: int, largest_bytes: int, *, high_watermark: float = 0.98,
-                 max_pending: int = 4096, max_pins: int = 65536, mirror=None) -> None:
+                 max_pending: int = 4096, max_pins: int = 65536, mirror=None, quotas=None) -> None:
         if not 0.0 < high_watermark <= 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {high_watermark}")
         self.alloc = ChunkAllocator(capacity_bytes, largest_bytes)
@@ -137,6 +144,14 @@ class SlotIndex:
         self.num_slots = self.region_bytes // largest_bytes
         self.watermark = max(1, int(high_watermark * self.region_bytes))  # bytes
         self.max_pending, self.max_pins = max_pending, max_pins
+        # byte bounds of what clients hold (kvxfer.store.quotas.Quotas; None: unbounded)
+        self.quotas = quotas
+        self.caps = quotas.caps(self.region_bytes, chunk_bytes(largest_bytes)) if quotas is not None else None
+        self._identity: dict[int, object] = {}  # owner -> client identity (default: the owner)
+        self._held: dict = {}  # identity -> chunk bytes of its reservations and spares
+        self._spared: dict = {}  # identity -> chunk bytes of its spares
+        self.held_total = self.spared_total = 0
+        self.num_limited = 0  # reservations and spares refused for a quota
         self.mirror = mirror
         self.on_evict = self.elsewhere = self.can_hold = None  # a second tier's hooks (see the module doc)
         self.held_bytes = 0  # chunk bytes of evicted objects that on_evict holds
@@ -173,7 +188,8 @@ class SlotIndex:
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
                 "bad_objects": self.bad, "objects": len(self._objects), "pending": len(self._pending),
-                "spares": len(self._spares),
+                "spares": len(self._spares), "reserved_bytes": self.held_total, "spare_bytes": self.spared_total,
+                "quota_refusals": self.num_limited,
                 "pins": len(self._pins), "bytes_used": self.bytes_used,
                 "slots_used": self.slots_used, "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes, "capacity_bytes": self.region_bytes,
@@ -204,7 +220,7 @@ class SlotIndex:
             if obj.deadline > now:
                 return BUSY, None
             self._unreserve(obj)
-        if self._pending_by.get(owner, 0) >= self.max_pending:
+        if self._pending_by.get(owner, 0) >= self.max_pending or not self._may_hold(owner, nbytes):
             return LIMIT, None
         obj = self._new_slot(Obj(key, -1, nbytes, fmt, owner, next(self._tokens), now + lease_s))
         return (RESERVED, obj) if obj is not None else (FULL, None)
@@ -242,7 +258,7 @@ class SlotIndex:
             for p in obj.parts[max(0, i - 1):i + 1]:
                 if p.lo < hi and lo < p.hi:
                     return (BUSY if (p.lo, p.hi) == (lo, hi) else CONFLICT), None, None
-        if self._pending_by.get(owner, 0) >= self.max_pending:
+        if self._pending_by.get(owner, 0) >= self.max_pending or obj is None and not self._may_hold(owner, nbytes):
             return LIMIT, None, None
         if obj is None:
             obj = self._new_slot(Obj(key, -1, nbytes, fmt, owner, 0, now + lease_s, num_heads=num_heads,
@@ -306,11 +322,12 @@ class SlotIndex:
         nbytes = self.slot_bytes if nbytes is None else nbytes
         if not self.fits(nbytes):
             raise ValueError(f"object of {nbytes} bytes exceeds the largest this node holds ({self.slot_bytes} B)")
-        if self._pending_by.get(owner, 0) >= self.max_pending:
+        if self._pending_by.get(owner, 0) >= self.max_pending or not self._may_hold(owner, nbytes, spare=True):
             return LIMIT, None
         obj = Obj(b"", -1, nbytes, "", owner, next(self._tokens), now + lease_s)
         if not (self._place(obj) if evict else self._place_free(obj)):
             return FULL, None
+        self._charge(obj, spare=True)
         self._spares[obj.token] = obj
         self._pending_by[owner] = self._pending_by.get(owner, 0) + 1
         return RESERVED, obj
@@ -341,6 +358,7 @@ class SlotIndex:
                 return BUSY
             self._unreserve(obj)
         del self._spares[token]
+        self._uncharge(spare)
         self.alloc.resize(spare.offset, nbytes)
         spare.key, spare.nbytes, spare.fmt, spare.crc = key, nbytes, fmt, crc
         self._pending[key] = spare
@@ -426,6 +444,15 @@ class SlotIndex:
             self._unpin(pin_id, pin)
         return len(gone) + len(spares) + len(pins)
 
+    def identify(self, owner: int, identity) -> None:
+        """Client ``owner``'s reservations and spares count against ``identity``'s quota
+        (several connections of one client share it); until told, each owner is its own."""
+        self._identity[owner] = identity
+
+    def identity_of(self, owner: int):
+        """The identity :meth:`identify` gave ``owner`` (None: none yet)."""
+        return self._identity.get(owner)
+
     def forget_owner(self, owner: int) -> None:
         """A client left: end its reservations (the multi-part objects where it holds an
         uncommitted part: whole; its committed parts stay until their object completes
@@ -438,6 +465,7 @@ class SlotIndex:
             self._unpin(pin_id, pin)
         self._pending_by.pop(owner, None)
         self._pins_by.pop(owner, None)
+        self._identity.pop(owner, None)
 
     def clear(self) -> None:
         """Drop every committed object nobody pins (pinned ones go at their last release)."""
@@ -562,6 +590,7 @@ class SlotIndex:
         """Give pending ``obj`` a chunk (evicting if none is free); None when full."""
         if not self._place(obj):
             return None
+        self._charge(obj)
         self._pending[obj.key] = obj
         self._pending_by[obj.owner] = self._pending_by.get(obj.owner, 0) + 1
         return obj
@@ -575,8 +604,48 @@ class SlotIndex:
         while self.alloc.bytes_allocated - self.held_bytes > self.watermark and self._evict_lru():
             pass
 
+    def _may_hold(self, owner: int, nbytes: int, *, spare: bool = False) -> bool:
+        """A new reservation (``spare``: spare) of ``nbytes`` for ``owner`` keeps its client
+        and every client within their quotas (counted in ``num_limited`` when not)."""
+        caps = self.caps
+        if caps is None or owner == 0:  # no quotas, or the node's own
+            return True
+        who, chunk = self._identity.get(owner, owner), chunk_bytes(nbytes)
+        ok = (self._held.get(who, 0) + chunk <= caps["client_reserved"]
+              and self.held_total + chunk <= caps["total_reserved"]
+              and (not spare or (self._spared.get(who, 0) + chunk <= caps["client_spares"]
+                                 and self.spared_total + chunk <= caps["total_spares"])))
+        self.num_limited += not ok
+        return ok
+
+    def _charge(self, obj: Obj, *, spare: bool = False) -> None:
+        if self.caps is None or obj.owner == 0:
+            return
+        who, chunk = self._identity.get(obj.owner, obj.owner), chunk_bytes(obj.nbytes)
+        obj.charge = (who, chunk, spare)
+        self._held[who] = self._held.get(who, 0) + chunk
+        self.held_total += chunk
+        if spare:
+            self._spared[who] = self._spared.get(who, 0) + chunk
+            self.spared_total += chunk
+
+    def _uncharge(self, obj: Obj) -> None:
+        if obj.charge is None:
+            return
+        who, chunk, spare = obj.charge
+        obj.charge = None
+        for book, total in ((self._held, "held_total"), (self._spared, "spared_total")) if spare else \
+                ((self._held, "held_total"),):
+            left = book[who] - chunk
+            if left:
+                book[who] = left
+            else:
+                del book[who]
+            setattr(self, total, getattr(self, total) - chunk)
+
     def _drop_spare(self, obj: Obj) -> None:
         del self._spares[obj.token]
+        self._uncharge(obj)
         left = self._pending_by.get(obj.owner)
         if left is not None:
             self._pending_by[obj.owner] = left - 1
@@ -605,6 +674,7 @@ class SlotIndex:
 
     def _drop_pending(self, obj: Obj) -> None:
         del self._pending[obj.key]
+        self._uncharge(obj)
         for owner in ([obj.owner] if obj.parts is None else [p.owner for p in obj.parts]):
             left = self._pending_by.get(owner)
             if left is not None:  # None: the client left (forget_owner) meanwhile

@@ -26,7 +26,9 @@ pins, driving the backend where a transport needs the target's progress, the dis
 completions), so the index needs no lock. Per client the node bounds what it buffers: a request frame of at most
 ``MAX_REQUEST_BYTES`` (larger ones are skipped and answered with an error), replies
 queued up to ``MAX_QUEUED_BYTES`` (past that it stops reading that client until it
-drains them), and the index's per-client reservation and pin limits.
+drains them), and the index's per-client reservation and pin limits; per client identity
+and in total, the :class:`~kvxfer.store.quotas.Quotas` of reservations, spare slots and
+queued reply bytes, as fractions of the node.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from . import index as ix
 from .disk import DiskConfig, DiskTier
 from .key_table import KeyTable
 from .protocol import NO_CRC, REPLY, Req, RequestReader, encode, format_nbytes, parse_request
+from .quotas import Quotas
 from .tiers import Tiers
 
 log = logging.getLogger("kvxfer.store")
@@ -102,6 +105,9 @@ class StoreNode:
     ``disk``: a :class:`~kvxfer.store.disk.DiskConfig` for a disk tier (None: DRAM only).
     ``require_checksums``: refuse objects committed without a checksum (clients with
     ``checksum=False``; their keys are skipped) rather than hold bytes no reader can verify.
+    ``quotas``: a :class:`~kvxfer.store.quotas.Quotas`, what one client and all clients
+    together may hold (reservations, spare slots, reply bytes; default ``Quotas()``);
+    ``max_queued_bytes`` lowers its per-client reply bound.
     Starts serving at once; :meth:`close` stops (idempotent; with a disk tier, it first
     writes DRAM's objects to disk for up to ``disk.flush_s``).
     """
@@ -109,7 +115,8 @@ class StoreNode:
     def __init__(self, listen: str, capacity_bytes: int, *, secret, slot_bytes: int = 2 << 20,
                  high_watermark: float = 0.98, lease_s: float = 30.0, backend: str = "auto",
                  name: str | None = None, max_queued_bytes: int = MAX_QUEUED_BYTES,
-                 disk: DiskConfig | None = None, require_checksums: bool = False) -> None:
+                 disk: DiskConfig | None = None, require_checksums: bool = False,
+                 quotas: Quotas | None = None) -> None:
         import kvxfer
         from ..transport import make_backend
 
@@ -120,6 +127,9 @@ class StoreNode:
             raise ValueError(f"capacity ({capacity_bytes} B) must hold at least one slot of {slot_bytes} B")
         if disk is not None and not isinstance(disk, DiskConfig):
             raise TypeError(f"disk must be a kvxfer.store.disk.DiskConfig, got {type(disk).__name__}")
+        if quotas is not None and not isinstance(quotas, Quotas):
+            raise TypeError(f"quotas must be a kvxfer.store.quotas.Quotas, got {type(quotas).__name__}")
+        self.quotas = quotas = quotas if quotas is not None else Quotas()
         self._secret = normalize_secret(secret)
         num_slots = capacity_bytes // slot_bytes
         # the key table covers both tiers: at least a bucket per largest object either holds
@@ -127,12 +137,16 @@ class StoreNode:
         self._keys_buffer = kvxfer.shared_empty(KeyTable.nbytes(nbuckets))  # uint8 [table bytes]
         self.keys = KeyTable(self._keys_buffer.data_ptr(), nbuckets)
         self.keys.init()
-        self.index = ix.SlotIndex(capacity_bytes, slot_bytes, high_watermark=high_watermark, mirror=self.keys)
+        self.index = ix.SlotIndex(capacity_bytes, slot_bytes, high_watermark=high_watermark, mirror=self.keys,
+                                  quotas=quotas)
         self.disk_config, self.disk_error = disk, ""
         self.lease_s = float(lease_s)
         self.require_checksums = bool(require_checksums)
-        self.max_queued_bytes = int(max_queued_bytes)
+        self.max_queued_bytes = min(int(max_queued_bytes), quotas.client_replies)
         self.queued_peak = 0  # the most reply bytes ever queued for one client
+        # reply bytes queued for every client (exact at each tick, counted up as replies are
+        # queued between ticks: never below the truth), and the most seen
+        self.queued_total = self.queued_total_peak = 0
         self.node_id = uuid.uuid4().hex
         host, port = split_address(listen)
         self.buffer = kvxfer.shared_empty(self.index.region_bytes)  # uint8 [region_bytes]: the chunks
@@ -225,7 +239,8 @@ class StoreNode:
         return {**self.index.stats(), **self.tiers.stats(), **disk_state, "name": self.name, "address": self.address,
                 "clients": sum(1 for c in self._clients.values() if c.reader is not None),
                 "requests": self.num_requests, "bad_requests": self.num_bad_requests,
-                "queued_peak_bytes": self.queued_peak, "key_table_overflows": self.keys.num_overflows,
+                "queued_peak_bytes": self.queued_peak, "queued_total_peak_bytes": self.queued_total_peak,
+                "key_table_overflows": self.keys.num_overflows,
                 "lookups_answered_by_backend": int(getattr(self._backend, "num_lookups", 0)),
                 "auth_failures": self.num_auth_failures, "handshakes_pending": self._gate.total,
                 "handshakes_evicted": self.num_evicted, "accept_pauses": self.num_full,
@@ -256,6 +271,7 @@ class StoreNode:
                 next_tick = now + _TICK_S
                 self.index.expire(now)
                 self.tiers.tick(now)
+                self._replies_tick()
                 self._answer_waiting([w for w in self._waiting if w.deadline <= now])
                 if not self._stop.is_set():
                     self.keys.beat()
@@ -396,18 +412,35 @@ class StoreNode:
         self._serve_backlog(c)
         self._flush(c)
 
+    def _may_reply(self, c: _Client) -> bool:
+        """``c``'s next request may be served now: its replies queued are under its bound,
+        and either under the node's total or none (a client with nothing queued always
+        gets one reply, so the total is exceeded by at most one reply a client)."""
+        return len(c.out) < self.max_queued_bytes and (not c.out or self.queued_total < self.quotas.total_replies)
+
     def _serve_backlog(self, c: _Client) -> None:
         now = time.monotonic()
         served = 0
-        while served < len(c.backlog) and len(c.out) < self.max_queued_bytes and c.waiting is None:
+        while served < len(c.backlog) and c.waiting is None and self._may_reply(c):
             msg_type, payload = c.backlog[served]
             served += 1
             self.num_requests += 1
             reply = self._serve(c, msg_type, payload, now)
             if reply is not None and reply is not _DEFERRED:
-                c.out += encode(REPLY, reply)
+                frame = encode(REPLY, reply)
+                c.out += frame
+                self.queued_total += len(frame)
         del c.backlog[:served]
         self.queued_peak = max(self.queued_peak, len(c.out))
+        self.queued_total_peak = max(self.queued_total_peak, self.queued_total)
+
+    def _replies_tick(self) -> None:
+        """Each tick: the exact reply bytes queued; clients held back by the node's total
+        are served again as the others drained."""
+        self.queued_total = sum(len(c.out) for c in self._clients.values())
+        for c in [c for c in self._clients.values() if c.backlog and c.waiting is None]:
+            if self._clients.get(c.owner) is c and self._may_reply(c):
+                self._flush(c)
 
     def _serve(self, c: _Client, msg_type: int, payload, now: float) -> dict | None:
         """One request -> its reply (None: RELEASE, which has none)."""
@@ -420,6 +453,10 @@ class StoreNode:
             self.num_bad_requests += 1
             return {"id": getattr(exc, "request_id", None), "error": "bad_request", "reason": str(exc)[:200]}
         idx, owner = self.index, c.owner
+        if idx.identity_of(owner) is None:  # its first request: whose quotas it draws on
+            peer = c.hs.peer_info or {}
+            idx.identify(owner, (str(c.addr[0]) if isinstance(c.addr, tuple) else str(c.addr),
+                                 str(peer.get("agent_id", owner))[:64]))
         if kind == Req.LOOKUP:
             return {"id": rid, "present": "".join("1" if self.tiers.contains(k) else "0" for k in f["keys"])}
         if kind in (Req.RESERVE, Req.RESERVE_PART):
@@ -440,13 +477,16 @@ class StoreNode:
         if kind == Req.SPARE:
             if f["nbytes"] > idx.slot_bytes:
                 return self._too_large(rid, f["nbytes"])
+            # a spare never costs an object (free chunks only, whatever "evict" asks) and
+            # lapses soon unless used: spares are for clients that are putting
+            lease = min(self.lease_s, self.quotas.spare_lease_s)
             out = []
             for _ in range(f["count"]):
-                _, obj = idx.reserve_spare(owner, now, self.lease_s, evict=f["evict"], nbytes=f["nbytes"])
+                _, obj = idx.reserve_spare(owner, now, lease, evict=False, nbytes=f["nbytes"])
                 if obj is None:
                     break
                 out.append([obj.offset, obj.token])
-            return {"id": rid, "s": out, "lease_s": self.lease_s}
+            return {"id": rid, "s": out, "lease_s": lease}
         if kind == Req.COMMIT_SPARE:
             if f["nbytes"] > idx.slot_bytes:
                 return self._too_large(rid, f["nbytes"])
@@ -538,21 +578,25 @@ class StoreNode:
                 "reason": f"an object of {nbytes} B exceeds the largest this node holds ({self.index.slot_bytes} B)"}
 
     def _flush(self, c: _Client) -> None:
-        if c.out:
-            try:
-                n = c.sock.send(c.out)
-                del c.out[:n]
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                self._drop(c)
-                return
-        if c.backlog and len(c.out) < self.max_queued_bytes:
-            self._serve_backlog(c)
+        while True:  # send, serve what may be served, until the socket or the bounds say stop
             if c.out:
-                return self._flush(c)
+                try:
+                    n = c.sock.send(c.out)
+                    del c.out[:n]
+                    self.queued_total = max(0, self.queued_total - n)
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    self._drop(c)
+                    return
+            if not (c.backlog and self._may_reply(c)):
+                break
+            before = len(c.backlog)
+            self._serve_backlog(c)
+            if not c.out or len(c.backlog) == before:
+                break
         # bounded per-client queue: while replies pile up unread, read (and serve) no more
-        reading = len(c.out) < self.max_queued_bytes and not c.backlog
+        reading = self._may_reply(c) and not c.backlog
         events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if c.out else 0)
         if events != c.events:
             self._sel.modify(c.sock, events, c)

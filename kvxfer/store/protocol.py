@@ -22,8 +22,10 @@ COMMIT_SPARE          ``keys``, ``tokens``, ``crcs``, ``nbytes``, ``fmt``       
 ====================  ===========================================================  =====================================
 
 SPARE reserves up to ``count`` chunks for objects of ``nbytes`` for the client under no
-key (fewer when the node is full or the client at its reservation limit; with ``evict``
-false, only chunks that are free now), each held for ``lease_s`` seconds; a
+key, from the chunks free now only (a spare never costs an object: ``evict`` is accepted
+and ignored), fewer when none is free or the client is at its quotas
+(:mod:`kvxfer.store.quotas`), each held for ``lease_s`` seconds (short: spares are for
+clients that are putting); a
 COMMIT_SPARE makes the bytes the client wrote into its spare ``tokens[i]`` the object
 ``keys[i]`` (codes ``COMMITTED``, ``PRESENT``, ``BUSY``, ``NO_SPARE`` of
 :mod:`kvxfer.store.index`; a token 0 asks only whether the key is present, and refreshes it

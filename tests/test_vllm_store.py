@@ -10,7 +10,9 @@ blocks, its own prefix cache hit nothing and it computed only the tail. A prefil
 engine P (``kv_producer`` with the pool) consults the pool before prefilling a
 remote-decode request, and a decode engine D (``kv_consumer``, no pool) decodes the
 reference's tokens from the KV P loaded and sent. A's generated tokens are pooled too: B serves the
-next turn (the prompt and A's answer) with the blocks A generated loaded from the pool. Then the node is SIGKILLed: B serves
+next turn (the prompt and A's answer) with the blocks A generated loaded from the pool. The
+node (with a disk tier) restarts: B serves a prompt A pooled before it from the node's disk
+tier (``kvxfer:store_load_disk_blocks``), the reference's tokens. Then the node is SIGKILLed: B serves
 another pooled prompt by recomputing it (same tokens as A's reference), promptly, and
 goes on serving.
 """
@@ -38,7 +40,8 @@ def _ids(rng, n):
 
 _rng = random.Random(22)
 PROMPTS = {"pooled": _ids(_rng, 3 * B + 1), "killed": _ids(_rng, 2 * B + 5), "pd": _ids(_rng, 2 * B + 1),
-           "turn": _ids(_rng, 2 * B + 1)}
+           "turn": _ids(_rng, 2 * B + 1), "disk": _ids(_rng, 2 * B + 3), "reconnect": _ids(_rng, 2 * B + 2),
+           "reconnect2": _ids(_rng, 2 * B + 2)}
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +52,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def node():
-    proc, addr = start_node(capacity="64M", slot="2M", secret=SECRET.encode())
-    yield proc, addr
-    stop_node(proc)
+def node(tmp_path_factory):
+    """``{"proc", "addr", "disk"}``: a node with a disk tier (a test may restart it)."""
+    disk = ("--disk", str(tmp_path_factory.mktemp("tier")), "--disk-capacity", "128M")
+    proc, addr = start_node(capacity="64M", slot="2M", secret=SECRET.encode(), extra=disk)
+    state = {"proc": proc, "addr": addr, "disk": disk}
+    yield state
+    stop_node(state["proc"])
 
 
 @pytest.fixture(scope="module")
 def engines(model_dir, node):
-    _, addr = node
+    addr = node["addr"]
     common = dict(kv_bytes=256 << 20, max_model_len=2048, policy="recompute", extra_config={"store": [addr]})
     servers = {"a": VllmServer(model_dir, "float32", "both", **common),
                "b": VllmServer(model_dir, "float32", "both", **common),
@@ -110,7 +116,7 @@ def _serve_and_pool(a, addr, prompt, budget) -> list:
 
 def test_fresh_engine_serves_the_prompt_from_the_pool(engines, node, budget):
     a, b = engines["a"], engines["b"]
-    _, addr = node
+    addr = node["addr"]
     prompt = PROMPTS["pooled"]
     ref = _serve_and_pool(a, addr, prompt, budget)
     pooled_tokens = (len(prompt) - 1) // B * B  # 3 blocks: every token but the last one's block tail
@@ -129,7 +135,7 @@ def test_fresh_engine_serves_the_prompt_from_the_pool(engines, node, budget):
 
 def test_prefill_engine_consults_the_pool_before_prefilling(engines, node, budget):
     a, p, d = engines["a"], engines["p"], engines["d"]
-    _, addr = node
+    addr = node["addr"]
     prompt = PROMPTS["pd"]  # 2 blocks + 1: D computes the last token, as the reference does
     ref = _serve_and_pool(a, addr, prompt, budget)
     hits0 = p.metric("kvxfer:store_hit_tokens_total")
@@ -147,7 +153,7 @@ def test_prefill_engine_consults_the_pool_before_prefilling(engines, node, budge
 
 def test_generated_tokens_are_pooled_for_the_next_turn(engines, node, budget):
     a, b = engines["a"], engines["b"]
-    _, addr = node
+    addr = node["addr"]
     prompt = PROMPTS["turn"]  # 2 blocks + 1
     before = _pool_objects(addr)
     answer, _ = _answer(a.complete(prompt, 2 * B + 8, timeout=4 * budget))
@@ -164,9 +170,31 @@ def test_generated_tokens_are_pooled_for_the_next_turn(engines, node, budget):
     assert within(lambda: b.metric("kvxfer:store_hit_tokens_total") - hits0 == computed_blocks * B, budget)
 
 
+def test_after_a_node_restart_the_prompt_is_served_from_its_disk_tier(engines, node, budget):
+    a, b = engines["a"], engines["b"]
+    addr = node["addr"]
+    ref = _serve_and_pool(a, addr, PROMPTS["disk"], budget)
+    for name in ("reconnect", "reconnect2"):
+        _serve_and_pool(a, addr, PROMPTS[name], budget)
+    stop_node(node["proc"])  # SIGTERM: DRAM is written to the disk tier
+    node["proc"], _ = start_node(port=int(addr.rsplit(":", 1)[1]), capacity="64M", slot="2M",
+                                 secret=SECRET.encode(), extra=node["disk"])
+    # B's clients meet the old connection's end (lookups and puts on the first prompt, loads
+    # on the second: a miss or a failed load, recomputed) and reconnect once their retry_s
+    # (2 s) passed
+    for name in ("reconnect", "reconnect2"):
+        _answer(b.complete(PROMPTS[name], MAX_TOKENS, timeout=4 * budget))
+        time.sleep(3.0)
+    disk0 = b.metric("kvxfer:store_load_disk_blocks_total")
+    tokens, cached = _answer(b.complete(PROMPTS["disk"], MAX_TOKENS, timeout=4 * budget))
+    pooled_blocks = (len(PROMPTS["disk"]) - 1) // B
+    assert tokens == ref and cached == pooled_blocks * B
+    assert within(lambda: b.metric("kvxfer:store_load_disk_blocks_total") - disk0 == pooled_blocks, budget)
+
+
 def test_store_node_killed_engine_recomputes(engines, node, budget):
     a, b = engines["a"], engines["b"]
-    proc, addr = node
+    proc, addr = node["proc"], node["addr"]
     prompt = PROMPTS["killed"]
     ref = _serve_and_pool(a, addr, prompt, budget)
     hits0 = b.metric("kvxfer:store_hit_tokens_total")

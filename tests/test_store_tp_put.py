@@ -258,11 +258,11 @@ def _reply_payload(c) -> bytes:
 def test_a_get_reply_holds_a_bounded_number_of_part_checksums(local_node, monkeypatch):
     """Objects past the reply's checksum budget miss (the reply always fits a frame);
     the worst reply under the real budget is checked against the frame limit."""
-    from kvxfer.store import node as node_mod
+    from kvxfer.store import requests as handlers
     from kvxfer.store.protocol import MAX_KEYS, MAX_REQUEST_BYTES, REPLY, encode
 
     worst = {"id": 2**62, "r": [[2**40, 2**21, [[MAX_HEADS - 1, MAX_HEADS, 2**64 - 1]] * 4, 2**63 - 1]] * MAX_KEYS}
-    assert node_mod.MAX_REPLY_PARTS == 4 * MAX_KEYS
+    assert handlers.MAX_REPLY_PARTS == 4 * MAX_KEYS
     assert len(encode(REPLY, worst)) < MAX_REQUEST_BYTES
     src = make_layout("2 N B H D", 3, seed=25)
     keys = kvxfer.block_keys(range(3 * 4), 4, salt=b"tp-put-budget")
@@ -270,12 +270,12 @@ def test_a_get_reply_holds_a_bounded_number_of_part_checksums(local_node, monkey
         for r in tp_ranks(src, "N 2 B H D", 4, head_dim=8):  # 4 parts an object
             st.put(keys, r, range(3)).wait(timeout=60)
         assert st.lookup(keys) == 3
-        monkeypatch.setattr(node_mod, "MAX_REPLY_PARTS", 10)
+        monkeypatch.setattr(handlers, "MAX_REPLY_PARTS", 10)
         dst = make_layout("N 2 H B D", 3)
         with pytest.raises(kvxfer.StoreMiss) as err:
             st.get(keys, dst, range(3)).wait(timeout=60)
         assert err.value.loaded == 2 and st.stats()["pins"] == 0  # after the RELEASE, on one connection
-        monkeypatch.setattr(node_mod, "MAX_REPLY_PARTS", 16384)
+        monkeypatch.setattr(handlers, "MAX_REPLY_PARTS", 16384)
         st.get(keys, dst, range(3)).wait(timeout=60)
         for i in range(3):
             assert torch.equal(block_bits(src, i), block_bits(dst, i))

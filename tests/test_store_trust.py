@@ -126,8 +126,10 @@ class _LyingNode(StoreNode):
     """A node whose GET replies name one object at half its size (as a corrupted or
     older node might): readers must not take that on faith."""
 
-    def _get_reply(self, c, rid, f, now, promoted):
-        reply = super()._get_reply(c, rid, f, now, promoted)
+    def _serve(self, c, msg_type, payload, now):
+        reply = super()._serve(c, msg_type, payload, now)
+        if msg_type != Req.GET or not isinstance(reply, dict) or "r" not in reply:
+            return reply
         for entry in reply["r"]:
             if entry[3] and self.index.peek(self.lie_about) is not None \
                     and entry[0] == self.index.peek(self.lie_about).offset:

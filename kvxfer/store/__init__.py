@@ -4,8 +4,11 @@
   ``extend_keys`` (the same chain continued as a sequence grows);
 - :mod:`.objects`: what an object holds (one block, every layer and head, wire format);
 - :mod:`.index`: a node's slots, key -> object, LRU eviction, pins;
-- :mod:`.protocol`: the requests a node answers;
-- :mod:`.node`: ``StoreNode``, one node (``kvxfer store``);
+- :mod:`.protocol`: the store's wire vocabulary (requests, reply codes, what each side
+  names itself in the handshake);
+- :mod:`.quotas`: what one client and all clients may hold on a node;
+- :mod:`.node`: ``StoreNode``, one node (``kvxfer store``), dispatching each request to
+  its handler in :mod:`.requests`;
 - :mod:`.placement`: rendezvous hashing of keys over live nodes;
 - :mod:`.conn` / :mod:`.client`: ``KVStore``, an engine's client.
 

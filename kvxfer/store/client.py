@@ -47,7 +47,7 @@ from ..secrets import normalize_secret
 from ..errors import (AuthenticationError, InvalidDescriptor, KVXferError, LimitExceeded, PeerDisconnected,
                       StoreMiss, StorePartConflict, TransferTimeout)
 from ..handle import HandleCompleter
-from . import index as ix
+from . import protocol as wire
 from .conn import NodeConn, NodeError
 from .key_table import ABSENT, PRESENT, UNKNOWN
 from .keys import check_keys
@@ -574,12 +574,12 @@ class KVStore:
             r = c.request(Req.RESERVE_PART, {"keys": keys, "nbytes": size, "fmt": fmt.fmt,
                                              "heads": [*fmt.part, fmt.heads[1]]}, self.timeout)["r"]
         if not spared:
-            got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == ix.RESERVED]
-            conflicts = [keys[j] for j, (code, _, _) in enumerate(r) if code == ix.CONFLICT]
-            self.counters["put_present"] += sum(1 for code, _, _ in r if code == ix.PRESENT)
-            limited = [j for j, (code, _, _) in enumerate(r) if code == ix.LIMIT]
+            got = [(j, off, tok) for j, (code, off, tok) in enumerate(r) if code == wire.RESERVED]
+            conflicts = [keys[j] for j, (code, _, _) in enumerate(r) if code == wire.CONFLICT]
+            self.counters["put_present"] += sum(1 for code, _, _ in r if code == wire.PRESENT)
+            limited = [j for j, (code, _, _) in enumerate(r) if code == wire.LIMIT]
             self.counters["put_skipped"] += sum(1 for code, _, _ in r
-                                                if code not in (ix.PRESENT, ix.RESERVED, ix.CONFLICT, ix.LIMIT))
+                                                if code not in (wire.PRESENT, wire.RESERVED, wire.CONFLICT, wire.LIMIT))
             if not got:
                 return conflicts, limited, False
         # same host with the slots mapped here: one native pass copies and hashes (below;
@@ -724,13 +724,13 @@ class KVStore:
         if len(r) != len(order):
             raise KVXferError(f"store node {c.address} answered {len(r)} of {len(order)} commits")
         for n, code in enumerate(r):
-            if code == ix.COMMITTED:
+            if code == wire.COMMITTED:
                 self.counters["put_objects"] += 1
-            elif code == ix.PRESENT:
+            elif code == wire.PRESENT:
                 self.counters["put_present"] += 1
             else:
                 self.counters["put_skipped"] += 1
-            if n < len(got) and code in (ix.PRESENT, ix.BUSY, ix.REFUSED):
+            if n < len(got) and code in (wire.PRESENT, wire.BUSY, wire.REFUSED):
                 c.spares.append(got[n][1:])
 
     def _refill_spares(self, conns) -> None:

@@ -25,8 +25,7 @@ from ..net import open_authenticated
 from ..errors import (InvalidDescriptor, KVXferError, LimitExceeded, PeerDisconnected, ProtocolError,
                       TransferTimeout)
 from .key_table import KeyTable
-from .node import CLIENT_INFO, STORE_INFO
-from .protocol import MAX_REQUEST_BYTES, REPLY, encode
+from .protocol import CLIENT_INFO, MAX_REQUEST_BYTES, REPLY, STORE_INFO, encode
 
 __all__ = ["NodeConn", "NodeError"]
 

@@ -68,15 +68,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .alloc import ChunkAllocator, chunk_bytes, victims_for
+from .protocol import BUSY, COMMITTED, CONFLICT, FULL, LIMIT, NO_SPARE, PRESENT, REFUSED, RESERVED
 
 __all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT", "COMMITTED",
            "NO_SPARE", "REFUSED"]
 
 
-# reserve() / reserve_part() outcomes (also the wire codes of a RESERVE reply), and
-# commit_spare()'s own two (with PRESENT and BUSY, the wire codes of a COMMIT_SPARE reply);
-# REFUSED: a COMMIT_SPARE against the node's policy (no checksum where one is required)
-PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT, COMMITTED, NO_SPARE, REFUSED = range(9)
+# reserve() / reserve_part() / commit_spare() outcomes are the wire codes of their replies
+# (kvxfer.store.protocol), named here too for the index's callers
 
 
 @dataclass(eq=False)

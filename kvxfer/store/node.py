@@ -51,7 +51,8 @@ from ..secrets import normalize_secret
 from . import index as ix
 from .disk import DiskConfig, DiskTier
 from .key_table import KeyTable
-from .protocol import NO_CRC, REPLY, Req, RequestReader, encode, format_nbytes, parse_request
+from .protocol import CLIENT_INFO, REPLY, STORE_INFO, RequestReader, encode, parse_request
+from .requests import DEFERRED, HANDLERS, get_reply
 from .quotas import Quotas
 from .tiers import Tiers
 
@@ -59,16 +60,10 @@ log = logging.getLogger("kvxfer.store")
 
 __all__ = ["StoreNode", "STORE_INFO", "CLIENT_INFO"]
 
-STORE_INFO = "kvxfer-store"  # the "layout" object a node sends in its INFO
-CLIENT_INFO = "kvxfer-store-client"  # ... and a client in its own
 MAX_QUEUED_BYTES = 8 << 20
 MAX_CLIENTS = 1024  # at most; less where the open-file limit is lower (FD_RESERVE kept back)
 FD_RESERVE = 64  # open files kept for the node's own use (disk, journal, backend, logs)
-# checksums one GET reply may carry (one per object put whole, one per part of the others):
-# 4,096 keys with 16,384 part checksums stay well inside a 1 MiB reply frame
-MAX_REPLY_PARTS = 16384
 _TICK_S = 0.2
-_DEFERRED = object()  # a request whose reply comes later (a GET waiting for its disk reads)
 
 
 class _Client:
@@ -187,7 +182,7 @@ class StoreNode:
         fd = self._backend.event_fd()
         if fd is not None:
             self._sel.register(fd, selectors.EVENT_READ, "backend")
-        self._waiting: list = []  # GETs whose replies wait for disk reads (tiers.PendingGet)
+        self.waiting_gets: list = []  # GETs whose replies wait for disk reads (tiers.PendingGet)
         if self.tiers.disk is not None:
             self._sel.register(self.tiers.disk.file.event_fd, selectors.EVENT_READ, "disk")
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-store-{self.address}", daemon=True)
@@ -272,7 +267,7 @@ class StoreNode:
                 self.index.expire(now)
                 self.tiers.tick(now)
                 self._replies_tick()
-                self._answer_waiting([w for w in self._waiting if w.deadline <= now])
+                self._answer_waiting([w for w in self.waiting_gets if w.deadline <= now])
                 if not self._stop.is_set():
                     self.keys.beat()
                 for c in self._gate.entries():  # handshakes past their deadlines
@@ -426,7 +421,7 @@ class StoreNode:
             served += 1
             self.num_requests += 1
             reply = self._serve(c, msg_type, payload, now)
-            if reply is not None and reply is not _DEFERRED:
+            if reply is not None and reply is not DEFERRED:
                 frame = encode(REPLY, reply)
                 c.out += frame
                 self.queued_total += len(frame)
@@ -443,7 +438,9 @@ class StoreNode:
                 self._flush(c)
 
     def _serve(self, c: _Client, msg_type: int, payload, now: float) -> dict | None:
-        """One request -> its reply (None: RELEASE, which has none)."""
+        """One request -> its reply (None: RELEASE, which has none; ``DEFERRED``: a GET whose
+        reply waits for disk reads), from the handler of its kind
+        (:data:`~kvxfer.store.requests.HANDLERS`)."""
         if payload is None:
             self.num_bad_requests += 1
             return {"id": None, "error": "too_large", "reason": "request frame over the size limit"}
@@ -452,130 +449,25 @@ class StoreNode:
         except ProtocolError as exc:
             self.num_bad_requests += 1
             return {"id": getattr(exc, "request_id", None), "error": "bad_request", "reason": str(exc)[:200]}
-        idx, owner = self.index, c.owner
-        if idx.identity_of(owner) is None:  # its first request: whose quotas it draws on
+        if self.index.identity_of(c.owner) is None:  # its first request: whose quotas it draws on
             peer = c.hs.peer_info or {}
-            idx.identify(owner, (str(c.addr[0]) if isinstance(c.addr, tuple) else str(c.addr),
-                                 str(peer.get("agent_id", owner))[:64]))
-        if kind == Req.LOOKUP:
-            return {"id": rid, "present": "".join("1" if self.tiers.contains(k) else "0" for k in f["keys"])}
-        if kind in (Req.RESERVE, Req.RESERVE_PART):
-            if f["nbytes"] > idx.slot_bytes:
-                return self._too_large(rid, f["nbytes"])
-            if (bad := self._bad_size(rid, f)) is not None:
-                return bad
-            out = []
-            for k in f["keys"]:
-                if kind == Req.RESERVE:
-                    code, obj = idx.reserve(k, f["nbytes"], f["fmt"], owner, now, self.lease_s)
-                    token = obj.token if obj is not None else 0
-                else:
-                    code, obj, part = idx.reserve_part(k, f["nbytes"], f["fmt"], *f["heads"], owner, now, self.lease_s)
-                    token = part.token if part is not None else 0
-                out.append([code, obj.offset, token] if obj is not None else [code, 0, 0])
-            return {"id": rid, "r": out}
-        if kind == Req.SPARE:
-            if f["nbytes"] > idx.slot_bytes:
-                return self._too_large(rid, f["nbytes"])
-            # a spare never costs an object (free chunks only, whatever "evict" asks) and
-            # lapses soon unless used: spares are for clients that are putting
-            lease = min(self.lease_s, self.quotas.spare_lease_s)
-            out = []
-            for _ in range(f["count"]):
-                _, obj = idx.reserve_spare(owner, now, lease, evict=False, nbytes=f["nbytes"])
-                if obj is None:
-                    break
-                out.append([obj.offset, obj.token])
-            return {"id": rid, "s": out, "lease_s": lease}
-        if kind == Req.COMMIT_SPARE:
-            if f["nbytes"] > idx.slot_bytes:
-                return self._too_large(rid, f["nbytes"])
-            if (bad := self._bad_size(rid, f)) is not None:
-                return bad
-            return {"id": rid, "r": [ix.REFUSED if t and self._refuse_crc(crc) else
-                                     idx.commit_spare(k, t, f["nbytes"], f["fmt"], crc, owner, now)
-                                     for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"])]}
-        if kind == Req.COMMIT:
-            ok = []
-            for k, t, crc in zip(f["keys"], f["tokens"], f["crcs"]):
-                if self._refuse_crc(crc):  # against this node's policy: the reservation is given up
-                    idx.abort(k, t, owner)
-                    ok.append(False)
-                else:
-                    ok.append(idx.commit(k, t, crc, owner))
-            return {"id": rid, "ok": ok}
-        if kind == Req.ABORT:
-            for k, t in zip(f["keys"], f["tokens"]):
-                idx.abort(k, t, owner)
-            return {"id": rid}
-        if kind == Req.GET:
-            pending = self.tiers.start_get(c, rid, f, now)
-            if pending is None:
-                return self._get_reply(c, rid, f, now, ())
-            c.waiting = pending
-            self._waiting.append(pending)
-            return _DEFERRED
-        if kind == Req.RELEASE:
-            bad = set(f["bad"])
-            for pin in f["pins"]:
-                idx.release(pin, owner, bad=pin in bad)
-            return None
-        return {"id": rid, **self.stats()}  # STATS
-
-    def _get_reply(self, c: _Client, rid: int, f: dict, now: float, promoted) -> dict:
-        """A GET's reply: each key pinned (in DRAM by now) or missed; ``disk``: how many of
-        its hits were read back from the disk tier for it (``promoted``)."""
-        idx = self.index
-        out, budget, from_disk = [], MAX_REPLY_PARTS, 0
-        for k in f["keys"]:
-            if not idx.contains(k):
-                self.tiers.rescue(k)  # evicted while the reply waited: still in its chunk
-            # the reply must fit a frame: objects whose part checksums would overflow it miss
-            seen = idx.peek(k)
-            budget -= len(seen.crc) if seen is not None and isinstance(seen.crc, list) else 1
-            if budget < 0:
-                idx.misses += 1
-                out.append([0, 0, 0, 0])
-                continue
-            obj, pin = idx.get(k, f["fmt"], c.owner, now, self.lease_s, nbytes=format_nbytes(f["fmt"]))
-            out.append([obj.offset, obj.nbytes, obj.crc, pin] if obj is not None else [0, 0, 0, 0])
-            from_disk += obj is not None and k in promoted
-        self.tiers.disk_hits += from_disk
-        return {"id": rid, "r": out, "disk": from_disk}
+            self.index.identify(c.owner, (str(c.addr[0]) if isinstance(c.addr, tuple) else str(c.addr),
+                                          str(peer.get("agent_id", c.owner))[:64]))
+        return HANDLERS[kind](self, c, rid, f, now)
 
     def _answer_waiting(self, ready) -> None:
         """Reply to the GETs in ``ready`` (their disk reads ended, or their time ran out)."""
         now = time.monotonic()
         for w in ready:
-            if w not in self._waiting:
+            if w not in self.waiting_gets:
                 continue
-            self._waiting.remove(w)
+            self.waiting_gets.remove(w)
             c = w.client
             if self._clients.get(c.owner) is c and c.waiting is w:
                 c.waiting = None
-                c.out += encode(REPLY, self._get_reply(c, w.rid, w.fields, now, w.promoted))
+                c.out += encode(REPLY, get_reply(self, c, w.rid, w.fields, now, w.promoted))
                 self._flush(c)
             self.tiers.answered(w)
-
-    def _bad_size(self, rid: int, f: dict) -> dict | None:
-        """The error reply for a request whose ``nbytes`` is not the size its ``fmt`` names
-        (None: they agree). A client's ``nbytes`` is never taken on its word: an object held
-        at another size than its format's would fail every reader."""
-        want = format_nbytes(f["fmt"])
-        if want == f["nbytes"]:
-            return None
-        self.num_bad_requests += 1
-        return {"id": rid, "error": "bad_request",
-                "reason": f"nbytes {f['nbytes']} is not the size format {f['fmt'][:64]!r} names ({want})"}
-
-    def _refuse_crc(self, crc: int) -> bool:
-        """A commit without a checksum (``NO_CRC``) on a node that requires them."""
-        return self.require_checksums and crc == NO_CRC
-
-    def _too_large(self, rid: int, nbytes: int) -> dict:
-        self.num_bad_requests += 1
-        return {"id": rid, "error": "too_large",
-                "reason": f"an object of {nbytes} B exceeds the largest this node holds ({self.index.slot_bytes} B)"}
 
     def _flush(self, c: _Client) -> None:
         while True:  # send, serve what may be served, until the socket or the bounds say stop
@@ -613,7 +505,8 @@ class StoreNode:
         except (KeyError, ValueError):
             pass
         c.sock.close()
-        if c.waiting is not None and c.waiting in self._waiting:
-            self._waiting.remove(c.waiting)
+        if c.waiting is not None and c.waiting in self.waiting_gets:
+            self.waiting_gets.remove(c.waiting)
             self.tiers.answered(c.waiting)
         self.index.forget_owner(c.owner)
+

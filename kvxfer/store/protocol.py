@@ -27,13 +27,12 @@ and ignored), fewer when none is free or the client is at its quotas
 (:mod:`kvxfer.store.quotas`), each held for ``lease_s`` seconds (short: spares are for
 clients that are putting); a
 COMMIT_SPARE makes the bytes the client wrote into its spare ``tokens[i]`` the object
-``keys[i]`` (codes ``COMMITTED``, ``PRESENT``, ``BUSY``, ``NO_SPARE`` of
-:mod:`kvxfer.store.index`; a token 0 asks only whether the key is present, and refreshes it
+``keys[i]`` (codes :data:`COMMITTED`, :data:`PRESENT`, :data:`BUSY`, :data:`NO_SPARE`,
+:data:`REFUSED`; a token 0 asks only whether the key is present, and refreshes it
 if so). A client that holds spares puts with one round trip instead of two.
 
 RESERVE_PART reserves heads ``[lo, hi)`` of ``of`` of each key's object (``nbytes``: the
-whole object) for one rank of a TP group; its codes are RESERVE's plus ``CONFLICT``
-(:mod:`kvxfer.store.index`). A GET's ``crc`` is one int for an object put whole, and
+whole object) for one rank of a TP group; its codes are RESERVE's plus :data:`CONFLICT`. A GET's ``crc`` is one int for an object put whole, and
 ``[[lo, hi, crc], ...]`` (head order, covering ``[0, of)``) for one put in parts: each
 part's checksum over its own heads' bytes in wire order.
 
@@ -57,7 +56,17 @@ from ..errors import ProtocolError
 from .keys import MAX_KEY_BYTES
 
 __all__ = ["Req", "REPLY", "MAX_KEYS", "MAX_HEADS", "MAX_REQUEST_BYTES", "NO_CRC", "RequestReader", "encode", "parse_request",
-           "format_tag", "format_nbytes"]
+           "format_tag", "format_nbytes", "STORE_INFO", "CLIENT_INFO", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT",
+           "CONFLICT", "COMMITTED", "NO_SPARE", "REFUSED"]
+
+# the "layout" kind each side names in its handshake INFO: a node's, and a client's
+STORE_INFO = "kvxfer-store"
+CLIENT_INFO = "kvxfer-store-client"
+
+# per-key codes of RESERVE and RESERVE_PART replies (PRESENT, RESERVED, BUSY, FULL, LIMIT,
+# CONFLICT) and of COMMIT_SPARE replies (COMMITTED, PRESENT, BUSY, NO_SPARE, REFUSED: no
+# checksum where the node requires one); the outcomes of kvxfer.store.index.SlotIndex
+PRESENT, RESERVED, BUSY, FULL, LIMIT, CONFLICT, COMMITTED, NO_SPARE, REFUSED = range(9)
 
 MAX_KEYS = 4096  # keys (or pins) one request may name
 MAX_REQUEST_BYTES = 1 << 20  # 4096 keys of 64 bytes fit with room to spare

@@ -158,9 +158,9 @@ def test_remote_reads_in_pieces_of_several_objects_miss_only_the_corrupted_one(n
     checking each piece while the next ones move: with a byte flipped in the fifth of
     seven objects (in the second of three pieces), the get loads exactly the four before
     it, bitwise, and counts one checksum failure."""
-    from kvxfer.store import client as store_client
+    from kvxfer.store import copies as store_copies
 
-    monkeypatch.setattr(store_client, "READ_PIECES", 3)  # 7 objects: pieces of 3, 3 and 1
+    monkeypatch.setattr(store_copies, "READ_PIECES", 3)  # 7 objects: pieces of 3, 3 and 1
     src = make_layout("2 N B H D", 7, seed=11, head_dim=head_dim)
     keys = kvxfer.block_keys(range(7 * 4), 4, salt=b"pieces-%d" % head_dim)
     with kvxfer.KVStore(nodes=[node], secret=SECRET) as local, \
@@ -187,8 +187,8 @@ def test_objects_without_checksums_round_trip_on_either_path(node, head_dim):
     for backend in ("auto", "ucx"):
         with kvxfer.KVStore(nodes=[node], secret=SECRET, checksum=False, backend=backend) as st:
             passes = []  # the one-pass copies, by direction (into: a get)
-            one_pass = st._copy_hashing
-            st._copy_hashing = lambda *a, **k: passes.append(k["into"]) or one_pass(*a, **k)
+            one_pass = st._copier.copy_hashing
+            st._copier.copy_hashing = lambda *a, **k: passes.append(k["into"]) or one_pass(*a, **k)
             keys = kvxfer.block_keys(range(6 * 4), 4, salt=b"no-crc-%s-%d" % (backend.encode(), head_dim))
             put_then_get_reversed(st, st, keys, src, head_dim)
             assert st.stats()["client"]["put_objects"] == 6

@@ -10,7 +10,9 @@
 - :mod:`.node`: ``StoreNode``, one node (``kvxfer store``), dispatching each request to
   its handler in :mod:`.requests`;
 - :mod:`.placement`: rendezvous hashing of keys over live nodes;
-- :mod:`.conn` / :mod:`.client`: ``KVStore``, an engine's client.
+- :mod:`.client`: ``KVStore``, an engine's client, over :mod:`.members` (which nodes,
+  which are up, where a key lives), :mod:`.conn` (one node's connection),
+  :mod:`.lookup`, :mod:`.copies` (how bytes move, for puts and gets) and :mod:`.spares`.
 
 See docs/store.md. Importing this package loads neither torch nor UCX.
 """

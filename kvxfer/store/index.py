@@ -1,12 +1,10 @@
 """A store node's index: objects in chunks of one buffer, key -> object, LRU, pins.
 
-An object lives in one chunk of the node's buffer, placed by a
-:class:`~kvxfer.store.alloc.ChunkAllocator` (size classes: objects of different sizes
-share the capacity; ``largest_bytes`` is the largest it takes), and goes through two
-states: *pending* (reserved, being written; invisible to gets and
-lookups) and *committed* (readable, immutable). A commit names the reservation's
-token, so a late commit of a reservation that expired and was handed to someone else
-is refused.
+An object (:mod:`kvxfer.store.records`) lives in one chunk of the node's buffer, placed
+by a :class:`~kvxfer.store.alloc.ChunkAllocator` (size classes share the capacity;
+``largest_bytes`` is the largest it takes): *pending* (reserved, being written; invisible
+to gets and lookups), then *committed* (readable, immutable). A commit names the
+reservation's token, so a late commit of a reservation handed to someone else is refused.
 
 An object is written whole (:meth:`SlotIndex.reserve`, one client) or in **parts**
 (:meth:`SlotIndex.reserve_part`: the ranks of a TP group, each naming its head range
@@ -29,20 +27,16 @@ holds) exceed the high watermark ``high_watermark * capacity``; every such evict
 counted. A chunk needed now when none of its class is free (nor a free page) evicts
 the LRU object if it is of that class, else every object of the page holding the LRU
 object (a page of another class, taken over once empty; pages with a pinned or pending
-chunk are passed over). A pinned object is
-never evicted: a reader holds a pin from its get until it released it (or the pin's
-lease ran out), so the slot it reads is not reused meanwhile. An object dropped while
-pinned (a reader found its checksum wrong) leaves the index at once and frees its
-slot when the last pin goes.
+chunk are passed over). A pinned object is never evicted: a reader holds a pin from its
+get until it released it (or its lease ran out). An object dropped while pinned (a bad
+checksum) leaves the index at once and frees its slot when the last pin goes.
 
 A client may also hold **spare** slots (:meth:`SlotIndex.reserve_spare`): reserved for it
-under no key, they lapse like reservations and count against the same per-client limits.
-With ``quotas`` (:class:`~kvxfer.store.quotas.Quotas`) the chunk bytes of reservations and
-spares are bounded per client identity and in total: past a bound a reservation or spare
-answers :data:`LIMIT` before anything is evicted for it.
-Such a client writes an object into a spare it holds and commits it under its key in one
-step (:meth:`SlotIndex.commit_spare`), which saves a put its reserve round trip; a spare
-whose key turned out present or busy stays the client's.
+under no key, lapsing like reservations; it commits an object written into one under its
+key in one step (:meth:`SlotIndex.commit_spare`); a spare whose key turned out present or
+busy stays the client's. With ``quotas`` (:class:`~kvxfer.store.quotas.Quotas`) the chunk
+bytes of reservations and spares are bounded per client identity and in total: past a
+bound they answer :data:`LIMIT` before anything is evicted for them.
 
 ``mirror``: an object with ``add(key)`` and ``remove(key)`` told of every key that
 becomes readable and every one that stops being readable (a node's
@@ -65,59 +59,14 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from .alloc import ChunkAllocator, chunk_bytes, victims_for
 from .protocol import BUSY, COMMITTED, CONFLICT, FULL, LIMIT, NO_SPARE, PRESENT, REFUSED, RESERVED
+from .quotas import Holdings
+from .records import Obj, Part, Pin as _Pin, evictable as _evictable
 
 __all__ = ["SlotIndex", "Obj", "Part", "PRESENT", "RESERVED", "BUSY", "FULL", "LIMIT", "CONFLICT", "COMMITTED",
-           "NO_SPARE", "REFUSED"]
-
-
-# reserve() / reserve_part() / commit_spare() outcomes are the wire codes of their replies
-# (kvxfer.store.protocol), named here too for the index's callers
-
-
-@dataclass(eq=False)
-class Part:
-    """One TP rank's heads ``[lo, hi)`` of a multi-part object."""
-    lo: int
-    hi: int
-    owner: int
-    token: int
-    crc: int = 0
-    committed: bool = False
-
-
-@dataclass(eq=False)
-class Obj:
-    key: bytes
-    offset: int  # of its chunk in the buffer
-    nbytes: int
-    fmt: str
-    owner: int  # the client that reserved it (a multi-part object: its first part's)
-    token: int  # names this reservation (commits must quote it; 0 for a multi-part object)
-    deadline: float  # pending: when the reservation lapses
-    crc: int | list = 0  # whole: one checksum; multi-part: [[lo, hi, crc], ...] in head order
-    pins: int = 0
-    committed: bool = False
-    dropped: bool = False  # left the index while pinned; slot freed at the last release
-    num_heads: int = 0  # multi-part objects: the heads the parts must cover
-    parts: list | None = None  # multi-part objects: their Parts, sorted by head (never overlapping)
-    by_token: dict | None = None  # multi-part objects: token -> Part
-    covered: int = 0  # multi-part objects: heads of the committed parts
-    charge: tuple | None = None  # (client identity, chunk bytes, is a spare) while it counts against a quota
-
-
-def _evictable(obj: Obj) -> bool:
-    return obj.committed and not obj.pins and not obj.dropped
-
-
-@dataclass(eq=False)
-class _Pin:
-    obj: Obj
-    owner: int
-    deadline: float
+           "NO_SPARE", "REFUSED"]  # (the codes: kvxfer.store.protocol's, re-exported)
 
 
 class SlotIndex:
@@ -145,12 +94,7 @@ class SlotIndex:
         self.max_pending, self.max_pins = max_pending, max_pins
         # byte bounds of what clients hold (kvxfer.store.quotas.Quotas; None: unbounded)
         self.quotas = quotas
-        self.caps = quotas.caps(self.region_bytes, chunk_bytes(largest_bytes)) if quotas is not None else None
-        self._identity: dict[int, object] = {}  # owner -> client identity (default: the owner)
-        self._held: dict = {}  # identity -> chunk bytes of its reservations and spares
-        self._spared: dict = {}  # identity -> chunk bytes of its spares
-        self.held_total = self.spared_total = 0
-        self.num_limited = 0  # reservations and spares refused for a quota
+        self.holdings = Holdings(quotas.caps(self.region_bytes, chunk_bytes(largest_bytes)) if quotas else None)
         self.mirror = mirror
         self.on_evict = self.elsewhere = self.can_hold = None  # a second tier's hooks (see the module doc)
         self.held_bytes = 0  # chunk bytes of evicted objects that on_evict holds
@@ -187,8 +131,8 @@ class SlotIndex:
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
                 "bad_objects": self.bad, "objects": len(self._objects), "pending": len(self._pending),
-                "spares": len(self._spares), "reserved_bytes": self.held_total, "spare_bytes": self.spared_total,
-                "quota_refusals": self.num_limited,
+                "spares": len(self._spares), "reserved_bytes": self.holdings.held_total,
+                "spare_bytes": self.holdings.spared_total, "quota_refusals": self.holdings.num_limited,
                 "pins": len(self._pins), "bytes_used": self.bytes_used,
                 "slots_used": self.slots_used, "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes, "capacity_bytes": self.region_bytes,
@@ -446,11 +390,11 @@ class SlotIndex:
     def identify(self, owner: int, identity) -> None:
         """Client ``owner``'s reservations and spares count against ``identity``'s quota
         (several connections of one client share it); until told, each owner is its own."""
-        self._identity[owner] = identity
+        self.holdings.identify(owner, identity)
 
     def identity_of(self, owner: int):
         """The identity :meth:`identify` gave ``owner`` (None: none yet)."""
-        return self._identity.get(owner)
+        return self.holdings.identity_of(owner)
 
     def forget_owner(self, owner: int) -> None:
         """A client left: end its reservations (the multi-part objects where it holds an
@@ -464,7 +408,7 @@ class SlotIndex:
             self._unpin(pin_id, pin)
         self._pending_by.pop(owner, None)
         self._pins_by.pop(owner, None)
-        self._identity.pop(owner, None)
+        self.holdings.forget(owner)
 
     def clear(self) -> None:
         """Drop every committed object nobody pins (pinned ones go at their last release)."""
@@ -604,43 +548,14 @@ class SlotIndex:
             pass
 
     def _may_hold(self, owner: int, nbytes: int, *, spare: bool = False) -> bool:
-        """A new reservation (``spare``: spare) of ``nbytes`` for ``owner`` keeps its client
-        and every client within their quotas (counted in ``num_limited`` when not)."""
-        caps = self.caps
-        if caps is None or owner == 0:  # no quotas, or the node's own
-            return True
-        who, chunk = self._identity.get(owner, owner), chunk_bytes(nbytes)
-        ok = (self._held.get(who, 0) + chunk <= caps["client_reserved"]
-              and self.held_total + chunk <= caps["total_reserved"]
-              and (not spare or (self._spared.get(who, 0) + chunk <= caps["client_spares"]
-                                 and self.spared_total + chunk <= caps["total_spares"])))
-        self.num_limited += not ok
-        return ok
+        return self.holdings.may_hold(owner, chunk_bytes(nbytes), spare=spare)
 
     def _charge(self, obj: Obj, *, spare: bool = False) -> None:
-        if self.caps is None or obj.owner == 0:
-            return
-        who, chunk = self._identity.get(obj.owner, obj.owner), chunk_bytes(obj.nbytes)
-        obj.charge = (who, chunk, spare)
-        self._held[who] = self._held.get(who, 0) + chunk
-        self.held_total += chunk
-        if spare:
-            self._spared[who] = self._spared.get(who, 0) + chunk
-            self.spared_total += chunk
+        obj.charge = self.holdings.charge(obj.owner, chunk_bytes(obj.nbytes), spare=spare)
 
     def _uncharge(self, obj: Obj) -> None:
-        if obj.charge is None:
-            return
-        who, chunk, spare = obj.charge
+        self.holdings.uncharge(obj.charge)
         obj.charge = None
-        for book, total in ((self._held, "held_total"), (self._spared, "spared_total")) if spare else \
-                ((self._held, "held_total"),):
-            left = book[who] - chunk
-            if left:
-                book[who] = left
-            else:
-                del book[who]
-            setattr(self, total, getattr(self, total) - chunk)
 
     def _drop_spare(self, obj: Obj) -> None:
         del self._spares[obj.token]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Quotas"]
+__all__ = ["Quotas", "Holdings"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,73 @@ class Quotas:
         "total_spares": B}``, each at least one largest chunk."""
         return {name: max(largest_chunk, int(getattr(self, name) * region_bytes))
                 for name in ("client_reserved", "total_reserved", "client_spares", "total_spares")}
+
+
+class Holdings:
+    """What each client identity holds on one node (chunk bytes of reservations and spares),
+    and all of them together, against ``caps`` (:meth:`Quotas.caps`; None: unbounded, nothing
+    counted). Connections (``owner`` ints) count against the identity :meth:`identify` gave
+    them, else their own; owner 0 (the node itself) counts against nothing. Not thread-safe
+    (the node's I/O thread)."""
+
+    def __init__(self, caps: dict | None) -> None:
+        self.caps = caps
+        self._identity: dict[int, object] = {}  # owner -> client identity
+        self._held: dict = {}  # identity -> chunk bytes of its reservations and spares
+        self._spared: dict = {}  # identity -> chunk bytes of its spares
+        self.held_total = self.spared_total = 0
+        self.num_limited = 0  # reservations and spares refused for a quota
+
+    def identify(self, owner: int, identity) -> None:
+        self._identity[owner] = identity
+
+    def identity_of(self, owner: int):
+        return self._identity.get(owner)
+
+    def forget(self, owner: int) -> None:
+        self._identity.pop(owner, None)
+
+    def may_hold(self, owner: int, chunk: int, *, spare: bool = False) -> bool:
+        """One more reservation (``spare``: spare) of ``chunk`` bytes for ``owner`` keeps its
+        client and every client within their caps (counted in ``num_limited`` when not)."""
+        caps = self.caps
+        if caps is None or owner == 0:
+            return True
+        who = self._identity.get(owner, owner)
+        ok = (self._held.get(who, 0) + chunk <= caps["client_reserved"]
+              and self.held_total + chunk <= caps["total_reserved"]
+              and (not spare or (self._spared.get(who, 0) + chunk <= caps["client_spares"]
+                                 and self.spared_total + chunk <= caps["total_spares"])))
+        self.num_limited += not ok
+        return ok
+
+    def charge(self, owner: int, chunk: int, *, spare: bool = False):
+        """Count ``chunk`` bytes against ``owner``'s client; returns what :meth:`uncharge`
+        takes back (None: nothing was counted)."""
+        if self.caps is None or owner == 0:
+            return None
+        who = self._identity.get(owner, owner)
+        self._held[who] = self._held.get(who, 0) + chunk
+        self.held_total += chunk
+        if spare:
+            self._spared[who] = self._spared.get(who, 0) + chunk
+            self.spared_total += chunk
+        return who, chunk, spare
+
+    def uncharge(self, charge) -> None:
+        if charge is None:
+            return
+        who, chunk, spare = charge
+        _take(self._held, who, chunk)
+        self.held_total -= chunk
+        if spare:
+            _take(self._spared, who, chunk)
+            self.spared_total -= chunk
+
+
+def _take(book: dict, who, chunk: int) -> None:
+    left = book[who] - chunk
+    if left:
+        book[who] = left
+    else:
+        del book[who]

@@ -36,6 +36,7 @@ from ..errors import KVXferError
 from ..store import index as ix
 from ..store.alloc import chunk_bytes
 from ..store.placement import Placement
+from ..store.results import GetResult, PutResult
 from ..serving.simulated.link import NicQueue
 
 FMT = "vclock"  # the one object format of a simulated model
@@ -66,11 +67,13 @@ class StoreSpec:
 
 class VirtualHandle:
     """What :class:`kvxfer.TransferHandle` shows a ``PrefillPool``: ``done()``, ``state``
-    (``"pending"``, ``"done"``, ``"failed"``), ``error``, ``nbytes`` and ``wait()``, which
-    raises ``error`` if it failed and never blocks (a pending one is a caller's bug)."""
+    (``"pending"``, ``"done"``, ``"failed"``), ``error``, ``nbytes``, ``result`` (a
+    store handle's :class:`~kvxfer.store.results.PutResult` / ``GetResult``, set when it
+    ends) and ``wait()``, which raises ``error`` if it failed and never blocks (a pending
+    one is a caller's bug)."""
 
     def __init__(self) -> None:
-        self.state, self.error, self.nbytes = "pending", None, 0
+        self.state, self.error, self.nbytes, self.result = "pending", None, 0, None
 
     def done(self) -> bool:
         return self.state != "pending"
@@ -174,6 +177,7 @@ class VirtualStoreClient:
         start = max(store.now(), self.busy_until(), self.ready_at)
         self.ready_at = store.transfer(start, self.ingress, keys, put=False)
         handle.nbytes = len(keys) * store.block_bytes
+        handle.result = GetResult(len(keys), 0, len(block_ids) - len(keys), 0)  # no disk tier here
         handle._end(error)
         return handle
 
@@ -185,22 +189,27 @@ class VirtualStoreClient:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
         store, handle = self.store, VirtualHandle()
-        now, reserved, full = store.now(), [], 0
+        now, reserved, full, present, busy = store.now(), [], 0, 0, 0
         for k in keys:
             index = store.nodes[store.node_of(k)]
             code, obj = index.reserve(k, store.block_bytes, FMT, self.owner, now, LEASE_S)
             if code == ix.RESERVED:
                 reserved.append((index, k, obj.token))
-            elif code != ix.PRESENT and code != ix.BUSY:
+            elif code == ix.PRESENT:
+                present += 1
+            elif code == ix.BUSY:  # being written by another client: left alone, skipped
+                busy += 1
+            else:
                 full += 1
         end = store.transfer(now, self.nic, [k for _, k, _ in reserved], put=True)
-        self.schedule(end, self._commit, handle, reserved, full)
+        self.schedule(end, self._commit, handle, reserved, full, present, busy)
         return handle
 
-    def _commit(self, handle: VirtualHandle, reserved: list, full: int) -> None:
+    def _commit(self, handle: VirtualHandle, reserved: list, full: int, present: int, busy: int) -> None:
         for index, key, token in reserved:
             index.commit(key, token, 0, self.owner)
         handle.nbytes = len(reserved) * self.store.block_bytes
+        handle.result = PutResult(len(reserved), present, full + busy, 0)
         handle._end(KVXferError(f"pool put: {full} objects found no free slot") if full else None)
         self.on_put_done()
 

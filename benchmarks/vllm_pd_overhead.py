@@ -6,14 +6,16 @@ For a prompt of N tokens (default 2,048): P's prefill time (P's
 ``vllm:request_prefill_time_seconds``: from the step that schedules the loaded
 request to its first token; the load itself happens before that step), D's
 inter-token gap (one more one-token step, a cross-check), and the bytes and
-seconds of D's recv (the connector's log line; for ``--connector nixl``,
-NixlConnector's ``vllm:nixl_bytes_transferred`` and ``vllm:nixl_xfer_time_seconds``
+seconds of D's recv (the connector's log lines, every D rank's: first recv post to
+last data visible; for ``--connector nixl``, NixlConnector's
+``vllm:nixl_bytes_transferred`` and its mean read's ``vllm:nixl_xfer_time_seconds``
 on D). Reports ``(D TTFT - D compute) / P prefill`` and
 the transfer's bytes/s against a memcpy of the same size measured in this run.
 
     python benchmarks/vllm_pd_overhead.py [--tokens 2048] [--runs 3] [--dtype float32]
         [--connector kvxfer|nixl]   # nixl: pip install --no-deps nixl-cu12
         [--p-tp 2 --d-tp 1]         # tensor parallelism (the export's heads padded to split)
+        [--json FILE]               # append this invocation (config, every run, medians) to FILE
 """
 from __future__ import annotations
 
@@ -73,9 +75,35 @@ def stream_times(server: VllmServer, prompt, params) -> tuple:
     return stamps[0][0], itl
 
 
+def append_json(path: str, entry: dict) -> None:
+    """Add ``entry`` to the ``invocations`` list of the JSON file at ``path`` (created if
+    missing), so alternating invocations (kvxfer, nixl, kvxfer, ...) land in one file."""
+    doc = {"benchmark": "benchmarks/vllm_pd_overhead.py", "invocations": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    doc["invocations"].append(entry)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
 # D's prefill time, and NixlConnector's bytes and transfer seconds (0 for kvxfer)
 D_METRICS = ("vllm:request_prefill_time_seconds_sum", "vllm:nixl_bytes_transferred_sum",
-             "vllm:nixl_xfer_time_seconds_sum")
+             "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count")
+
+
+def kvxfer_recv(log_text: str) -> tuple:
+    """``(bytes, seconds)`` of the last request D loaded, over all of D's ranks: each rank
+    logs ``kvxfer: loaded <request>: <bytes> B in <s> s (path ...) at <monotonic end>``;
+    the bytes add up and the time runs from the first rank's recv post to the last rank's
+    data visible (one monotonic clock for every process on the machine)."""
+    lines = re.findall(r"kvxfer: loaded (\S+): (\d+) B in ([0-9.]+) s \(path \S+\) at ([0-9.]+)", log_text)
+    if not lines:
+        raise RuntimeError("D logged no kvxfer recv")
+    last = [(int(b), float(s), float(at)) for req, b, s, at in lines if req == lines[-1][0]]
+    return sum(b for b, _, _ in last), max(at for _, _, at in last) - min(at - s for _, s, at in last)
 
 
 def main() -> int:
@@ -94,6 +122,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="HF dir (default: export SmolLM2 to a temp dir)")
     ap.add_argument("--p-tp", type=int, default=1, help="P's tensor_parallel_size")
     ap.add_argument("--d-tp", type=int, default=1, help="D's tensor_parallel_size")
+    ap.add_argument("--json", default=None,
+                    help="append this invocation (its settings, every run, the medians) to this "
+                         "file's \"invocations\" list (created if missing)")
     args = ap.parse_args()
     model = args.model
     if model is None:
@@ -121,17 +152,20 @@ def main() -> int:
             d_before = [d.metric(m) for m in D_METRICS]
             t_first, itl = stream_times(d, prompt, params)
             time.sleep(0.5)  # vLLM publishes a step's connector stats with the next scheduler stats
-            d_compute, nixl_bytes, nixl_s = (d.metric(m) - b for m, b in zip(D_METRICS, d_before))
+            d_compute, nixl_bytes, nixl_s, nixl_n = (d.metric(m) - b for m, b in zip(D_METRICS, d_before))
             if d_compute <= 0:
                 raise RuntimeError("D recorded no prefill time for the request")
             row = {"p_prefill_s": p_prefill, "d_ttft_s": t_first, "d_compute_s": d_compute,
                    "d_itl_s": itl, "overhead_s": t_first - d_compute,
                    "overhead_ratio": (t_first - d_compute) / p_prefill}
-            if args.connector == "kvxfer":  # the connector's own log line for D's recv
-                logs = re.findall(r"kvxfer: loaded (\S+): (\d+) B in ([0-9.]+) s", d.tail(200000))
-                nbytes, secs = int(logs[-1][1]), float(logs[-1][2])
-            else:  # NixlConnector's transfer histograms on D
-                nbytes, secs = int(nixl_bytes), nixl_s
+            if args.connector == "kvxfer":  # the connector's own log lines for D's recv, every rank
+                nbytes, secs = kvxfer_recv(d.tail(200000))
+            else:  # NixlConnector's transfer histograms on D, summed over D's ranks and reads
+                # (one read per D rank and P rank it needs heads from, all in flight at
+                # once): the time is the mean read's (with TP 1 on both, the one read's)
+                nbytes = int(nixl_bytes)
+                secs = nixl_s / max(nixl_n, 1)
+                row["nixl_reads"] = int(nixl_n)
             if nbytes and secs > 0:
                 copy = memcpy_seconds(nbytes, args.copy_threads)
                 row.update(kv_bytes=nbytes, xfer_s=secs, xfer_GBps=nbytes / secs / 1e9,
@@ -148,6 +182,12 @@ def main() -> int:
             print(f"median transfer {med['xfer_GBps']:.2f} GB/s / best memcpy {best:.2f} GB/s "
                   f"= {med['xfer_GBps'] / best:.2f}x")
         print(f"load average: {os.getloadavg()}")
+        if args.json:
+            append_json(args.json, {
+                "connector": args.connector, "p_tp": args.p_tp, "d_tp": args.d_tp,
+                "tokens": args.tokens, "dtype": args.dtype, "threads_per_rank": args.threads,
+                "copy_threads": args.copy_threads, "idle_wait_ms": args.idle_wait_ms,
+                "runs": rows, "median": med})
     except BaseException:
         for name, server in (("P", p), ("D", d)):  # the engines' own account of the failure
             print(f"---- {name} log tail ----\n{server.tail(6000)}", file=sys.stderr)

@@ -204,12 +204,17 @@ class StoreNode:
 
     # ---- lifecycle -------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the I/O thread, close every client, write DRAM to the disk tier (if any,
-        within its ``flush_s``), release the buffer's registration."""
+        """Stop the I/O thread (waiting for the handler it runs, however long: nothing below
+        may race it), close every client, write DRAM to the disk tier (if any, within its
+        ``flush_s``), release the buffer's registration."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout)
+        while self._thread.is_alive():  # its handlers never block: it ends after the one running
+            log.warning("store node %s: the I/O thread is still in a handler after %.0f s; waiting for it",
+                        self.name, timeout)
+            self._thread.join(timeout)
         self.keys.beat(alive=False)  # same-host clients stop reading the key table now
         for c in list(self._clients.values()):
             self._drop(c)

@@ -1,4 +1,4 @@
-"""The store under clients and members it should not trust (issue 49): a member that
+"""The store under clients and members it should not trust: a member that
 refuses the secret, lookups and puts with every node down, objects whose size or checksum
 mode the node or reader must not take on faith, eviction with many pinned objects, and
 clients that try to hold a whole node. Real StoreNodes on real sockets in this process."""
@@ -224,6 +224,25 @@ def test_a_node_that_requires_checksums_refuses_objects_without_one():
             finally:
                 c.close()
                 backend.close()
+
+
+def test_kvxfer_store_require_checksums_flag():
+    """The operator's switch: ``kvxfer store --require-checksums``."""
+    from store_cases import start_node, stop_node
+    keys = kvxfer.block_keys(range(4 * 2), 4, salt=b"policy-cli")
+    src = _filled(2)
+    proc, address = start_node(extra=["--require-checksums"])
+    try:
+        with kvxfer.KVStore(nodes=[address], secret=SECRET, checksum=False) as unchecked:
+            h = unchecked.put(keys, src, range(2))
+            h.wait(timeout=60)
+            assert h.result.stored == 0 and h.result.skipped == 2
+        with kvxfer.KVStore(nodes=[address], secret=SECRET) as checked:
+            h = checked.put(keys, src, range(2))
+            h.wait(timeout=60)
+            assert h.result.stored == 2
+    finally:
+        stop_node(proc)
 
 
 # ---- #6: eviction does not pass over pinned objects --------------------------------------------

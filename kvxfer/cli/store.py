@@ -64,6 +64,8 @@ def add_parser(sub) -> None:
                         "keep it under the clients' timeout)")
     p.add_argument("--flush-timeout", type=float, default=30.0, metavar="S",
                    help="at SIGTERM, seconds to spend writing DRAM's objects to disk (default 30; 0: none)")
+    p.add_argument("--require-checksums", action="store_true",
+                   help="refuse objects put without a checksum (clients with checksum=False cannot put)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         node = StoreNode(args.listen, args.capacity, secret=secret, slot_bytes=args.slot_size,
                          high_watermark=args.high_watermark, lease_s=args.lease, backend=args.backend,
-                         name=args.name, disk=disk)
+                         name=args.name, disk=disk, require_checksums=args.require_checksums)
     except (ValueError, TypeError, OSError) as exc:
         raise SystemExit(f"kvxfer store: {exc}") from None
     reg = disc = metrics = None

@@ -3,10 +3,10 @@
 # exact commands behind the tables of docs/benchmarks.md; then prints those tables
 # (python benchmarks/make_tables.py). Run from the repository root with the
 # kvxfer environment active and nixl-cu12 installed (make bench-compare installs it).
-# Not rerun here: serving_compare_*.json (benchmarks/serving_compare.sh) and adaptive_shift*.json
+# Not rerun here: serving_compare.json (benchmarks/serving_compare.sh) and adaptive_shift.json
 # (benchmarks/adaptive_shift.sh) take 20-60 minutes each and need the Mooncake trace; their
 # commands are in docs/benchmarks.md, "Serving" (the script writes $OUT/<label>.json, the
-# committed files add the script name (and the phases) before <label>).
+# committed file gathers those runs under the script name (and the phases) and <label>).
 set -euo pipefail
 R=benchmarks/results
 export UCX_WARN_UNUSED_ENV_VARS=n

@@ -25,7 +25,8 @@ def attainment(requests: list, ttft_ms, tpot_ms: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+", help="kvxfer loadgen --json result files")
+    ap.add_argument("files", nargs="+", help="kvxfer loadgen --json result files, or files of several "
+                    "such runs ({\"runs\": {name: result}}, as benchmarks/results/serving_compare.json)")
     ap.add_argument("--ttft-ms", type=float, required=True)
     ap.add_argument("--words", type=float, required=True, help="prompt words of the calibration request")
     ap.add_argument("--tpot-ms", default="91", help="comma-separated TPOT SLOs")
@@ -36,8 +37,11 @@ def main(argv=None) -> int:
     print("file | " + " | ".join(f"{name} TTFT, TPOT {tp:g}" for name, tp in cols))
     for path in args.files:
         with open(path) as f:
-            reqs = json.load(f)["requests"]
-        print(f"{path} | " + " | ".join(f"{attainment(reqs, rules[n], tp):.0%}" for n, tp in cols))
+            data = json.load(f)
+        runs = data["runs"] if "runs" in data else {path: data}
+        for name, run in runs.items():
+            reqs = run["requests"]
+            print(f"{name} | " + " | ".join(f"{attainment(reqs, rules[n], tp):.0%}" for n, tp in cols))
     return 0
 
 

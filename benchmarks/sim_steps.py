@@ -23,7 +23,7 @@ import time
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="cpu-smollm2")
-    ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--trace", default="benchmarks/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--start", type=int, default=300)
     ap.add_argument("--max-requests", type=int, default=12)
     ap.add_argument("--length-scale", type=float, default=0.03)

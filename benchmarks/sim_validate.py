@@ -188,7 +188,7 @@ def main() -> int:
                     help="cost profile(s): each configuration runs the simulated engine once "
                          "per profile, after the real engine (--scale: the first)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--trace", default="benchmarks/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--loadgen", default="--start 300 --max-requests 24 --length-scale 0.03 "
                                          "--output-scale 0.04 --arrival-jitter-ms 3000 --time-scale 2 "
                                          "--seed 1",

@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 
 SECRET = "store-benchmark-secret-0123456789"
-TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+TRACE = "benchmarks/traces/mooncake_conversation_trace.jsonl"
 
 
 def start_nodes(n: int, capacity: str, slot: str, extra=()) -> list:

@@ -339,7 +339,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--profile", default="h100-llama2-7b-vidur")
-    ap.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--trace", default="benchmarks/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--start", type=int, default=1000)
     ap.add_argument("--max-requests", type=int, default=200)
     ap.add_argument("--length-scale", type=float, default=0.3)

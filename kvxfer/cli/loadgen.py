@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = "benchmarks/traces/mooncake_conversation_trace.jsonl"  # in a clone of the repository, from its root
 
 
 def add_parser(sub) -> None:

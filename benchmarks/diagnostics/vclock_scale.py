@@ -1,6 +1,6 @@
 """The disaggregation claim at scale, on the virtual clock: 8, 16 and 32 simulated GPUs.
 
-    python benchmarks/vclock_scale.py --out benchmarks/results/vclock_scale.json
+    python benchmarks/diagnostics/vclock_scale.py --out /tmp/vclock_scale.json
 
 For each cluster size N it gives the Mooncake conversation trace (the first
 ``--per-gpu`` x N requests) to ``kvxfer plan`` (its pruned search of every configuration
@@ -25,8 +25,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+TRACE = os.path.join(ROOT, "benchmarks", "traces", "mooncake_conversation_trace.jsonl")
 SLO = "2500,150"
 
 

@@ -72,7 +72,7 @@ def test_block_count_mismatch_between_processes():
         hr = d.recv("m", [1, 2], timeout=600.0)
         proc.start()
         with pytest.raises(InvalidDescriptor):
-            hr.wait(90.0)
+            hr.wait(300.0)  # P is a spawned process: on a loaded machine it may take a minute to start
         status, info = q.get(timeout=90.0)
         assert status == "err" and info.startswith("InvalidDescriptor"), info
     finally:

@@ -41,7 +41,8 @@ def _ids(rng, n):
 _rng = random.Random(22)
 PROMPTS = {"pooled": _ids(_rng, 3 * B + 1), "killed": _ids(_rng, 2 * B + 5), "pd": _ids(_rng, 2 * B + 1),
            "turn": _ids(_rng, 2 * B + 1), "disk": _ids(_rng, 2 * B + 3), "reconnect": _ids(_rng, 2 * B + 2),
-           "reconnect2": _ids(_rng, 2 * B + 2)}
+           "reconnect2": _ids(_rng, 2 * B + 2), "reconnect3": _ids(_rng, 2 * B + 2),
+           "reconnect4": _ids(_rng, 2 * B + 2)}
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +191,10 @@ def test_after_a_node_restart_the_prompt_is_served_from_its_disk_tier(engines, n
     pooled_blocks = (len(PROMPTS["disk"]) - 1) // B
     assert tokens == ref and cached == pooled_blocks * B
     assert within(lambda: b.metric("kvxfer:store_load_disk_blocks_total") - disk0 == pooled_blocks, budget)
+    # A's clients met the restart too: let them reconnect, so later tests pool through A
+    for name in ("reconnect3", "reconnect4"):
+        _answer(a.complete(PROMPTS[name], MAX_TOKENS, timeout=4 * budget))
+        time.sleep(3.0)
 
 
 def test_store_node_killed_engine_recomputes(engines, node, budget):

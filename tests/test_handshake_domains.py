@@ -24,6 +24,8 @@ from kvxfer.serving.channel import ipc, netchannel
 from kvxfer.serving.channel.netchannel import CHALLENGE as ROUTER_CHALLENGE
 from kvxfer.serving.channel.netchannel import NetWorkerChannel, connect_worker
 
+from floods import silent_flood
+
 SECRET = b"domains-test-secret-0123456789ab"
 
 
@@ -174,28 +176,12 @@ def test_a_silent_flood_does_not_lock_a_router_out_of_its_worker():
     stop = threading.Event()
     host, port = _address(chan)
 
-    def flood():
-        socks = []
-        while not stop.is_set():
-            for s in socks:
-                s.close()
-            socks = []
-            for _ in range(80):
-                try:
-                    socks.append(socket.create_connection((host, port), timeout=2.0))
-                except OSError:
-                    pass
-            stop.wait(0.25)
-        for s in socks:
-            s.close()
-
     async def attempt():
         channel, ready = await connect_worker(f"{host}:{port}", SECRET, timeout=10)
         channel.close()
         return ready
 
-    thread = threading.Thread(target=flood, daemon=True)
-    thread.start()
+    thread, _ = silent_flood(f"{host}:{port}", stop)
     try:
         time.sleep(0.5)
         ok = 0

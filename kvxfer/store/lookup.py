@@ -31,15 +31,8 @@ class Lookup:
         self._members, self.counters, self.timeout = members, counters, timeout
 
     def __call__(self, keys) -> int:
-        """How many leading ``keys`` (bytes, 1..64 each) are in the pool now.
-
-        A node on this host is answered from its key table in shared memory (no request;
-        :mod:`kvxfer.store.key_table`), unless the table is stale or cannot tell. Every
-        other node that owns one of the keys before the first one known absent gets one
-        message through the backend, which the node's backend answers from the same table
-        in its progress (csrc/remote_lookup.cpp); a node that cannot tell, or answers no
-        such message, gets a request on its socket. Messages and requests are all in
-        flight at once. A node that fails counts its keys as absent (and is marked down)."""
+        """How many leading ``keys`` are in the pool now: :meth:`kvxfer.KVStore.lookup`,
+        whose docstring says which route each node's keys take."""
         keys = check_keys(keys)
         if not keys:
             return 0
